@@ -1,0 +1,84 @@
+"""Eviction policies: one Protocol, three small classes.
+
+Candidates handed to `select_victim` are always evictable leaf blocks (ref_count == 0, nothing
+cached after them), so no policy can orphan a longer cached prefix; the policy only ranks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kvchat.config import normalise_policy
+
+if TYPE_CHECKING:
+    from kvchat.cache.blocks import Block
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def on_access(self, block: Block) -> None:
+        """A block was read or written: update its timestamp or score."""
+
+    def select_victim(self, candidates: Sequence[Block]) -> Block | None:
+        """Pick one block to evict from evictable leaf blocks, or None if none may go."""
+
+    def record_attention(self, block: Block, score: float) -> None:
+        """Attention mass the block received (used by H2O; others ignore it)."""
+
+
+class LRU:
+    """Evict the least recently used block. Cheap and predictable; the baseline."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._clock = 0  # a logical clock: deterministic, and strictly increasing per access
+
+    def on_access(self, block: Block) -> None:
+        self._clock += 1
+        block.last_accessed = self._clock
+
+    def select_victim(self, candidates: Sequence[Block]) -> Block | None:
+        allowed = [b for b in candidates if self._may_evict(b)]
+        return min(allowed, key=self._rank, default=None)
+
+    def record_attention(self, block: Block, score: float) -> None:
+        pass
+
+    def _may_evict(self, block: Block) -> bool:
+        return block.ref_count == 0
+
+    def _rank(self, block: Block) -> tuple[float, ...]:
+        return (block.last_accessed, block.block_id)
+
+
+class SinkLRU(LRU):
+    """LRU that never evicts a sequence's first block: the attention sink (StreamingLLM)."""
+
+    name = "sink-lru"
+
+    def _may_evict(self, block: Block) -> bool:
+        return block.ref_count == 0 and not block.is_first_block
+
+
+class H2O(SinkLRU):
+    """Heavy-hitter oracle: evict the block that received the least attention mass; first
+    blocks protected; ties broken by age. Scores come from the backend's attention weights."""
+
+    name = "h2o"
+
+    def record_attention(self, block: Block, score: float) -> None:
+        block.attn_score += score
+
+    def _rank(self, block: Block) -> tuple[float, ...]:
+        return (block.attn_score, block.last_accessed, block.block_id)
+
+
+POLICIES: dict[str, type[LRU]] = {"lru": LRU, "sink-lru": SinkLRU, "h2o": H2O}
+
+
+def make_policy(name: str | None = None) -> EvictionPolicy:
+    """Policy by name, else from $EVICTION_POLICY, else LRU; unknown names list the valid ones."""
+    return POLICIES[normalise_policy(name)]()

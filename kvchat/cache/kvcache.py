@@ -1,0 +1,394 @@
+"""PagedKVCache: the facade the engine talks to (lookup, gather, store, release, stats).
+
+Lookup is two-layer: the exact index first (whole prompt, with its last logits: no forward pass
+needed), then the radix tree (longest cached prefix, token-granular). Store evicts leaf blocks
+through the policy when the pool is short, writes the new K/V, and registers the sequence in both
+layers. Blocks handed to a caller are acquired; the caller releases them when its request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+import torch
+
+from kvchat.cache.blocks import KV, Block, BlockManager, PoolStats
+from kvchat.cache.eviction import EvictionPolicy, make_policy
+from kvchat.cache.exact import ExactIndex
+from kvchat.cache.radix import Node, RadixTree
+from kvchat.config import CacheConfig
+
+
+class CacheIntegrityError(AssertionError):
+    """The cache's bookkeeping contradicts itself (a bug, never a user error)."""
+
+
+class HitSource(str, Enum):
+    EXACT = "exact"
+    RADIX = "radix"
+    MISS = "miss"
+
+
+class Lookup(NamedTuple):
+    matched: int  # prompt tokens whose K/V come from the cache
+    blocks: tuple[Block, ...]  # acquired for the caller; cover positions [0, matched)
+    source: HitSource
+    logits: torch.Tensor | None  # last position's logits (exact hits only): no forward needed
+    prompt_tokens: int
+
+
+class StoreResult(NamedTuple):
+    stored: int  # leading tokens of the sequence now cached
+    new_tokens: int  # of which this call wrote
+    blocks: tuple[Block, ...]  # acquired for the caller; cover positions [0, stored)
+    complete: bool  # False when the pool could not hold the whole sequence
+    evicted: int  # blocks evicted to make room
+
+
+@dataclass
+class SessionCounters:
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class Counters:
+    hit_count: int = 0
+    miss_count: int = 0
+    exact_hits: int = 0
+    hit_tokens: int = 0
+    lookup_tokens: int = 0
+    eviction_count: int = 0
+    stored_tokens: int = 0
+    sessions: dict[str, SessionCounters] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot for views and /cache/stats."""
+
+    hit_count: int
+    miss_count: int
+    exact_hits: int
+    hit_tokens: int
+    lookup_tokens: int
+    eviction_count: int
+    stored_tokens: int
+    pool: PoolStats
+    policy: str
+    tree_nodes: int
+    tree_tokens: int
+    exact_entries: int
+    sessions: dict[str, SessionCounters]
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hit_count + self.miss_count
+        return self.hit_count / total if total else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "hit_count": self.hit_count,
+            "miss_count": self.miss_count,
+            "hit_rate": self.hit_rate,
+            "exact_hits": self.exact_hits,
+            "hit_tokens": self.hit_tokens,
+            "lookup_tokens": self.lookup_tokens,
+            "token_hit_rate": self.token_hit_rate,
+            "eviction_count": self.eviction_count,
+            "stored_tokens": self.stored_tokens,
+            "total_blocks": self.pool.total_blocks,
+            "used_blocks": self.pool.used_blocks,
+            "free_blocks": self.pool.free_blocks,
+            "utilisation": self.pool.utilisation,
+            "block_size": self.pool.block_size,
+            "policy": self.policy,
+            "tree_nodes": self.tree_nodes,
+            "tree_tokens": self.tree_tokens,
+            "exact_entries": self.exact_entries,
+            "sessions": {
+                sid: {
+                    "lookups": c.lookups,
+                    "hits": c.hits,
+                    "prompt_tokens": c.prompt_tokens,
+                    "hit_tokens": c.hit_tokens,
+                    "hit_rate": c.hit_rate,
+                }
+                for sid, c in self.sessions.items()
+            },
+        }
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        manager: BlockManager,
+        policy: EvictionPolicy | str | None = None,
+        max_exact_entries: int = 256,
+    ) -> None:
+        self.manager = manager
+        self.block_size = manager.block_size
+        self.policy: EvictionPolicy = (
+            policy if policy is not None and not isinstance(policy, str) else make_policy(policy)
+        )
+        self.tree = RadixTree(manager.block_size)
+        self.exact = ExactIndex(max_exact_entries)
+        self.counters = Counters()
+
+    @classmethod
+    def create(
+        cls,
+        config: CacheConfig,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        devices: Sequence[torch.device | str] | torch.device | str = "cpu",
+    ) -> PagedKVCache:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_token = 2 * n_layers * n_kv_heads * head_dim * itemsize
+        manager = BlockManager(
+            config.blocks_for(per_token),
+            config.block_size,
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            dtype,
+            devices,
+        )
+        return cls(manager, config.policy, config.max_exact_entries)
+
+    # ---- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int], sid: str | None = None) -> Lookup:
+        """Longest reusable prefix of `tokens`, acquired for the caller (release when done).
+
+        Only an exact hit with stored logits covers the whole prompt; any other hit leaves at
+        least the last token to compute, since its logits are needed to sample."""
+        n = len(tokens)
+        entry = self.exact.get(tokens) if n else None
+        if entry is not None and entry.logits is not None:
+            matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
+        else:
+            match = self.tree.find_prefix(tokens)
+            matched = min(match.matched, max(n - 1, 0))
+            blocks = match.blocks[: _ceil_div(matched, self.block_size)]
+            source = HitSource.RADIX if matched else HitSource.MISS
+            logits = None
+        for block in blocks:
+            self.policy.on_access(block)
+            block.acquire()
+        c = self.counters
+        c.lookup_tokens += n
+        c.hit_tokens += matched
+        if matched:
+            c.hit_count += 1
+        else:
+            c.miss_count += 1
+        if source is HitSource.EXACT:
+            c.exact_hits += 1
+        if sid is not None:
+            s = c.sessions.setdefault(sid, SessionCounters())
+            s.lookups += 1
+            s.hits += bool(matched)
+            s.prompt_tokens += n
+            s.hit_tokens += matched
+        return Lookup(matched, tuple(blocks), source, logits, n)
+
+    def peek(self, tokens: Sequence[int]) -> int:
+        """Cached prefix length without touching stats, timestamps or ref counts (schedulers)."""
+        return self.tree.find_prefix(tokens).matched
+
+    def gather(self, blocks: Sequence[Block], n_tokens: int) -> list[KV]:
+        """Per-layer K/V (1, H, n_tokens, D) for the first n_tokens positions of `blocks`."""
+        return self.manager.gather([b.block_id for b in blocks], n_tokens)
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            block.release()
+
+    def record_attention(self, blocks: Sequence[Block], scores: Sequence[float]) -> None:
+        for block, score in zip(blocks, scores, strict=True):
+            self.policy.record_attention(block, score)
+
+    # ---- store -------------------------------------------------------------------------------
+
+    def store(
+        self,
+        tokens: Sequence[int],
+        kv_per_layer: Sequence[KV],
+        skip_tokens: int,
+        logits: torch.Tensor | None = None,
+        logits_len: int | None = None,
+        sid: str | None = None,
+    ) -> StoreResult:
+        """Cache `tokens`, whose K/V for positions [skip_tokens, len(tokens)) are in
+        kv_per_layer (each (1, H, len(tokens) - skip_tokens, D)). `logits`, if given, are the
+        logits at position logits_len - 1 (default: the last), kept in the exact index.
+
+        Evicts through the policy when the pool is short; when even that is not enough, stores
+        the longest prefix that fits (complete=False). Never raises for lack of room."""
+        bs = self.block_size
+        n = len(tokens)
+        have = kv_per_layer[0][0].shape[-2] if kv_per_layer else 0
+        if have != n - skip_tokens:
+            raise ValueError(f"K/V covers {have} positions, expected {n - skip_tokens}")
+        match = self.tree.find_prefix(tokens)
+        m = match.matched
+        held = list(match.blocks)
+        for block in held:  # keep our own path safe from the eviction below
+            block.acquire()
+        evicted = 0
+        path = held
+        stored = m
+        try:
+            if skip_tokens <= m < n:
+                extend = match.at_leaf_end and m % bs != 0
+                base = m // bs * bs  # where the blocks we write start
+                room = bs - m % bs if extend else 0
+                need = _ceil_div(max(n - m - room, 0), bs) if extend else _ceil_div(n - base, bs)
+                if need > self.manager.num_free:
+                    evicted = self._evict(need - self.manager.num_free)
+                need = min(need, self.manager.num_free)
+                end = min(n, (m + room + need * bs) if extend else (base + need * bs))
+                if end > m:
+                    new = self.manager.allocate(need)
+                    if extend:
+                        targets, keep = [held[-1], *new], held
+                    else:
+                        targets, keep = new, held[: base // bs]
+                        if m > base:  # the shared head of a block we diverge in
+                            self.manager.copy_tokens(held[-1], new[0], m - base)
+                    window = [
+                        (k[:, :, m - skip_tokens : end - skip_tokens],
+                         v[:, :, m - skip_tokens : end - skip_tokens])
+                        for k, v in kv_per_layer
+                    ]
+                    self.manager.write([b.block_id for b in targets], m - base, window)
+                    path = keep + new
+                    self.tree.insert(tokens[:end], path, owner=sid)
+                    for block in keep:  # the caller's reference on the kept blocks
+                        block.acquire()
+                    for block in new:
+                        self.policy.on_access(block)
+                    stored = end
+                    self.counters.stored_tokens += end - m
+            if stored == m:
+                for block in held:
+                    block.acquire()
+            if logits is not None:
+                key_len = n if logits_len is None else logits_len
+                if key_len <= stored:
+                    self.exact.put(tokens[:key_len], path[: _ceil_div(key_len, bs)], logits)
+            elif stored == n and n:
+                self.exact.put(tokens, path[: _ceil_div(n, bs)])
+        finally:
+            for block in held:
+                block.release()
+        return StoreResult(stored, stored - m, tuple(path), stored == n, evicted)
+
+    # ---- eviction ----------------------------------------------------------------------------
+
+    def _candidates(self) -> dict[int, tuple[Block, Node]]:
+        out = {}
+        for leaf in self.tree.leaves():
+            block = leaf.blocks[-1]
+            if block.ref_count == 0:
+                out[block.block_id] = (block, leaf)
+        return out
+
+    def _evict(
+        self,
+        n: int,
+        select: Callable[[Sequence[Block]], Block | None] | None = None,
+    ) -> int:
+        """Evict up to n leaf blocks chosen by the policy; returns how many went."""
+        select = select or self.policy.select_victim
+        done = 0
+        while done < n:
+            candidates = self._candidates()
+            victim = select([b for b, _ in candidates.values()])
+            if victim is None:
+                break
+            _, leaf = candidates[victim.block_id]
+            self.exact.drop_block(victim)
+            self.tree.pop_leaf_block(leaf)
+            self.manager.free([victim])
+            done += 1
+        self.counters.eviction_count += done
+        return done
+
+    def evict(self, n: int) -> int:
+        return self._evict(n)
+
+    def clear(self) -> int:
+        """Drop everything no request is using (first blocks too); returns blocks freed."""
+        self.exact.clear()
+
+        def any_block(blocks: Sequence[Block]) -> Block | None:
+            return blocks[0] if blocks else None
+
+        return self._evict(self.manager.num_blocks, any_block)
+
+    # ---- views -------------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        c = self.counters
+        return CacheStats(
+            hit_count=c.hit_count,
+            miss_count=c.miss_count,
+            exact_hits=c.exact_hits,
+            hit_tokens=c.hit_tokens,
+            lookup_tokens=c.lookup_tokens,
+            eviction_count=c.eviction_count,
+            stored_tokens=c.stored_tokens,
+            pool=self.manager.stats(),
+            policy=self.policy.name,
+            tree_nodes=sum(1 for _ in self.tree.nodes()),
+            tree_tokens=self.tree.num_tokens,
+            exact_entries=len(self.exact),
+            sessions={k: SessionCounters(**vars(v)) for k, v in c.sessions.items()},
+        )
+
+    def check_integrity(self) -> None:
+        """Raise CacheIntegrityError if pool, tree and exact index disagree."""
+        try:
+            self.tree.check()
+            self.exact.check(self.block_size)
+            mgr = self.manager
+            free_list = list(mgr.free_ids)
+            free = set(free_list)
+            assert len(free_list) == len(free), "duplicate ids in the free list"
+            in_tree = {b.block_id for b in self.tree.all_blocks()}
+            for block in mgr.blocks:
+                bid = block.block_id
+                assert block.ref_count >= 0, f"negative ref count on {block!r}"
+                if mgr.is_free(bid):
+                    assert bid in free, f"block {bid} marked free but not in free list"
+                    assert bid not in in_tree, f"block {bid} both free and in the tree"
+                    assert block.ref_count == 0, f"free block {bid} is referenced"
+                else:
+                    assert bid in in_tree, f"block {bid} allocated but owned by nothing"
+            assert len(free) + len(in_tree) == mgr.num_blocks, "free + used != total"
+            for _, entry in self.exact.items():
+                for block in entry.blocks:
+                    assert block.block_id in in_tree, "exact entry points at an evicted block"
+        except AssertionError as exc:
+            raise CacheIntegrityError(str(exc)) from exc

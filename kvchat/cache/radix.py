@@ -1,0 +1,290 @@
+"""Radix tree (compressed prefix trie) over token ids, mapping prefixes to pool blocks.
+
+Invariants (checked by `check`):
+- every node starts at a block-aligned position; its blocks cover exactly its edge tokens;
+- a node that ends mid-block is a leaf (children start at block boundaries);
+- each block belongs to exactly one node.
+
+Matches are token-granular: a lookup may end inside an edge, even inside a block, because the K/V of
+position i depends only on tokens <= i. An insert that diverges mid-block starts its branch at the
+previous block boundary; the caller copies the shared head of that block into the branch's own block.
+Siblings may therefore share up to block_size - 1 leading tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from kvchat.cache.blocks import Block
+
+
+class Node:
+    __slots__ = ("parent", "children", "tokens", "blocks", "start", "owners")
+
+    def __init__(self, parent: Node | None, start: int, tokens: list[int], blocks: list[Block]):
+        self.parent = parent
+        self.start = start
+        self.tokens = tokens
+        self.blocks = blocks
+        self.children: dict[int, list[Node]] = {}
+        self.owners: set[str] = set()  # session ids whose sequences pass through this node
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def child_list(self) -> list[Node]:
+        return [c for group in self.children.values() for c in group]
+
+    def add_child(self, child: Node) -> None:
+        child.parent = self
+        self.children.setdefault(child.tokens[0], []).append(child)
+
+    def remove_child(self, child: Node, key: int | None = None) -> None:
+        key = child.tokens[0] if key is None else key
+        group = self.children[key]
+        group.remove(child)
+        if not group:
+            del self.children[key]
+
+
+class PrefixMatch(NamedTuple):
+    """Longest cached prefix of a token sequence."""
+
+    matched: int  # tokens whose K/V are cached
+    blocks: list[Block]  # covering positions [0, matched); the last may hold more tokens
+    node: Node | None  # node where the match ended (None when matched == 0)
+    at_leaf_end: bool  # the match consumed a whole leaf edge (an insert can extend it in place)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], b_from: int) -> int:
+    n = min(len(a), len(b) - b_from)
+    i = 0
+    while i < n and a[i] == b[b_from + i]:
+        i += 1
+    return i
+
+
+class RadixTree:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.root = Node(None, 0, [], [])
+        self._leaves: set[Node] = set()
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def _best_child(self, node: Node, tokens: Sequence[int], pos: int) -> tuple[Node | None, int]:
+        group = node.children.get(tokens[pos]) if pos < len(tokens) else None
+        if not group:
+            return None, 0
+        best, best_len = None, 0
+        for child in group:
+            n = _common_prefix(child.tokens, tokens, pos)
+            if n > best_len:
+                best, best_len = child, n
+        return best, best_len
+
+    def find_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
+        """Walk edges while tokens match; O(len(tokens)), independent of how much is cached."""
+        node, pos = self.root, 0
+        blocks: list[Block] = []
+        bs = self.block_size
+        while True:
+            child, n = self._best_child(node, tokens, pos)
+            if child is None:
+                return PrefixMatch(pos, blocks, node if pos else None, pos > 0 and node.is_leaf)
+            pos += n
+            blocks.extend(child.blocks[: -(-n // bs)])
+            if n < len(child.tokens):
+                return PrefixMatch(pos, blocks, child, False)
+            node = child
+
+    # ---- mutation ----------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], blocks: Sequence[Block], owner: str | None = None) -> None:
+        """Register `tokens` whose K/V live in `blocks` (block i covers positions
+        [i*bs, (i+1)*bs)). Blocks for the already cached part must be the tree's own blocks (as
+        `find_prefix` returned them, or a fresh copy where the branch diverges mid-block).
+        Writes each new block's token_ids and first-block flag."""
+        bs = self.block_size
+        n = len(tokens)
+        if len(blocks) != -(-n // bs):
+            raise ValueError(f"{n} tokens need {-(-n // bs)} blocks, got {len(blocks)}")
+        node, pos = self.root, 0
+        while pos < n:
+            child, common = self._best_child(node, tokens, pos)
+            if child is None:
+                if pos % bs:
+                    raise AssertionError("branch would start mid-block")
+                self._attach(node, pos, tokens, blocks, owner)
+                return
+            if owner is not None:
+                child.owners.add(owner)
+            if common == len(child.tokens):
+                pos += common
+                if pos < n and child.is_leaf:
+                    self._extend_leaf(child, tokens, blocks)
+                    return
+                node = child
+                continue
+            if pos + common == n:
+                return  # a prefix of what is cached: nothing new
+            split_at = (pos + common) // bs * bs
+            if split_at > child.start:
+                child = self._split(child, split_at)
+                if owner is not None:
+                    child.owners.add(owner)
+                node, pos = child, split_at
+            self._attach(node, pos, tokens, blocks, owner)
+            return
+
+    def _attach(
+        self, parent: Node, pos: int, tokens: Sequence[int], blocks: Sequence[Block], owner: str | None
+    ) -> None:
+        bs = self.block_size
+        new_blocks = list(blocks[pos // bs :])
+        for i, block in enumerate(new_blocks):
+            lo = pos + i * bs
+            block.token_ids = list(tokens[lo : lo + bs])
+        if pos == 0:
+            new_blocks[0].is_first_block = True
+        leaf = Node(parent, pos, list(tokens[pos:]), new_blocks)
+        if owner is not None:
+            leaf.owners.add(owner)
+        self._leaves.discard(parent)
+        parent.add_child(leaf)
+        self._leaves.add(leaf)
+
+    def _extend_leaf(self, leaf: Node, tokens: Sequence[int], blocks: Sequence[Block]) -> None:
+        bs = self.block_size
+        old_end = leaf.end
+        first = leaf.start // bs
+        for i in range(len(leaf.blocks) - 1, len(blocks) - first):
+            block = blocks[first + i]
+            if i >= len(leaf.blocks):
+                leaf.blocks.append(block)
+            elif block is not leaf.blocks[i]:
+                raise AssertionError("extension must reuse the leaf's last block")
+            lo = leaf.start + i * bs
+            block.token_ids = list(tokens[lo : lo + bs])
+        leaf.tokens.extend(tokens[old_end:])
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Split node's edge at absolute block-aligned position `at`; returns the upper part."""
+        bs = self.block_size
+        cut = at - node.start
+        upper = Node(node.parent, node.start, node.tokens[:cut], node.blocks[: cut // bs])
+        upper.owners = set(node.owners)
+        parent = node.parent
+        assert parent is not None
+        parent.remove_child(node)
+        parent.add_child(upper)
+        node.tokens = node.tokens[cut:]
+        node.blocks = node.blocks[cut // bs :]
+        node.start = at
+        upper.add_child(node)
+        return upper
+
+    def pop_leaf_block(self, leaf: Node) -> Block:
+        """Drop the last block of a leaf (eviction); removes the node when it empties and merges
+        a parent left with a single child, so the trie stays compressed."""
+        if not leaf.is_leaf or leaf is self.root:
+            raise ValueError("only leaf blocks can be evicted")
+        key = leaf.tokens[0]
+        block = leaf.blocks.pop()
+        del leaf.tokens[len(leaf.blocks) * self.block_size :]
+        if not leaf.blocks:
+            parent = leaf.parent
+            assert parent is not None
+            parent.remove_child(leaf, key)
+            self._leaves.discard(leaf)
+            if parent is not self.root and parent.is_leaf:
+                self._leaves.add(parent)
+            elif parent is not self.root and len(parent.child_list()) == 1:
+                self._merge_single_child(parent)
+        return block
+
+    def _merge_single_child(self, node: Node) -> None:
+        (child,) = node.child_list()
+        node.remove_child(child)
+        node.tokens.extend(child.tokens)
+        node.blocks.extend(child.blocks)
+        node.owners |= child.owners
+        for grandchild in child.child_list():
+            node.add_child(grandchild)
+        if child in self._leaves:
+            self._leaves.discard(child)
+            self._leaves.add(node)
+
+    def remove(self, tokens: Sequence[int]) -> list[Block]:
+        """Remove the leaf that ends exactly at `tokens` (if no one holds its blocks) and return
+        its blocks for the caller to free. Returns [] when there is no such unheld leaf."""
+        match = self.find_prefix(tokens)
+        leaf = match.node
+        if leaf is None or match.matched != len(tokens) or not match.at_leaf_end:
+            return []
+        if any(b.ref_count for b in leaf.blocks):
+            return []
+        out = []
+        while leaf.blocks:
+            out.append(self.pop_leaf_block(leaf))
+        return out
+
+    def clear(self) -> None:
+        self.root = Node(None, 0, [], [])
+        self._leaves.clear()
+
+    # ---- iteration ---------------------------------------------------------------------------
+
+    def leaves(self) -> Iterator[Node]:
+        return iter(self._leaves)
+
+    def nodes(self) -> Iterator[tuple[Node, int]]:
+        """(node, depth) in depth-first order, root excluded, children in insertion order."""
+        stack = [(c, 1) for c in reversed(self.root.child_list())]
+        while stack:
+            node, depth = stack.pop()
+            yield node, depth
+            stack.extend((c, depth + 1) for c in reversed(node.child_list()))
+
+    def all_blocks(self) -> Iterator[Block]:
+        for node, _ in self.nodes():
+            yield from node.blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(node.tokens) for node, _ in self.nodes())
+
+    def check(self) -> None:
+        """Raise AssertionError if a structural invariant is broken."""
+        bs = self.block_size
+        seen: set[int] = set()
+        leaves = set()
+        for node, _ in self.nodes():
+            assert node.tokens, "empty non-root node"
+            assert node.start % bs == 0, f"node starts mid-block at {node.start}"
+            assert node.parent is not None
+            expected_start = node.parent.end if node.parent is not self.root else 0
+            assert node.start == expected_start, "child does not start where its parent ends"
+            assert len(node.blocks) == -(-len(node.tokens) // bs), "blocks do not cover the edge"
+            joined: list[int] = []
+            for i, block in enumerate(node.blocks):
+                assert block.block_id not in seen, f"block {block.block_id} in two nodes"
+                seen.add(block.block_id)
+                assert block.ref_count >= 0
+                assert block.is_first_block == (node.start == 0 and i == 0), "first-block flag"
+                joined.extend(block.token_ids)
+            assert joined == node.tokens, "block tokens disagree with the edge"
+            if node.children:
+                assert node.end % bs == 0, "inner node ends mid-block"
+                for key, group in node.children.items():
+                    assert group and all(c.tokens[0] == key for c in group)
+            else:
+                leaves.add(node)
+        assert leaves == self._leaves, "leaf set out of date"

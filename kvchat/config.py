@@ -1,0 +1,89 @@
+"""Frozen, validated configuration objects shared by the cache, the engine and the CLI."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from kvchat.errors import KvchatError
+
+POLICY_ENV_VAR = "EVICTION_POLICY"
+POLICY_NAMES = ("lru", "sink-lru", "h2o")
+_POLICY_ALIASES = {"sinklru": "sink-lru", "sink_lru": "sink-lru", "sink": "sink-lru"}
+
+
+class ConfigError(KvchatError):
+    """A configuration value a user gave is out of range or unknown."""
+
+
+def normalise_policy(name: str | None) -> str:
+    """Policy name from an explicit argument, else `$EVICTION_POLICY`, else "lru"."""
+    raw = name if name else os.environ.get(POLICY_ENV_VAR) or "lru"
+    key = raw.strip().lower()
+    key = _POLICY_ALIASES.get(key, key)
+    if key not in POLICY_NAMES:
+        source = "--policy" if name else f"${POLICY_ENV_VAR}"
+        raise ConfigError(
+            f"Unknown eviction policy {raw!r} (from {source}). "
+            f"Valid policies: {', '.join(POLICY_NAMES)}."
+        )
+    return key
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape and budget of the paged KV cache.
+
+    The pool is sized either by an explicit `num_blocks` or by `cache_mb` (the K/V byte budget
+    for all layers together); it is allocated once and never grows.
+    """
+
+    block_size: int = 16
+    cache_mb: float = 1024.0
+    num_blocks: int | None = None
+    policy: str = "lru"
+    max_exact_entries: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= 4096:
+            raise ConfigError(f"--block-size must be between 1 and 4096, got {self.block_size}.")
+        if self.num_blocks is None and not self.cache_mb > 0:
+            raise ConfigError(f"--cache-mb must be positive, got {self.cache_mb}.")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"The pool needs at least one block, got {self.num_blocks}.")
+        if self.max_exact_entries < 0:
+            raise ConfigError("max_exact_entries must be >= 0.")
+        object.__setattr__(self, "policy", normalise_policy(self.policy))
+
+    def blocks_for(self, bytes_per_token: int) -> int:
+        """Number of blocks the budget buys, given the K/V bytes one token costs in all layers."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = bytes_per_token * self.block_size
+        return max(1, int(self.cache_mb * 1024 * 1024) // per_block)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature == 0 means greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-tokens must be at least 1, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be >= 0, got {self.top_k}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
