@@ -124,7 +124,8 @@ class RadixTree:
                     raise AssertionError("branch would start mid-block")
                 self._attach(node, pos, tokens, blocks, owner)
                 return
-            if owner is not None:
+            if owner is not None and (common == len(child.tokens) or pos + common == n):
+                # branching off mid-edge: only the upper part of a split (below) is on our path
                 child.owners.add(owner)
             if common == len(child.tokens):
                 pos += common
