@@ -88,4 +88,7 @@ class ExactIndex:
                 assert key in self._by_block.get(block.block_id, ()), "reverse map out of date"
         for bid, keys in self._by_block.items():
             for key in keys:
-                assert any(b.block_id == bid for b in self._entries[key].blocks)
+                # assert, not index: a stale key must fail as an integrity error, not a KeyError
+                entry = self._entries.get(key)
+                assert entry is not None, "reverse map names a dropped entry"
+                assert any(b.block_id == bid for b in entry.blocks), "reverse map: block not in entry"
