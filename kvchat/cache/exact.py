@@ -91,4 +91,4 @@ class ExactIndex:
                 # assert, not index: a stale key must fail as an integrity error, not a KeyError
                 entry = self._entries.get(key)
                 assert entry is not None, "reverse map names a dropped entry"
-                assert any(b.block_id == bid for b in entry.blocks), "reverse map: block not in entry"
+                assert any(b.block_id == bid for b in entry.blocks), "stale reverse map"
