@@ -1,0 +1,461 @@
+"""The model side of kvchat, and the only module that imports transformers.
+
+A request looks up its prompt in the paged cache, turns the matched blocks into the
+`DynamicCache` the model's forward expects, prefills only the missing tail (in chunks), decodes,
+and on the way out - finished, stopped or interrupted - stores every position whose K/V it
+computed back into the cache before releasing its blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Generator as PyGenerator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+from kvchat.cache.blocks import KV, Block
+from kvchat.cache.kvcache import HitSource, Lookup, PagedKVCache
+from kvchat.config import CacheConfig, SamplingParams
+from kvchat.engine.sampling import make_generator, sample
+from kvchat.errors import KvchatError
+
+H2O_ATTENTION = "kvchat_h2o"
+H2O_COST_NOTE = (
+    "h2o computes attention in plain PyTorch (no fused SDPA kernel) to read the weights: "
+    "expect prefill to be slower and to use more memory on long prompts (roughly 10-30% on CPU)."
+)
+
+
+class PromptTooLongError(KvchatError):
+    pass
+
+
+# ---- attention mass for H2O ----------------------------------------------------------------
+
+_mass_sink = threading.local()
+
+
+def _h2o_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Eager attention that also adds, per key position, the attention mass it received
+    (summed over heads and queries) to the active sink: what H2O ranks blocks by."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)  # (B, H, K, D)
+    value = value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scale  # (B, H, Q, K)
+    if attention_mask is not None:
+        weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    sink: list[torch.Tensor] | None = getattr(_mass_sink, "rows", None)
+    if sink is not None:
+        sink.append(weights.sum(dim=(1, 2)).float())  # (B, K)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, Q, H, D)
+    return out, None
+
+
+AttentionInterface.register(H2O_ATTENTION, _h2o_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(H2O_ATTENTION, eager_mask)
+
+
+# ---- transformers cache objects ------------------------------------------------------------
+
+
+def build_past(kv: Sequence[KV], config: Any) -> DynamicCache:
+    """A DynamicCache holding the given per-layer (1, H, T, D) K/V (the v5 constructor)."""
+    return DynamicCache(kv, config=config)
+
+
+def past_length(past: DynamicCache) -> int:
+    """Positions present in every layer (an interrupted forward can leave layers uneven)."""
+    layers: list[Any] = list(past.layers)
+    lengths = [layer.get_seq_length() for layer in layers]
+    return min(lengths) if lengths else 0
+
+
+def past_kv(past: DynamicCache, start: int, end: int) -> list[KV]:
+    layers: list[Any] = list(past.layers)
+    return [(layer.keys[:, :, start:end], layer.values[:, :, start:end]) for layer in layers]
+
+
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a decoder config."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def layer_devices(model: Any, n_layers: int) -> list[torch.device]:
+    """The device of each decoder layer, so the pool for layer i lives where layer i runs."""
+    fallback = next(model.parameters()).device
+    decoder: Any = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers: Any = getattr(decoder, "layers", None)
+    if layers is None or len(layers) != n_layers:
+        return [fallback] * n_layers
+    return [next(layer.parameters()).device for layer in layers]
+
+
+# ---- requests and results ------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    sid: str | None = None
+    record_logits: bool = False  # keep every step's logits row (kvchat verify)
+
+
+class PrefillLookup(NamedTuple):
+    matched: int
+    past_key_values: DynamicCache | None
+    lookup: Lookup | None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens (EOS included when the model emitted it)
+    prompt_tokens: int
+    cache_hit_tokens: int
+    hit_source: str  # exact | radix | miss | off
+    computed_tokens: int  # prompt tokens this request ran through the model
+    prefill_ms: float
+    ttft_ms: float
+    decode_tokens_per_s: float
+    total_ms: float
+    finish_reason: str  # stop | length | interrupted
+    stored_tokens: int  # tokens of prompt + reply now cached
+    step_logits: list[torch.Tensor] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Backend:
+    """Model + tokenizer + (optionally) the shared paged cache."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        cache: PagedKVCache | None,
+        prefill_chunk: int = 512,
+    ) -> None:
+        if prefill_chunk < 1:
+            raise KvchatError(f"--prefill-chunk must be at least 1, got {prefill_chunk}.")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.prefill_chunk = prefill_chunk
+        self.device = next(model.parameters()).device
+        config = model.config
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.track_attention = cache is not None and cache.policy.name == "h2o"
+        if self.track_attention:
+            model.set_attn_implementation(H2O_ATTENTION)
+        eos: set[int] = set()
+        for source in (getattr(model, "generation_config", None), tokenizer):
+            ids = getattr(source, "eos_token_id", None)
+            if ids is not None:
+                eos.update([ids] if isinstance(ids, int) else ids)
+        self.eos_ids = frozenset(eos)
+        self.forward_calls = 0
+
+    @classmethod
+    def create(
+        cls,
+        model: Any,
+        tokenizer: Any,
+        cache_config: CacheConfig | None,
+        prefill_chunk: int = 512,
+    ) -> Backend:
+        """A backend with a fresh pool sized by cache_config (None: no cache at all)."""
+        cache = None
+        if cache_config is not None:
+            n_layers, kv_heads, head_dim = kv_shape(model.config)
+            dtype = next(model.parameters()).dtype
+            cache = PagedKVCache.create(
+                cache_config, n_layers, kv_heads, head_dim, dtype, layer_devices(model, n_layers)
+            )
+        return cls(model, tokenizer, cache, prefill_chunk)
+
+    def without_cache(self) -> Backend:
+        """Same model, no cache: the cold reference for verify and benchmarks."""
+        return Backend(self.model, self.tokenizer, None, self.prefill_chunk)
+
+    # ---- text -------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt=True)
+        return self.encode(text)
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+        return str(
+            self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    # ---- model calls ------------------------------------------------------------------------
+
+    def prefill_lookup(self, tokens: Sequence[int], sid: str | None = None) -> PrefillLookup:
+        """Cache lookup, then the matched blocks as the cache object the forward expects.
+        The lookup's blocks stay acquired until the request finishes."""
+        if self.cache is None:
+            return PrefillLookup(0, None, None)
+        lookup = self.cache.lookup(tokens, sid)
+        if not lookup.matched:
+            return PrefillLookup(0, None, lookup)
+        kv = self.cache.gather(lookup.blocks, lookup.matched)
+        return PrefillLookup(lookup.matched, build_past(kv, self.model.config), lookup)
+
+    def forward(
+        self, ids: Sequence[int], past: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ids after `past` (which grows in place); returns the last position's logits
+        (vocab,) and, for H2O, the attention mass per cached position (K,)."""
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        rows: list[torch.Tensor] | None = [] if self.track_attention else None
+        _mass_sink.rows = rows
+        try:
+            out = self.model(
+                input_ids=input_ids, past_key_values=past, use_cache=True, logits_to_keep=1
+            )
+        finally:
+            _mass_sink.rows = None
+        self.forward_calls += 1
+        mass = torch.stack([r[0].to(self.device) for r in rows]).sum(0) if rows else None
+        return out.logits[0, -1], mass
+
+    def start(self, request: Request, cancel: threading.Event | None = None) -> Generation:
+        """Admit a request: look up its prompt now; iterate the result to run it."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise KvchatError("The prompt is empty.")
+        if n >= self.max_context:
+            raise PromptTooLongError(
+                f"The prompt has {n} tokens; the model's context is {self.max_context} tokens."
+            )
+        pre = self.prefill_lookup(request.prompt_ids, request.sid)
+        return Generation(self, request, pre, cancel)
+
+    def generate(self, request: Request) -> GenerationResult:
+        return self.start(request).run()
+
+
+class Generation:
+    """One request in flight. Iterating yields text deltas as tokens are decoded; when iteration
+    ends (or `close()` is called) the computed K/V is stored and `result` is set."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        request: Request,
+        pre: PrefillLookup,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self.backend = backend
+        self.request = request
+        self.pre = pre
+        self.cancel_event = cancel or threading.Event()
+        self.result: GenerationResult | None = None
+        self._iter: PyGenerator[str, None, None] | None = None
+        self._t0 = time.perf_counter()
+
+    def __iter__(self) -> Iterator[str]:
+        if self._iter is None:
+            self._iter = self._run()
+        return self._iter
+
+    def run(self) -> GenerationResult:
+        for _ in self:
+            pass
+        if self.result is None:  # pragma: no cover - _run always sets it
+            raise RuntimeError("generation ended without a result")
+        return self.result
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    def close(self) -> None:
+        """Stop now (e.g. the client went away) and store what was computed."""
+        if self._iter is None:
+            self._finish([], None, None, None, "interrupted", 0.0, 0.0)
+        else:
+            self._iter.close()
+
+    def _run(self) -> PyGenerator[str, None, None]:
+        b, req, pre = self.backend, self.request, self.pre
+        tokens = req.prompt_ids
+        n = len(tokens)
+        past = pre.past_key_values or DynamicCache(config=b.model.config)
+        mass = torch.zeros(0, device=b.device) if b.track_attention else None
+        generated: list[int] = []
+        step_logits: list[torch.Tensor] | None = [] if req.record_logits else None
+        prompt_logits: torch.Tensor | None = None
+        finish = "length"
+        t_first = t_prefill = 0.0
+        text = ""
+        cut_at_stop = False
+        try:
+            with torch.inference_mode():
+                if pre.lookup is not None and pre.lookup.logits is not None:
+                    logits = pre.lookup.logits  # exact repeat: no forward pass at all
+                else:
+                    logits = None
+                    for lo in range(pre.matched, n, b.prefill_chunk):
+                        if self.cancel_event.is_set():
+                            finish = "interrupted"
+                            return
+                        logits, step_mass = b.forward(tokens[lo : lo + b.prefill_chunk], past)
+                        mass = _add_mass(mass, step_mass)
+                assert logits is not None
+                prompt_logits = logits
+                t_prefill = time.perf_counter()
+                gen = make_generator(req.params, b.device)
+                stops = req.params.stop
+                while True:
+                    if step_logits is not None:
+                        step_logits.append(logits.float().cpu())
+                    tok = sample(logits, req.params, gen)
+                    generated.append(tok)
+                    if len(generated) == 1:
+                        t_first = time.perf_counter()
+                    if tok in b.eos_ids:
+                        finish = "stop"
+                        break
+                    new_text = b.decode(generated)
+                    if stops and any(s in new_text for s in stops):
+                        cut = min(new_text.index(s) for s in stops if s in new_text)
+                        delta, text = new_text[len(text) : cut], new_text[:cut]
+                        cut_at_stop = True
+                        if delta:
+                            yield delta
+                        finish = "stop"
+                        break
+                    if not new_text.endswith("\ufffd"):  # hold back half a UTF-8 character
+                        delta, text = new_text[len(text) :], new_text
+                        if delta:
+                            yield delta
+                    if len(generated) >= req.params.max_new_tokens:
+                        break
+                    if self.cancel_event.is_set():
+                        finish = "interrupted"
+                        break
+                    if n + len(generated) >= b.max_context:
+                        break
+                    logits, step_mass = b.forward([tok], past)
+                    mass = _add_mass(mass, step_mass)
+        except BaseException:  # Ctrl-C, a closed stream, or a failure: keep what was computed
+            finish = "interrupted"
+            raise
+        finally:
+            if not cut_at_stop:
+                text = b.decode(generated)
+            self._finish(generated, past, prompt_logits, mass, finish, t_prefill, t_first, text)
+            if self.result is not None and step_logits is not None:
+                self.result = replace(self.result, step_logits=step_logits)
+
+    def _finish(
+        self,
+        generated: list[int],
+        past: DynamicCache | None,
+        prompt_logits: torch.Tensor | None,
+        mass: torch.Tensor | None,
+        finish: str,
+        t_prefill: float,
+        t_first: float,
+        text: str = "",
+    ) -> None:
+        """Store every position with K/V, release the request's blocks, build the result."""
+        if self.result is not None:
+            return
+        b, req, pre = self.backend, self.request, self.pre
+        tokens = req.prompt_ids
+        n = len(tokens)
+        stored = pre.matched
+        cache = b.cache
+        if cache is not None and pre.lookup is not None:
+            held: tuple[Block, ...] = pre.lookup.blocks
+            try:
+                if past is not None:
+                    seq = (list(tokens) + generated)[: past_length(past)]
+                    kv = past_kv(past, pre.matched, len(seq))
+                    res = cache.store(
+                        seq,
+                        kv,
+                        pre.matched,
+                        logits=None if prompt_logits is None else prompt_logits.detach().clone(),
+                        logits_len=n,
+                        sid=req.sid,
+                    )
+                    stored = res.stored
+                    if mass is not None and mass.numel():
+                        _record_mass(cache, res.blocks, mass)
+                    cache.release(res.blocks)
+            finally:
+                cache.release(held)
+        t_end = time.perf_counter()
+        ms = 1000.0
+        decode_s = t_end - t_first if t_first else 0.0
+        source = pre.lookup.source.value if pre.lookup is not None else "off"
+        if pre.lookup is not None and pre.lookup.source is HitSource.MISS:
+            source = HitSource.MISS.value
+        self.result = GenerationResult(
+            text=text,
+            token_ids=list(generated),
+            prompt_tokens=n,
+            cache_hit_tokens=pre.matched,
+            hit_source=source,
+            computed_tokens=n - pre.matched,
+            prefill_ms=(t_prefill - self._t0) * ms if t_prefill else 0.0,
+            ttft_ms=(t_first - self._t0) * ms if t_first else 0.0,
+            decode_tokens_per_s=(len(generated) - 1) / decode_s if decode_s > 0 else 0.0,
+            total_ms=(t_end - self._t0) * ms,
+            finish_reason=finish,
+            stored_tokens=stored,
+        )
+
+
+def _add_mass(total: torch.Tensor | None, step: torch.Tensor | None) -> torch.Tensor | None:
+    """Accumulate per-position attention mass; positions are appended as the sequence grows."""
+    if total is None or step is None:
+        return total
+    if step.numel() > total.numel():
+        total = torch.cat([total, total.new_zeros(step.numel() - total.numel())])
+    total[: step.numel()] += step
+    return total
+
+
+def _record_mass(cache: PagedKVCache, blocks: Sequence[Block], mass: torch.Tensor) -> None:
+    bs = cache.block_size
+    n = min(mass.numel(), len(blocks) * bs)
+    padded = torch.zeros(len(blocks) * bs, device=mass.device)
+    padded[:n] = mass[:n]
+    per_block = padded.view(len(blocks), bs).sum(-1).tolist()
+    cache.record_attention(blocks, per_block)
+

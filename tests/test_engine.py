@@ -1,0 +1,275 @@
+"""Cached generation equals cold generation (tokens identical, logits within 1e-4), for every
+policy and every way a request can hit the cache; H2O really ranks by attention mass."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvchat.config import POLICY_NAMES, CacheConfig, SamplingParams
+from kvchat.engine.backend import Backend, Request
+from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.verify import compare, verify_prompt
+
+ATOL = 1e-4
+BLOCK = 4
+
+
+def make_backend(model, tokenizer, policy: str, num_blocks: int = 256, chunk: int = 512):
+    model.set_attn_implementation("sdpa")  # an h2o backend switches it; start each test clean
+    config = CacheConfig(BLOCK, num_blocks=num_blocks, policy=policy)
+    return Backend.create(model, tokenizer, config, prefill_chunk=chunk)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 250) for _ in range(n)]
+
+
+def run(backend: Backend, ids: list[int], max_new: int = 8):
+    return backend.generate(
+        Request(ids, SamplingParams(max_new_tokens=max_new), record_logits=True)
+    )
+
+
+def assert_same(cold, warm) -> None:
+    equal, first, diff = compare(cold, warm)
+    assert equal, f"tokens diverge at {first}: {cold.token_ids} vs {warm.token_ids}"
+    assert diff <= ATOL, f"max |logit diff| {diff}"
+
+
+@pytest.fixture(params=POLICY_NAMES)
+def policy(request) -> str:
+    return request.param
+
+
+def test_full_hit(tiny_model, tiny_tokenizer, policy):
+    b = make_backend(tiny_model, tiny_tokenizer, policy)
+    ids = prompt(1, 37)
+    run(b, ids + prompt(2, 9))  # caches ids as the prefix of a longer sequence
+    cold = run(b.without_cache(), ids)
+    warm = run(b, ids)
+    assert warm.hit_source == "radix" and warm.cache_hit_tokens == len(ids) - 1
+    assert warm.computed_tokens == 1
+    assert_same(cold, warm)
+    b.cache.check_integrity()
+
+
+def test_exact_repeat_needs_no_forward(tiny_model, tiny_tokenizer, policy):
+    b = make_backend(tiny_model, tiny_tokenizer, policy)
+    ids = prompt(3, 29)
+    cold = run(b.without_cache(), ids)
+    first = run(b, ids)
+    assert first.hit_source == "miss"
+    calls = b.forward_calls
+    one = b.generate(Request(ids, SamplingParams(max_new_tokens=1), record_logits=True))
+    assert b.forward_calls == calls, "an exact repeat samples its first token from stored logits"
+    assert one.hit_source == "exact" and one.cache_hit_tokens == len(ids)
+    assert one.token_ids == cold.token_ids[:1]
+    warm = run(b, ids)
+    assert warm.hit_source == "exact"
+    assert_same(cold, warm)
+    b.cache.check_integrity()
+
+
+def test_partial_and_unaligned_hits(tiny_model, tiny_tokenizer, policy):
+    b = make_backend(tiny_model, tiny_tokenizer, policy)
+    shared = prompt(4, 24)  # block-aligned shared prefix
+    run(b, shared + prompt(5, 10))
+    ids = shared + prompt(6, 11)
+    warm = run(b, ids)
+    assert warm.cache_hit_tokens == 24
+    assert_same(run(b.without_cache(), ids), warm)
+    odd = prompt(7, 47)  # 47 shared tokens: ends mid-block
+    run(b, odd + [1, 2, 3, 4, 5])
+    ids = odd + [9, 8, 7]
+    warm = run(b, ids)
+    assert warm.cache_hit_tokens == 47
+    assert_same(run(b.without_cache(), ids), warm)
+    b.cache.check_integrity()
+
+
+def test_multi_turn_extends_history(tiny_model, tiny_tokenizer, policy):
+    b = make_backend(tiny_model, tiny_tokenizer, policy)
+    turn1 = prompt(8, 30)
+    r1 = run(b, turn1, max_new=10)
+    turn2 = turn1 + r1.token_ids + prompt(9, 7)
+    warm = run(b, turn2)
+    # everything the model saw in turn 1 (prompt + reply except the last sampled token) is reused
+    assert warm.cache_hit_tokens == len(turn1) + len(r1.token_ids) - 1
+    assert_same(run(b.without_cache(), turn2), warm)
+    b.cache.check_integrity()
+
+
+def test_hit_after_eviction_pressure(tiny_model, tiny_tokenizer, policy):
+    b = make_backend(tiny_model, tiny_tokenizer, policy, num_blocks=40)
+    keep = prompt(10, 20)
+    run(b, keep + prompt(11, 4))
+    for seed in range(12, 20):  # far more than the pool holds
+        run(b, prompt(seed, 30))
+        b.cache.check_integrity()
+    stats = b.cache.stats()
+    assert stats.eviction_count > 0
+    ids = keep + prompt(30, 6)
+    warm = run(b, ids)
+    assert_same(run(b.without_cache(), ids), warm)
+    again = run(b, ids)
+    assert again.hit_source == "exact"
+    assert_same(run(b.without_cache(), ids), again)
+    b.cache.check_integrity()
+
+
+def test_hit_after_interruption(tiny_model, tiny_tokenizer, policy, monkeypatch):
+    b = make_backend(tiny_model, tiny_tokenizer, policy, chunk=8)
+    ids = prompt(40, 45)
+    # interrupted mid-prefill: a KeyboardInterrupt raised inside the third forward
+    real = b.forward
+    calls = {"n": 0}
+
+    def flaky(chunk, past):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(chunk, past)
+
+    monkeypatch.setattr(b, "forward", flaky)
+    gen = b.start(Request(ids, SamplingParams(max_new_tokens=8)))
+    with pytest.raises(KeyboardInterrupt):
+        list(gen)
+    monkeypatch.setattr(b, "forward", real)
+    assert gen.result is not None and gen.result.finish_reason == "interrupted"
+    assert gen.result.stored_tokens == 16  # the two chunks that completed
+    b.cache.check_integrity()
+    assert all(blk.ref_count == 0 for blk in b.cache.manager.blocks)
+    # interrupted mid-decode: the consumer stops reading (Ctrl-C in the REPL closes the stream)
+    gen = b.start(Request(ids, SamplingParams(max_new_tokens=8)))
+    it = iter(gen)
+    next(it)
+    next(it)
+    gen.close()
+    assert gen.result is not None and gen.result.finish_reason == "interrupted"
+    assert gen.result.cache_hit_tokens == 16
+    b.cache.check_integrity()
+    warm = run(b, ids)  # the prefill had finished, so its logits were kept: an exact hit
+    assert warm.hit_source == "exact" and warm.cache_hit_tokens == len(ids)
+    assert_same(run(b.without_cache(), ids), warm)
+
+
+def test_cancel_between_steps_keeps_cache_consistent(tiny_model, tiny_tokenizer):
+    b = make_backend(tiny_model, tiny_tokenizer, "lru")
+    ids = prompt(50, 20)
+    gen = b.start(Request(ids, SamplingParams(max_new_tokens=50)))
+    for i, _ in enumerate(gen):
+        if i == 2:
+            gen.cancel()
+    assert gen.result is not None and gen.result.finish_reason == "interrupted"
+    assert len(gen.result.token_ids) < 50
+    b.cache.check_integrity()
+    assert b.cache.peek(ids + gen.result.token_ids) >= len(ids) + len(gen.result.token_ids) - 1
+
+
+def test_h2o_scores_and_victims(tiny_model, tiny_tokenizer):
+    def scenario(policy: str):
+        b = make_backend(tiny_model, tiny_tokenizer, policy, num_blocks=128)
+        old, new = prompt(60, 21), prompt(61, 21)
+        run(b, old, max_new=6)
+        for _ in range(3):  # the old sequence keeps being attended to
+            run(b, old, max_new=6)
+        run(b, new, max_new=2)  # newest, attended least
+        cache = b.cache
+        leaves = {leaf.blocks[-1].block_id: leaf for leaf in cache.tree.leaves()}
+        owner = {}
+        for bid, leaf in leaves.items():
+            path = leaf.tokens if leaf.start == 0 else None
+            owner[bid] = "old" if path and path[:21] == old else "new"
+        before = {bid for bid in leaves}
+        assert cache.evict(1) == 1
+        gone = [bid for bid in before if cache.manager.is_free(bid)]
+        cache.check_integrity()
+        return cache, owner, gone
+
+    cache, owner, gone = scenario("h2o")
+    scores = [blk.attn_score for blk in cache.tree.all_blocks()]
+    assert all(s > 0 for s in scores), "every cached block received attention"
+    assert owner[gone[0]] == "new", "h2o evicts the leaf block with the least attention mass"
+    _, owner, gone = scenario("lru")
+    assert owner[gone[0]] == "old", "lru evicts the least recently used leaf block"
+
+
+def test_h2o_victim_is_lowest_mass(tiny_model, tiny_tokenizer):
+    b = make_backend(tiny_model, tiny_tokenizer, "h2o", num_blocks=128)
+    for seed in range(70, 74):
+        run(b, prompt(seed, 18 + seed % 3), max_new=4)
+    cache = b.cache
+    candidates = [
+        leaf.blocks[-1] for leaf in cache.tree.leaves()
+        if leaf.blocks[-1].ref_count == 0 and not leaf.blocks[-1].is_first_block
+    ]
+    expected = min(candidates, key=lambda blk: (blk.attn_score, blk.last_accessed))
+    assert len({blk.attn_score for blk in candidates}) > 1
+    cache.evict(1)
+    assert cache.manager.is_free(expected.block_id)
+
+
+def test_scheduler_runs_in_order_and_reports_errors(tiny_model, tiny_tokenizer):
+    b = make_backend(tiny_model, tiny_tokenizer, "lru")
+    sched = Scheduler(b)
+    a = sched.submit(Request(prompt(80, 12), SamplingParams(max_new_tokens=3)))
+    bad = sched.submit(Request([], SamplingParams(max_new_tokens=3)))
+    c = sched.submit(Request(prompt(80, 12) + [1], SamplingParams(max_new_tokens=3)))
+    streamed: dict[int, str] = {}
+    sched.run(lambda t, d: streamed.__setitem__(t.request_id, streamed.get(t.request_id, "") + d))
+    assert a.result is not None and c.result is not None
+    assert bad.error is not None and "empty" in str(bad.error)
+    assert c.result.cache_hit_tokens == 12
+    assert streamed.get(a.request_id, "") == a.result.text
+    b.cache.check_integrity()
+
+
+def test_prompt_longer_than_context_is_a_clear_error(tiny_model, tiny_tokenizer):
+    b = make_backend(tiny_model, tiny_tokenizer, "lru")
+    with pytest.raises(Exception, match="context"):
+        b.start(Request([5] * (b.max_context + 1)))
+
+
+def test_sampling_is_seeded(tiny_model, tiny_tokenizer):
+    b = make_backend(tiny_model, tiny_tokenizer, "lru")
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    ids = prompt(90, 10)
+    one = b.generate(Request(ids, params)).token_ids
+    two = b.without_cache().generate(Request(ids, params)).token_ids
+    assert one == two
+
+
+def test_verify_rows(tiny_model, tiny_tokenizer):
+    b = make_backend(tiny_model, tiny_tokenizer, "lru")
+    rows = verify_prompt(b, prompt(91, 33), "p", max_new_tokens=6)
+    assert [r.scenario for r in rows] == ["prefix hit", "exact repeat"]
+    assert rows[0].hit_tokens == 16 and rows[0].source == "radix"
+    assert rows[1].source == "exact" and rows[1].hit_tokens == 33
+    assert all(r.tokens_equal and r.max_logit_diff <= ATOL for r in rows)
+
+
+def test_transformers_calls_we_rely_on(tiny_model):
+    """Every transformers cache call the engine makes, in one place: if a release changes one,
+    this fails first."""
+    from transformers import DynamicCache
+
+    from kvchat.engine.backend import build_past, past_kv, past_length
+
+    ids = torch.tensor([prompt(92, 12)])
+    with torch.inference_mode():
+        out = tiny_model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        assert out.logits.shape[1] == 1
+        past = out.past_key_values
+        assert isinstance(past, DynamicCache) and past_length(past) == 12
+        kv = past_kv(past, 0, 8)
+        rebuilt = build_past(kv, tiny_model.config)
+        assert rebuilt.get_seq_length() == 8
+        assert torch.equal(rebuilt.layers[0].keys, kv[0][0])
+        tail = tiny_model(input_ids=ids[:, 8:], past_key_values=rebuilt, use_cache=True,
+                          logits_to_keep=1)
+        assert torch.allclose(tail.logits, out.logits, atol=1e-5)
+        assert past_length(rebuilt) == 12
