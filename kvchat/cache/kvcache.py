@@ -298,7 +298,9 @@ class PagedKVCache:
                 if key_len <= stored:
                     self.exact.put(tokens[:key_len], path[: _ceil_div(key_len, bs)], logits)
             elif stored == n and n:
-                self.exact.put(tokens, path[: _ceil_div(n, bs)])
+                old = self.exact.get(tokens)
+                if old is None or old.logits is None:  # never trade stored logits for none
+                    self.exact.put(tokens, path[: _ceil_div(n, bs)])
         finally:
             for block in held:
                 block.release()
