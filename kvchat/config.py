@@ -73,6 +73,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False  # benchmarks: always decode max_new_tokens
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

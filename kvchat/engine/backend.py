@@ -222,16 +222,24 @@ class Backend:
 
     # ---- model calls ------------------------------------------------------------------------
 
-    def prefill_lookup(self, tokens: Sequence[int], sid: str | None = None) -> PrefillLookup:
+    def prefill_lookup(
+        self, tokens: Sequence[int], sid: str | None = None, defer_exact: bool = False
+    ) -> PrefillLookup:
         """Cache lookup, then the matched blocks as the cache object the forward expects.
-        The lookup's blocks stay acquired until the request finishes."""
+        The lookup's blocks stay acquired until the request finishes. With defer_exact, an exact
+        hit returns no past yet: its first token needs only the stored logits, so the gather
+        can wait until after that token is out (see `gather_past`)."""
         if self.cache is None:
             return PrefillLookup(0, None, None)
         lookup = self.cache.lookup(tokens, sid)
-        if not lookup.matched:
-            return PrefillLookup(0, None, lookup)
+        if not lookup.matched or (defer_exact and lookup.logits is not None):
+            return PrefillLookup(lookup.matched, None, lookup)
+        return PrefillLookup(lookup.matched, self.gather_past(lookup), lookup)
+
+    def gather_past(self, lookup: Lookup) -> DynamicCache:
+        assert self.cache is not None
         kv = self.cache.gather(lookup.blocks, lookup.matched)
-        return PrefillLookup(lookup.matched, build_past(kv, self.model.config), lookup)
+        return build_past(kv, self.model.config)
 
     def forward(
         self, ids: Sequence[int], past: DynamicCache
@@ -260,8 +268,9 @@ class Backend:
             raise PromptTooLongError(
                 f"The prompt has {n} tokens; the model's context is {self.max_context} tokens."
             )
-        pre = self.prefill_lookup(request.prompt_ids, request.sid)
-        return Generation(self, request, pre, cancel)
+        t0 = time.perf_counter()  # time to first token counts the lookup and gather too
+        pre = self.prefill_lookup(request.prompt_ids, request.sid, defer_exact=True)
+        return Generation(self, request, pre, cancel, t0)
 
     def generate(self, request: Request) -> GenerationResult:
         return self.start(request).run()
@@ -277,6 +286,7 @@ class Generation:
         request: Request,
         pre: PrefillLookup,
         cancel: threading.Event | None = None,
+        t0: float | None = None,
     ) -> None:
         self.backend = backend
         self.request = request
@@ -284,7 +294,7 @@ class Generation:
         self.cancel_event = cancel or threading.Event()
         self.result: GenerationResult | None = None
         self._iter: PyGenerator[str, None, None] | None = None
-        self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter() if t0 is None else t0
 
     def __iter__(self) -> Iterator[str]:
         if self._iter is None:
@@ -312,7 +322,9 @@ class Generation:
         b, req, pre = self.backend, self.request, self.pre
         tokens = req.prompt_ids
         n = len(tokens)
-        past = pre.past_key_values or DynamicCache(config=b.model.config)
+        past = pre.past_key_values
+        if past is None and not pre.matched:
+            past = DynamicCache(config=b.model.config)
         mass = torch.zeros(0, device=b.device) if b.track_attention else None
         generated: list[int] = []
         step_logits: list[torch.Tensor] | None = [] if req.record_logits else None
@@ -326,6 +338,7 @@ class Generation:
                 if pre.lookup is not None and pre.lookup.logits is not None:
                     logits = pre.lookup.logits  # exact repeat: no forward pass at all
                 else:
+                    assert past is not None
                     logits = None
                     for lo in range(pre.matched, n, b.prefill_chunk):
                         if self.cancel_event.is_set():
@@ -345,7 +358,7 @@ class Generation:
                     generated.append(tok)
                     if len(generated) == 1:
                         t_first = time.perf_counter()
-                    if tok in b.eos_ids:
+                    if tok in b.eos_ids and not req.params.ignore_eos:
                         finish = "stop"
                         break
                     new_text = b.decode(generated)
@@ -368,6 +381,9 @@ class Generation:
                         break
                     if n + len(generated) >= b.max_context:
                         break
+                    if past is None:  # a deferred exact hit: K/V needed from the 2nd token on
+                        assert pre.lookup is not None
+                        past = b.gather_past(pre.lookup)
                     logits, step_mass = b.forward([tok], past)
                     mass = _add_mass(mass, step_mass)
         except BaseException:  # Ctrl-C, a closed stream, or a failure: keep what was computed
