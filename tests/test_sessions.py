@@ -1,0 +1,182 @@
+"""Sessions on disk, the cache snapshot (round trip, mismatch, damage), the lock, and chat turns
+that extend a session's own token history."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvchat.config import CacheConfig, SamplingParams
+from kvchat.engine.backend import Backend, Request
+from kvchat.engine.conversation import next_prompt, record_turn
+from kvchat.engine.runtime import Runtime, RuntimeOptions
+from kvchat.sessions import (
+    Session,
+    SessionError,
+    SessionsLocked,
+    SessionStore,
+    sessions_lock,
+    validate_name,
+)
+
+
+def runtime(model, tokenizer, root: Path, block_size: int = 4, policy: str = "lru") -> Runtime:
+    model.set_attn_implementation("sdpa")
+    cfg = CacheConfig(block_size, num_blocks=200, policy=policy)
+    backend = Backend.create(model, tokenizer, cfg)
+    rt = Runtime(backend, RuntimeOptions(cache=cfg, sessions_dir=root), "tiny")
+    rt.restore()
+    return rt
+
+
+def fill(rt: Runtime, n: int = 3) -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(250) for _ in range(13)]
+    prompts = [shared + [rng.randrange(250) for _ in range(5 + i)] for i in range(n)]
+    for p in prompts:
+        rt.backend.generate(Request(p, SamplingParams(max_new_tokens=4)))
+    return prompts
+
+
+def test_snapshot_round_trip_is_bitwise(tiny_model, tiny_tokenizer, tmp_path):
+    a = runtime(tiny_model, tiny_tokenizer, tmp_path)
+    prompts = fill(a)
+    a.save()
+    b = runtime(tiny_model, tiny_tokenizer, tmp_path)
+    assert b.notice is None and b.restored_tokens == a.cache.tree.num_tokens
+    b.cache.check_integrity()
+    assert b.cache.stats().tree_nodes == a.cache.stats().tree_nodes
+    for p in prompts:
+        la, lb = a.cache.lookup(p), b.cache.lookup(p)
+        assert (la.matched, la.source) == (lb.matched, lb.source)
+        assert lb.source.value == "exact"
+        assert torch.equal(la.logits, lb.logits)
+        for (ka, va), (kb, vb) in zip(a.cache.gather(la.blocks, la.matched),
+                                      b.cache.gather(lb.blocks, lb.matched), strict=True):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+        a.cache.release(la.blocks)
+        b.cache.release(lb.blocks)
+    assert b.cache.stats().hit_count == a.cache.stats().hit_count
+    # the restored cache keeps working: a new request hits and stores on top of it
+    res = b.backend.generate(Request(prompts[0] + [7, 7], SamplingParams(max_new_tokens=3)))
+    assert res.cache_hit_tokens == len(prompts[0])
+    b.cache.check_integrity()
+
+
+def test_fingerprint_mismatch_is_set_aside(tiny_model, tiny_tokenizer, tmp_path):
+    a = runtime(tiny_model, tiny_tokenizer, tmp_path, block_size=4)
+    fill(a)
+    a.save()
+    b = runtime(tiny_model, tiny_tokenizer, tmp_path, block_size=8)
+    assert b.notice is not None and "block_size" in b.notice and "set aside" in b.notice
+    assert b.cache.stats().tree_nodes == 0
+    aside = list((tmp_path / "cache" / "set-aside").iterdir())
+    assert len(aside) == 1 and (aside[0] / "index.json").exists()  # kept, not deleted
+    assert not (tmp_path / "cache" / "index.json").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate-index", "garbage-index", "truncate-kv", "no-kv"])
+def test_damaged_snapshot_is_set_aside(tiny_model, tiny_tokenizer, tmp_path, damage):
+    a = runtime(tiny_model, tiny_tokenizer, tmp_path)
+    fill(a)
+    a.save()
+    folder = tmp_path / "cache"
+    index = folder / "index.json"
+    kv = folder / json.loads(index.read_text())["kv_file"]
+    if damage == "truncate-index":
+        index.write_bytes(index.read_bytes()[:50])
+    elif damage == "garbage-index":
+        index.write_text('{"tree": [{"start": 0, "blocks": [999], "children": []}], "kv_file": "'
+                         + kv.name + '", "fingerprint": ' + json.dumps(a._fingerprint) + "}")
+    elif damage == "truncate-kv":
+        kv.write_bytes(kv.read_bytes()[:100])
+    else:
+        kv.unlink()
+    b = runtime(tiny_model, tiny_tokenizer, tmp_path)
+    assert b.notice is not None and "set aside" in b.notice
+    b.cache.check_integrity()
+    assert b.cache.stats().tree_nodes == 0 and b.cache.stats().pool.used_blocks == 0
+    assert any((tmp_path / "cache" / "set-aside").iterdir())
+    # and the next save works from a clean slate
+    fill(b, 1)
+    b.save()
+    c = runtime(tiny_model, tiny_tokenizer, tmp_path)
+    assert c.notice is None and c.restored_tokens > 0
+
+
+def test_session_names_are_validated(tmp_path):
+    for bad in ["", "../x", "a/b", "a\\b", ".hidden", "cache", "x" * 65, "a b"]:
+        with pytest.raises(SessionError):
+            validate_name(bad)
+    assert validate_name("team-chat_2.v1") == "team-chat_2.v1"
+    with pytest.raises(SessionError):
+        SessionStore(tmp_path).path("../etc/passwd")
+
+
+def test_session_file_round_trip_and_corrupt_file(tmp_path):
+    store = SessionStore(tmp_path)
+    s = Session("alpha", system="be brief", messages=[{"role": "user", "content": "hi"}],
+                tokens=[1, 2, 3])
+    store.save(s)
+    assert store.load("alpha").to_json() == s.to_json()
+    assert store.names() == ["alpha"]
+    (tmp_path / "beta.json").write_text("{not json")
+    with pytest.raises(SessionError, match="moved"):
+        store.load("beta")
+    assert not (tmp_path / "beta.json").exists()
+    assert store.load("fresh").tokens == []
+
+
+def _hold_lock(root: str, ready, release) -> None:
+    with sessions_lock(Path(root), "kvchat chat"):
+        ready.set()
+        release.wait(10)
+
+
+def test_lock_serialises_processes(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    ready, release = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_hold_lock, args=(str(tmp_path), ready, release))
+    proc.start()
+    try:
+        assert ready.wait(10)
+        t = time.monotonic()
+        with pytest.raises(SessionsLocked, match=r"pid \d+ \(kvchat chat"):
+            with sessions_lock(tmp_path, "kvchat batch", wait_s=0.3):
+                pass
+        assert time.monotonic() - t >= 0.3
+    finally:
+        release.set()
+        proc.join(10)
+    with sessions_lock(tmp_path, "kvchat batch", wait_s=1):
+        pass
+
+
+def test_chat_turns_extend_the_history(tiny_model, tiny_tokenizer, tmp_path):
+    rt = runtime(tiny_model, tiny_tokenizer, tmp_path)
+    session = Session("s", system="You are terse.")
+    params = SamplingParams(max_new_tokens=6)
+    rates, before = [], []
+    for text in ["hello there", "and again", "one more"]:
+        before.append(len(session.tokens))
+        prompt, gen = rt.start_turn(session, text, params)
+        result = gen.run()
+        turn = record_turn(session, text, prompt, result)
+        rates.append(turn.hit_rate)
+        rt.cache.check_integrity()
+    assert rates[0] < 0.5
+    # from turn 2 on, everything but the new user message is a hit
+    assert all(r > 0.6 for r in rates[1:])
+    # the whole previous history hits, except the last sampled token (never fed, so no K/V)
+    assert [t.hit_tokens for t in session.turns[1:]] == [n - 1 for n in before[1:]]
+    # the next prompt is the previous tokens plus the template's text for the new message
+    nxt = next_prompt(rt.backend, session, "last")
+    assert nxt[: len(session.tokens)] == session.tokens
+    tail = rt.backend.decode(nxt[len(session.tokens):], skip_special_tokens=False)
+    assert "last" in tail and tail.endswith("<|im_start|>assistant\n")
