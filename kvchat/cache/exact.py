@@ -89,6 +89,6 @@ class ExactIndex:
         for bid, keys in self._by_block.items():
             for key in keys:
                 # assert, not index: a stale key must fail as an integrity error, not a KeyError
-                entry = self._entries.get(key)
-                assert entry is not None, "reverse map names a dropped entry"
-                assert any(b.block_id == bid for b in entry.blocks), "stale reverse map"
+                found = self._entries.get(key)
+                assert found is not None, "reverse map names a dropped entry"
+                assert any(b.block_id == bid for b in found.blocks), "stale reverse map"
