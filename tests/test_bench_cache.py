@@ -1,0 +1,154 @@
+"""`kvchat bench cache` at toy sizes: the structure of its result, JSON and rendering (no times)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+
+from kvchat.bench.cache import (
+    BandwidthResult,
+    CacheBenchResult,
+    Timing,
+    bench_bandwidth,
+    bench_tree,
+    fmt_seconds,
+    measure,
+    render_cache_bench,
+    run_cache_bench,
+)
+
+
+class TinyModel(torch.nn.Module):
+    """Just enough of a causal LM for the prefill timing: a config and a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=16,
+            vocab_size=50,
+        )
+        self.emb = torch.nn.Embedding(50, 16)
+        self.calls: list[tuple[tuple[int, ...], bool]] = []
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        self.calls.append((tuple(input_ids.shape), use_cache))
+        return self.emb(input_ids)
+
+
+def _render(result: CacheBenchResult) -> str:
+    console = Console(record=True, width=240, color_system=None)
+    console.print(render_cache_bench(result))
+    return console.export_text()
+
+
+@pytest.fixture(scope="module")
+def result() -> CacheBenchResult:
+    return run_cache_bench(
+        model=TinyModel(),
+        sizes=(24, 60),
+        prompt_tokens=64,
+        lengths=(16, 64),
+        bandwidth_tokens=32,
+        block_size=4,
+        trials=2,
+    )
+
+
+def test_tree_rows_keep_the_cache_at_each_size(result: CacheBenchResult) -> None:
+    # a branch diverging mid-block costs one block more than its new tokens
+    for row, size in zip(result.tree, (24, 60), strict=True):
+        assert size <= row.cached_blocks <= size + 1
+    for row in result.tree:
+        assert [lk.prompt_tokens for lk in row.lookups] == [16, 64]
+        assert row.tree_nodes >= row.tree_leaves >= 1
+        for t in (*[lk.timing for lk in row.lookups], row.store, row.evict_per_block):
+            assert 0 < t.min_s <= t.median_s <= t.max_s
+
+
+def test_bandwidth_with_a_model_takes_its_shape_and_times_its_prefill(
+    result: CacheBenchResult,
+) -> None:
+    bw = result.bandwidth
+    assert (bw.tokens, bw.n_layers, bw.n_kv_heads, bw.head_dim) == (32, 2, 2, 4)
+    assert bw.kv_bytes == 2 * 2 * 2 * 32 * 4 * 4
+    assert bw.prefill is not None and bw.gather_vs_prefill is not None
+    assert bw.gather_vs_prefill == pytest.approx(bw.gather.median_s / bw.prefill.median_s)
+    assert bw.gather_gb_s == pytest.approx(bw.kv_bytes / bw.gather.median_s / 1e9)
+
+
+def test_prefill_runs_the_model_once_per_trial_with_the_cache_on() -> None:
+    model = TinyModel()
+    bw = bench_bandwidth(tokens=8, block_size=4, trials=1, model=model, prefill_trials=2)
+    assert model.calls == [((1, 8), True)] * 3  # one warm-up, two trials
+    assert bw.dtype == "float32" and bw.device == "cpu"
+
+
+def test_bandwidth_without_a_model_uses_the_given_shape() -> None:
+    bw = bench_bandwidth(tokens=10, shape=(3, 1, 2), dtype=torch.bfloat16, block_size=4, trials=1)
+    assert (bw.n_layers, bw.n_kv_heads, bw.head_dim, bw.dtype) == (3, 1, 2, "bfloat16")
+    assert bw.kv_bytes == 2 * 3 * 1 * 10 * 2 * 2
+    assert bw.prefill is None and bw.gather_vs_prefill is None
+
+
+def test_as_dict_is_json_with_the_derived_figures(result: CacheBenchResult) -> None:
+    d: dict[str, Any] = json.loads(json.dumps(result.as_dict()))
+    assert set(d) == {
+        "block_size", "policy", "prompt_tokens", "trials", "tree", "bandwidth",
+        "lookup_size_ratio",
+    }
+    assert (d["block_size"], d["policy"], d["prompt_tokens"]) == (4, "lru", 64)
+    row = d["tree"][0]
+    assert set(row) == {
+        "cached_blocks", "tree_nodes", "tree_leaves", "lookups", "store", "evict_per_block",
+    }
+    assert set(row["lookups"][0]) == {"prompt_tokens", "timing", "ns_per_token"}
+    assert set(row["store"]) == {"median_s", "min_s", "max_s"}
+    bw = d["bandwidth"]
+    for key in ("gather", "store", "memcpy", "copy", "prefill", "gather_gb_s", "store_gb_s",
+                "memcpy_gb_s", "copy_gb_s", "gather_vs_prefill", "store_vs_prefill"):
+        assert key in bw
+    assert d["lookup_size_ratio"] > 0
+
+
+def test_render_shows_every_row_and_the_ratios(result: CacheBenchResult) -> None:
+    text = _render(result)
+    for needle in (
+        "Cache operations vs cache size", "lookup 16", "lookup 64", "store 64", "evict / block",
+        "K/V traffic for 32 tokens", "gather (pool -> K/V)", "store (K/V -> pool)",
+        "memcpy (clone)", "copy_ (preallocated)", "prefill 32 tokens", "gather / prefill =",
+        "Lookup per prompt token",
+    ):
+        assert needle in text, needle
+    for row in result.tree:
+        assert f"{row.cached_blocks:,}" in text
+
+
+def test_render_without_a_model_says_so(result: CacheBenchResult) -> None:
+    bw = result.bandwidth
+    no_model = BandwidthResult(**{**bw.__dict__, "prefill": None})
+    text = _render(CacheBenchResult(4, "lru", 64, 2, result.tree, no_model))
+    assert "no model given" in text and "prefill 32" not in text
+
+
+def test_bench_tree_honours_the_policy() -> None:
+    rows = bench_tree(sizes=(20,), prompt_tokens=16, lengths=(16,), block_size=4,
+                      policy="sink-lru", trials=1, evict_batch=2, fill_tokens=8)
+    assert len(rows) == 1 and rows[0].cached_blocks >= 5
+
+
+def test_measure_and_formatting() -> None:
+    samples = iter([9.0, 3.0, 1.0, 2.0])
+    t = measure(lambda: next(samples), trials=3, warmup=1)
+    assert t == Timing(2.0, 1.0, 3.0)
+    assert t.per(2) == Timing(1.0, 0.5, 1.5)
+    assert [fmt_seconds(s) for s in (2.5, 0.0125, 3.2e-5, 4e-8)] == [
+        "2.50 s", "12.50 ms", "32.0 µs", "40 ns",
+    ]
