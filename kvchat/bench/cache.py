@@ -77,6 +77,7 @@ class TreeRow:
     cached_blocks: int  # blocks in the tree while measuring
     tree_nodes: int
     tree_leaves: int
+    path_nodes: int  # nodes on the measured prompt's path: what a lookup walks
     lookups: tuple[LookupTiming, ...]  # a full hit, one per prompt length
     store: Timing  # a fresh prompt of `prompt_tokens`, pool not full
     evict_per_block: Timing
@@ -168,6 +169,11 @@ def _tree_row(
 
         lookups.append(LookupTiming(len(query) - 1, measure(lookup, trials, warmup=2)))
 
+    # counted now: the stores and evictions below may take the prompt's blocks
+    node, path_nodes = cache.tree.find_prefix(prompt).node, 0
+    while node is not None and node is not cache.tree.root:
+        node, path_nodes = node.parent, path_nodes + 1
+
     if progress:
         progress(f"tree: stores at {size:,} blocks")
     zeros = torch.zeros(1, 1, prompt_tokens, 1)
@@ -179,7 +185,7 @@ def _tree_row(
         res = cache.store(seq, kv, 0)
         dt = time.perf_counter() - t
         cache.release(res.blocks)
-        cache.evict(prompt_blocks)  # back to `size`: the oldest blocks go, not this prompt
+        cache.evict(prompt_blocks)  # back to `size`: the oldest blocks go, not the new ones
         return dt
 
     store_t = measure(store, trials)
@@ -200,6 +206,7 @@ def _tree_row(
         cached_blocks=stats.pool.used_blocks,
         tree_nodes=stats.tree_nodes,
         tree_leaves=sum(1 for _ in cache.tree.leaves()),
+        path_nodes=path_nodes,
         lookups=tuple(lookups),
         store=store_t,
         evict_per_block=evict_t,
@@ -491,7 +498,7 @@ def render_cache_bench(result: CacheBenchResult) -> RenderableType:
         title_justify="left",
     )
     tree.add_column("cached blocks", justify="right")
-    tree.add_column("nodes / leaves", justify="right")
+    tree.add_column("nodes / leaves\n(on path)", justify="right")
     for n in lengths:
         tree.add_column(f"lookup {n:,}", justify="right")
     tree.add_column(f"store {result.prompt_tokens:,}", justify="right")
@@ -499,7 +506,7 @@ def render_cache_bench(result: CacheBenchResult) -> RenderableType:
     for row in result.tree:
         tree.add_row(
             f"{row.cached_blocks:,}",
-            f"{row.tree_nodes:,} / {row.tree_leaves:,}",
+            f"{row.tree_nodes:,} / {row.tree_leaves:,}\n({row.path_nodes:,})",
             *[_cell(lk.timing) for lk in row.lookups],
             _cell(row.store),
             _cell(row.evict_per_block),
