@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -20,7 +20,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from kvchat.cache.blocks import KV, Block
-from kvchat.cache.kvcache import HitSource, Lookup, PagedKVCache
+from kvchat.cache.kvcache import Lookup, PagedKVCache
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.sampling import make_generator, sample
 from kvchat.errors import KvchatError
@@ -276,9 +276,142 @@ class Backend:
         return self.start(request).run()
 
 
+class SequenceState:
+    """Per-request decoding state shared by the sequential and the batched paths: sampling,
+    incremental detokenisation with stop strings, timings, attention mass, and the final store."""
+
+    def __init__(self, backend: Backend, request: Request, pre: PrefillLookup, t0: float) -> None:
+        self.backend = backend
+        self.request = request
+        self.pre = pre
+        self.t0 = t0
+        self.generated: list[int] = []
+        self.text = ""
+        self.finish_reason = "length"
+        self.done = False
+        self.prompt_logits: torch.Tensor | None = None
+        self.mass = torch.zeros(0, device=backend.device) if backend.track_attention else None
+        self.step_logits: list[torch.Tensor] | None = [] if request.record_logits else None
+        self.t_prefill = 0.0
+        self.t_first = 0.0
+        self._gen = make_generator(request.params, backend.device)
+        self._cut_at_stop = False
+        self.result: GenerationResult | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens fed to the model so far, once the last sampled token is fed too."""
+        return len(self.request.prompt_ids) + len(self.generated)
+
+    def prefill(self, past: DynamicCache | None, cancel: threading.Event | None = None) -> bool:
+        """Run the uncached tail of the prompt in chunks; False if cancelled first. Exact hits
+        skip this: their logits come from the cache."""
+        b, tokens = self.backend, self.request.prompt_ids
+        lookup = self.pre.lookup
+        if lookup is not None and lookup.logits is not None:
+            self.prompt_logits = lookup.logits  # exact repeat: no forward pass at all
+        else:
+            assert past is not None, "only an exact hit may defer its K/V"
+            for lo in range(self.pre.matched, len(tokens), b.prefill_chunk):
+                if cancel is not None and cancel.is_set():
+                    self.finish_reason, self.done = "interrupted", True
+                    return False
+                logits, mass = b.forward(tokens[lo : lo + b.prefill_chunk], past)
+                self.add_mass(mass)
+                self.prompt_logits = logits
+        self.t_prefill = time.perf_counter()
+        return True
+
+    def add_mass(self, step: torch.Tensor | None) -> None:
+        if self.mass is not None and step is not None:
+            self.mass = _add_mass(self.mass, step)
+
+    def push(self, logits: torch.Tensor) -> str:
+        """Sample the next token from `logits`; returns the new text (may be empty) and sets
+        `done` when the request should stop."""
+        b, params = self.backend, self.request.params
+        if self.step_logits is not None:
+            self.step_logits.append(logits.float().cpu())
+        tok = sample(logits, params, self._gen)
+        self.generated.append(tok)
+        if len(self.generated) == 1:
+            self.t_first = time.perf_counter()
+        if tok in b.eos_ids and not params.ignore_eos:
+            self.finish_reason, self.done = "stop", True
+            return ""
+        delta = ""
+        new_text = b.decode(self.generated)
+        hits = [new_text.index(s) for s in params.stop if s in new_text]
+        if hits:
+            cut = min(hits)
+            delta, self.text = new_text[len(self.text) : cut], new_text[:cut]
+            self._cut_at_stop = True
+            self.finish_reason, self.done = "stop", True
+            return delta
+        if not new_text.endswith("\ufffd"):  # hold back half a UTF-8 character
+            delta, self.text = new_text[len(self.text) :], new_text
+        if len(self.generated) >= params.max_new_tokens or self.length >= b.max_context:
+            self.done = True
+        return delta
+
+    def interrupt(self) -> None:
+        self.finish_reason, self.done = "interrupted", True
+
+    def finish(self, kv: Sequence[KV] | None, kv_len: int) -> GenerationResult:
+        """Store positions [pre.matched, kv_len) whose K/V are in `kv` (per layer, covering just
+        that range), release the request's blocks, and build the result. Idempotent."""
+        if self.result is not None:
+            return self.result
+        b, req, pre = self.backend, self.request, self.pre
+        n = len(req.prompt_ids)
+        stored = pre.matched
+        cache = b.cache
+        if cache is not None and pre.lookup is not None:
+            try:
+                if kv is not None and kv_len > pre.matched:
+                    seq = (list(req.prompt_ids) + self.generated)[:kv_len]
+                    logits = self.prompt_logits
+                    res = cache.store(
+                        seq,
+                        kv,
+                        pre.matched,
+                        logits=None if logits is None else logits.detach().clone(),
+                        logits_len=n,
+                        sid=req.sid,
+                    )
+                    stored = res.stored
+                    if self.mass is not None and self.mass.numel():
+                        _record_mass(cache, res.blocks, self.mass)
+                    cache.release(res.blocks)
+            finally:
+                cache.release(pre.lookup.blocks)
+        if not self._cut_at_stop:
+            self.text = b.decode(self.generated)
+        t_end = time.perf_counter()
+        decode_s = t_end - self.t_first if self.t_first else 0.0
+        source = pre.lookup.source.value if pre.lookup is not None else "off"
+        self.result = GenerationResult(
+            text=self.text,
+            token_ids=list(self.generated),
+            prompt_tokens=n,
+            cache_hit_tokens=pre.matched,
+            hit_source=source,
+            computed_tokens=n - pre.matched,
+            prefill_ms=(self.t_prefill - self.t0) * 1000 if self.t_prefill else 0.0,
+            ttft_ms=(self.t_first - self.t0) * 1000 if self.t_first else 0.0,
+            decode_tokens_per_s=(len(self.generated) - 1) / decode_s if decode_s > 0 else 0.0,
+            total_ms=(t_end - self.t0) * 1000,
+            finish_reason=self.finish_reason,
+            stored_tokens=stored,
+            step_logits=self.step_logits,
+        )
+        return self.result
+
+
 class Generation:
-    """One request in flight. Iterating yields text deltas as tokens are decoded; when iteration
-    ends (or `close()` is called) the computed K/V is stored and `result` is set."""
+    """One request in flight, run on its own. Iterating yields text deltas as tokens are
+    decoded; when iteration ends (or `close()` is called) the computed K/V is stored and
+    `result` is set."""
 
     def __init__(
         self,
@@ -292,9 +425,12 @@ class Generation:
         self.request = request
         self.pre = pre
         self.cancel_event = cancel or threading.Event()
-        self.result: GenerationResult | None = None
+        self.state = SequenceState(backend, request, pre, time.perf_counter() if t0 is None else t0)
         self._iter: PyGenerator[str, None, None] | None = None
-        self._t0 = time.perf_counter() if t0 is None else t0
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.state.result
 
     def __iter__(self) -> Iterator[str]:
         if self._iter is None:
@@ -304,9 +440,8 @@ class Generation:
     def run(self) -> GenerationResult:
         for _ in self:
             pass
-        if self.result is None:  # pragma: no cover - _run always sets it
-            raise RuntimeError("generation ended without a result")
-        return self.result
+        assert self.state.result is not None
+        return self.state.result
 
     def cancel(self) -> None:
         self.cancel_event.set()
@@ -314,147 +449,42 @@ class Generation:
     def close(self) -> None:
         """Stop now (e.g. the client went away) and store what was computed."""
         if self._iter is None:
-            self._finish([], None, None, None, "interrupted", 0.0, 0.0)
+            self.state.interrupt()
+            self.state.finish(None, 0)
         else:
             self._iter.close()
 
     def _run(self) -> PyGenerator[str, None, None]:
-        b, req, pre = self.backend, self.request, self.pre
-        tokens = req.prompt_ids
-        n = len(tokens)
+        b, st, pre = self.backend, self.state, self.pre
         past = pre.past_key_values
         if past is None and not pre.matched:
             past = DynamicCache(config=b.model.config)
-        mass = torch.zeros(0, device=b.device) if b.track_attention else None
-        generated: list[int] = []
-        step_logits: list[torch.Tensor] | None = [] if req.record_logits else None
-        prompt_logits: torch.Tensor | None = None
-        finish = "length"
-        t_first = t_prefill = 0.0
-        text = ""
-        cut_at_stop = False
         try:
             with torch.inference_mode():
-                if pre.lookup is not None and pre.lookup.logits is not None:
-                    logits = pre.lookup.logits  # exact repeat: no forward pass at all
-                else:
-                    assert past is not None
-                    logits = None
-                    for lo in range(pre.matched, n, b.prefill_chunk):
-                        if self.cancel_event.is_set():
-                            finish = "interrupted"
-                            return
-                        logits, step_mass = b.forward(tokens[lo : lo + b.prefill_chunk], past)
-                        mass = _add_mass(mass, step_mass)
-                assert logits is not None
-                prompt_logits = logits
-                t_prefill = time.perf_counter()
-                gen = make_generator(req.params, b.device)
-                stops = req.params.stop
+                if not st.prefill(past, self.cancel_event):
+                    return
+                assert st.prompt_logits is not None
+                logits = st.prompt_logits
                 while True:
-                    if step_logits is not None:
-                        step_logits.append(logits.float().cpu())
-                    tok = sample(logits, req.params, gen)
-                    generated.append(tok)
-                    if len(generated) == 1:
-                        t_first = time.perf_counter()
-                    if tok in b.eos_ids and not req.params.ignore_eos:
-                        finish = "stop"
-                        break
-                    new_text = b.decode(generated)
-                    if stops and any(s in new_text for s in stops):
-                        cut = min(new_text.index(s) for s in stops if s in new_text)
-                        delta, text = new_text[len(text) : cut], new_text[:cut]
-                        cut_at_stop = True
-                        if delta:
-                            yield delta
-                        finish = "stop"
-                        break
-                    if not new_text.endswith("\ufffd"):  # hold back half a UTF-8 character
-                        delta, text = new_text[len(text) :], new_text
-                        if delta:
-                            yield delta
-                    if len(generated) >= req.params.max_new_tokens:
-                        break
-                    if self.cancel_event.is_set():
-                        finish = "interrupted"
-                        break
-                    if n + len(generated) >= b.max_context:
+                    delta = st.push(logits)
+                    if delta:
+                        yield delta
+                    if not st.done and self.cancel_event.is_set():
+                        st.interrupt()
+                    if st.done:
                         break
                     if past is None:  # a deferred exact hit: K/V needed from the 2nd token on
                         assert pre.lookup is not None
                         past = b.gather_past(pre.lookup)
-                    logits, step_mass = b.forward([tok], past)
-                    mass = _add_mass(mass, step_mass)
+                    logits, mass = b.forward([st.generated[-1]], past)
+                    st.add_mass(mass)
         except BaseException:  # Ctrl-C, a closed stream, or a failure: keep what was computed
-            finish = "interrupted"
+            st.interrupt()
             raise
         finally:
-            if not cut_at_stop:
-                text = b.decode(generated)
-            self._finish(generated, past, prompt_logits, mass, finish, t_prefill, t_first, text)
-            if self.result is not None and step_logits is not None:
-                self.result = replace(self.result, step_logits=step_logits)
-
-    def _finish(
-        self,
-        generated: list[int],
-        past: DynamicCache | None,
-        prompt_logits: torch.Tensor | None,
-        mass: torch.Tensor | None,
-        finish: str,
-        t_prefill: float,
-        t_first: float,
-        text: str = "",
-    ) -> None:
-        """Store every position with K/V, release the request's blocks, build the result."""
-        if self.result is not None:
-            return
-        b, req, pre = self.backend, self.request, self.pre
-        tokens = req.prompt_ids
-        n = len(tokens)
-        stored = pre.matched
-        cache = b.cache
-        if cache is not None and pre.lookup is not None:
-            held: tuple[Block, ...] = pre.lookup.blocks
-            try:
-                if past is not None:
-                    seq = (list(tokens) + generated)[: past_length(past)]
-                    kv = past_kv(past, pre.matched, len(seq))
-                    res = cache.store(
-                        seq,
-                        kv,
-                        pre.matched,
-                        logits=None if prompt_logits is None else prompt_logits.detach().clone(),
-                        logits_len=n,
-                        sid=req.sid,
-                    )
-                    stored = res.stored
-                    if mass is not None and mass.numel():
-                        _record_mass(cache, res.blocks, mass)
-                    cache.release(res.blocks)
-            finally:
-                cache.release(held)
-        t_end = time.perf_counter()
-        ms = 1000.0
-        decode_s = t_end - t_first if t_first else 0.0
-        source = pre.lookup.source.value if pre.lookup is not None else "off"
-        if pre.lookup is not None and pre.lookup.source is HitSource.MISS:
-            source = HitSource.MISS.value
-        self.result = GenerationResult(
-            text=text,
-            token_ids=list(generated),
-            prompt_tokens=n,
-            cache_hit_tokens=pre.matched,
-            hit_source=source,
-            computed_tokens=n - pre.matched,
-            prefill_ms=(t_prefill - self._t0) * ms if t_prefill else 0.0,
-            ttft_ms=(t_first - self._t0) * ms if t_first else 0.0,
-            decode_tokens_per_s=(len(generated) - 1) / decode_s if decode_s > 0 else 0.0,
-            total_ms=(t_end - self._t0) * ms,
-            finish_reason=finish,
-            stored_tokens=stored,
-        )
+            kv_len = past_length(past) if past is not None else 0
+            kv = past_kv(past, pre.matched, kv_len) if past is not None else None
+            st.finish(kv, kv_len)
 
 
 def _add_mass(total: torch.Tensor | None, step: torch.Tensor | None) -> torch.Tensor | None:
