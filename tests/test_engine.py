@@ -220,7 +220,8 @@ def test_scheduler_runs_in_order_and_reports_errors(tiny_model, tiny_tokenizer):
     bad = sched.submit(Request([], SamplingParams(max_new_tokens=3)))
     c = sched.submit(Request(prompt(80, 12) + [1], SamplingParams(max_new_tokens=3)))
     streamed: dict[int, str] = {}
-    sched.run(lambda t, d: streamed.__setitem__(t.request_id, streamed.get(t.request_id, "") + d))
+    a.on_text = lambda t, d: streamed.__setitem__(t.request_id, streamed.get(t.request_id, "") + d)
+    sched.run()
     assert a.result is not None and c.result is not None
     assert bad.error is not None and "empty" in str(bad.error)
     assert c.result.cache_hit_tokens == 12

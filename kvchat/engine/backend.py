@@ -80,6 +80,19 @@ def build_past(kv: Sequence[KV], config: Any) -> DynamicCache:
     return DynamicCache(kv, config=config)
 
 
+def wrap_past(kv: Sequence[KV], config: Any) -> DynamicCache:
+    """A DynamicCache over the given per-layer (B, H, T, D) tensors, without copying them
+    (the batched path builds its padded tensors itself)."""
+    past = DynamicCache(config=config)
+    layers: list[Any] = list(past.layers)
+    if len(layers) != len(kv):
+        raise ValueError(f"model has {len(layers)} cache layers, got K/V for {len(kv)}")
+    for layer, (k, v) in zip(layers, kv, strict=True):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return past
+
+
 def past_length(past: DynamicCache) -> int:
     """Positions present in every layer (an interrupted forward can leave layers uneven)."""
     layers: list[Any] = list(past.layers)
@@ -247,20 +260,45 @@ class Backend:
         """Run ids after `past` (which grows in place); returns the last position's logits
         (vocab,) and, for H2O, the attention mass per cached position (K,)."""
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        logits, mass = self.forward_batch(input_ids, past)
+        return logits[0], None if mass is None else mass[0]
+
+    def forward_batch(
+        self,
+        input_ids: torch.Tensor,
+        past: DynamicCache,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        columns: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run (B, q) ids after a (B, ...) past; padded rows need the 2D attention_mask over
+        past + q and explicit position_ids. Returns the last column's logits (B, vocab) - or,
+        given `columns`, those columns' logits (B, len(columns), vocab) - and, for H2O,
+        attention mass per key column (B, K)."""
+        keep: int | torch.Tensor = 1
+        if columns is not None:
+            keep = torch.tensor(list(columns), dtype=torch.long, device=input_ids.device)
         rows: list[torch.Tensor] | None = [] if self.track_attention else None
         _mass_sink.rows = rows
         try:
             out = self.model(
-                input_ids=input_ids, past_key_values=past, use_cache=True, logits_to_keep=1
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past,
+                use_cache=True,
+                logits_to_keep=keep,
             )
         finally:
             _mass_sink.rows = None
         self.forward_calls += 1
-        mass = torch.stack([r[0].to(self.device) for r in rows]).sum(0) if rows else None
-        return out.logits[0, -1], mass
+        mass = torch.stack([r.to(self.device) for r in rows]).sum(0) if rows else None
+        return (out.logits if columns is not None else out.logits[:, -1]), mass
 
-    def start(self, request: Request, cancel: threading.Event | None = None) -> Generation:
-        """Admit a request: look up its prompt now; iterate the result to run it."""
+    def empty_past(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def check_request(self, request: Request) -> None:
         n = len(request.prompt_ids)
         if n == 0:
             raise KvchatError("The prompt is empty.")
@@ -268,6 +306,10 @@ class Backend:
             raise PromptTooLongError(
                 f"The prompt has {n} tokens; the model's context is {self.max_context} tokens."
             )
+
+    def start(self, request: Request, cancel: threading.Event | None = None) -> Generation:
+        """Admit a request: look up its prompt now; iterate the result to run it."""
+        self.check_request(request)
         t0 = time.perf_counter()  # time to first token counts the lookup and gather too
         pre = self.prefill_lookup(request.prompt_ids, request.sid, defer_exact=True)
         return Generation(self, request, pre, cancel, t0)
@@ -322,6 +364,19 @@ class SequenceState:
         self.t_prefill = time.perf_counter()
         return True
 
+    def store_prompt(self, kv: Sequence[KV]) -> None:
+        """Cache the prompt as soon as it is prefilled (kv: per layer, positions [0, n)), so
+        requests admitted after this one hit it while this one is still decoding."""
+        cache, pre = self.backend.cache, self.pre
+        n = len(self.request.prompt_ids)
+        if cache is None or pre.lookup is None or n <= pre.matched:
+            return
+        window = [(k[:, :, pre.matched : n], v[:, :, pre.matched : n]) for k, v in kv]
+        logits = None if self.prompt_logits is None else self.prompt_logits.detach().clone()
+        res = cache.store(self.request.prompt_ids, window, pre.matched, logits=logits,
+                          sid=self.request.sid)
+        cache.release(res.blocks)
+
     def add_mass(self, step: torch.Tensor | None) -> None:
         if self.mass is not None and step is not None:
             self.mass = _add_mass(self.mass, step)
@@ -336,11 +391,7 @@ class SequenceState:
         self.generated.append(tok)
         if len(self.generated) == 1:
             self.t_first = time.perf_counter()
-        if tok in b.eos_ids and not params.ignore_eos:
-            self.finish_reason, self.done = "stop", True
-            return ""
-        delta = ""
-        new_text = b.decode(self.generated)
+        new_text = b.decode(self.generated)  # special tokens (EOS) decode to nothing
         hits = [new_text.index(s) for s in params.stop if s in new_text]
         if hits:
             cut = min(hits)
@@ -348,10 +399,14 @@ class SequenceState:
             self._cut_at_stop = True
             self.finish_reason, self.done = "stop", True
             return delta
-        if not new_text.endswith("\ufffd"):  # hold back half a UTF-8 character
-            delta, self.text = new_text[len(self.text) :], new_text
-        if len(self.generated) >= params.max_new_tokens or self.length >= b.max_context:
+        if tok in b.eos_ids and not params.ignore_eos:
+            self.finish_reason, self.done = "stop", True
+        elif len(self.generated) >= params.max_new_tokens or self.length >= b.max_context:
             self.done = True
+        delta = ""
+        # hold back half a UTF-8 character until the next token completes it (or we stop)
+        if self.done or not new_text.endswith("\ufffd"):
+            delta, self.text = new_text[len(self.text) :], new_text
         return delta
 
     def interrupt(self) -> None:
@@ -458,7 +513,7 @@ class Generation:
         b, st, pre = self.backend, self.state, self.pre
         past = pre.past_key_values
         if past is None and not pre.matched:
-            past = DynamicCache(config=b.model.config)
+            past = b.empty_past()
         try:
             with torch.inference_mode():
                 if not st.prefill(past, self.cancel_event):
