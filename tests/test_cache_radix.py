@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvchat.cache import radix
 from kvchat.cache.blocks import Block
 from kvchat.cache.radix import RadixTree
 
@@ -333,6 +334,60 @@ def test_check_catches_missing_blocks() -> None:
     leaf = next(iter(tree.leaves()))
     leaf.blocks.pop()
     with pytest.raises(AssertionError, match="cover"):
+        tree.check()
+
+
+# ---- cost --------------------------------------------------------------------------------------
+
+
+def test_lookup_does_not_scan_every_session_that_shares_a_block_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 47-token system prompt with block size 16: every conversation branches inside block 2,
+    # so all of them are siblings sharing its first 15 tokens. A lookup must not compare the
+    # prompt against each of them, or its cost grows with the number of sessions cached.
+    tree, pool = RadixTree(16), Pool(16)
+    system = list(range(47))
+    for i in range(300):
+        cache_store(tree, pool, [*system, 1000 + i, 5000 + i])
+    calls = 0
+    real = radix._common_prefix
+
+    def counting(a: Sequence[int], b: Sequence[int], b_from: int) -> int:
+        nonlocal calls
+        calls += 1
+        return real(a, b, b_from)
+
+    monkeypatch.setattr(radix, "_common_prefix", counting)
+    for query, want in [
+        ([*system, 999, 1], 47),
+        ([*system, 1150, 5150, 3], 49),
+        ([*system, 1150, 7], 48),
+        (system[:40], 40),
+    ]:
+        calls = 0
+        assert tree.find_prefix(query).matched == want
+        assert calls <= 2 * 2  # at most two candidates at each of the two nodes on the path
+
+
+def test_siblings_are_kept_in_token_order() -> None:
+    tree, pool = RadixTree(4), Pool(4)
+    for tokens in ([1, 2, 3, 5, 6], [1, 2, 3, 4, 6], [1, 2, 8], [1, 2, 9, 9, 9], [1, 0]):
+        cache_store(tree, pool, tokens)
+    (group,) = tree.root.children.values()
+    assert [c.tokens for c in group] == [[1, 0], [1, 2, 3, 4, 6], [1, 2, 3, 5, 6], [1, 2, 8],
+                                         [1, 2, 9, 9, 9]]
+    for q, want in [([1, 2, 9, 9, 9, 0], 5), ([1, 2, 3, 4, 6], 5), ([1, 2, 3, 5, 0], 4),
+                     ([1, 2, 3, 0], 3), ([1, 2, 7], 2), ([1, 1], 1)]:
+        assert tree.find_prefix(q).matched == want, q
+
+
+def test_check_catches_siblings_out_of_order() -> None:
+    tree, pool = RadixTree(4), Pool(4)
+    cache_store(tree, pool, [1, 2, 3, 4])
+    cache_store(tree, pool, [1, 2, 5, 5])
+    tree.root.children[1].reverse()
+    with pytest.raises(AssertionError, match="order"):
         tree.check()
 
 

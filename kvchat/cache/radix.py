@@ -13,6 +13,7 @@ Siblings may therefore share up to block_size - 1 leading tokens.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -44,7 +45,8 @@ class Node:
 
     def add_child(self, child: Node) -> None:
         child.parent = self
-        self.children.setdefault(child.tokens[0], []).append(child)
+        # groups stay sorted by tokens so a lookup can bisect them (see RadixTree._best_child)
+        bisect.insort(self.children.setdefault(child.tokens[0], []), child, key=_tokens)
 
     def remove_child(self, child: Node, key: int | None = None) -> None:
         key = child.tokens[0] if key is None else key
@@ -52,6 +54,10 @@ class Node:
         group.remove(child)
         if not group:
             del self.children[key]
+
+
+def _tokens(node: Node) -> list[int]:
+    return node.tokens
 
 
 class PrefixMatch(NamedTuple):
@@ -83,8 +89,13 @@ class RadixTree:
         group = node.children.get(tokens[pos]) if pos < len(tokens) else None
         if not group:
             return None, 0
+        # Siblings share under a block of tokens, so their first blocks order them, and the one
+        # sharing most with the query sits next to the query's place in that order: comparing
+        # two of them, not every session that branched off here, keeps lookup O(len(tokens)).
+        head = list(tokens[pos : pos + self.block_size])
+        i = bisect.bisect_left(group, head, key=_tokens)
         best, best_len = None, 0
-        for child in group:
+        for child in group[max(i - 1, 0) : i + 1]:
             n = _common_prefix(child.tokens, tokens, pos)
             if n > best_len:
                 best, best_len = child, n
@@ -174,6 +185,8 @@ class RadixTree:
                 raise AssertionError("extension must reuse the leaf's last block")
             lo = leaf.start + i * bs
             block.token_ids = list(tokens[lo : lo + bs])
+        # no re-sort among siblings: a leaf is never a prefix of a sibling (it would have been
+        # extended instead), so growing it cannot move it past one
         leaf.tokens.extend(tokens[old_end:])
 
     def _split(self, node: Node, at: int) -> Node:
@@ -286,6 +299,9 @@ class RadixTree:
                 assert node.end % bs == 0, "inner node ends mid-block"
                 for key, group in node.children.items():
                     assert group and all(c.tokens[0] == key for c in group)
+                    assert all(a.tokens < b.tokens for a, b in zip(group, group[1:])), "order"
             else:
                 leaves.add(node)
+        for group in self.root.children.values():
+            assert all(a.tokens < b.tokens for a, b in zip(group, group[1:])), "order"
         assert leaves == self._leaves, "leaf set out of date"
