@@ -1,0 +1,393 @@
+"""Plain-data views of the shared cache, built from a live PagedKVCache or from a snapshot's
+index.json, so that `kvchat chat`, `kvchat inspect` and the server describe it with one schema.
+
+Nothing here imports torch or Rich: `kvchat inspect` reads a snapshot with this module alone.
+Adapters from a snapshot raise SnapshotFormatError (a ValueError) when index.json does not
+have the shape `kvchat.cache.snapshot.export_state` writes.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from kvchat.cache.kvcache import CacheStats, PagedKVCache
+
+Decode = Callable[[Sequence[int]], str]
+PREVIEW_CHARS = 24
+# Decoding more than this many tokens per edge could never add to a 24-character preview.
+PREVIEW_TOKENS = 32
+
+
+class SnapshotFormatError(ValueError):
+    """index.json parsed as JSON but does not describe a cache."""
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One radix-tree node: its edge tokens, how many pool blocks hold them, the highest
+    reference count among those blocks (requests reading them now), and the sessions whose
+    sequences pass through it."""
+
+    start: int
+    tokens: tuple[int, ...]
+    blocks: int
+    max_ref: int
+    owners: tuple[str, ...]
+    children: tuple[NodeView, ...] = ()
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def descendants(self) -> int:
+        """Nodes below this one."""
+        count, stack = 0, list(self.children)
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children)
+        return count
+
+
+@dataclass(frozen=True)
+class ExactView:
+    """One exact-index entry: a whole prompt, its blocks, and whether its logits are kept
+    (then a repeat of that prompt needs no forward pass)."""
+
+    tokens: tuple[int, ...]
+    blocks: int
+    has_logits: bool
+
+
+@dataclass(frozen=True)
+class SessionView:
+    lookups: int
+    hits: int
+    prompt_tokens: int
+    hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """Counters and pool occupancy. total_blocks is None for a snapshot written before kvchat
+    recorded the pool size."""
+
+    policy: str
+    block_size: int
+    total_blocks: int | None
+    used_blocks: int
+    cached_tokens: int
+    tree_nodes: int
+    exact_entries: int
+    hit_count: int
+    miss_count: int
+    exact_hits: int
+    hit_tokens: int
+    lookup_tokens: int
+    eviction_count: int
+    stored_tokens: int
+    sessions: Mapping[str, SessionView] = field(default_factory=dict)
+
+    @property
+    def free_blocks(self) -> int | None:
+        return None if self.total_blocks is None else self.total_blocks - self.used_blocks
+
+    @property
+    def utilisation(self) -> float | None:
+        if not self.total_blocks:
+            return None
+        return self.used_blocks / self.total_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hit_count + self.miss_count
+        return self.hit_count / lookups if lookups else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+# ---- building the views --------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _freeze(
+    roots: Sequence[T],
+    children: Callable[[T], Sequence[T]],
+    view: Callable[[T, tuple[NodeView, ...]], NodeView],
+) -> tuple[NodeView, ...]:
+    """Build NodeViews bottom-up without recursion (a long chain of branch points must not hit
+    Python's recursion limit)."""
+    built: dict[int, NodeView] = {}
+    stack: list[tuple[T, bool]] = [(r, False) for r in reversed(roots)]
+    while stack:
+        item, expanded = stack.pop()
+        if expanded:
+            built[id(item)] = view(item, tuple(built.pop(id(c)) for c in children(item)))
+        else:
+            stack.append((item, True))
+            stack.extend((c, False) for c in reversed(children(item)))
+    return tuple(built.pop(id(r)) for r in roots)
+
+
+def nodes_from_cache(cache: PagedKVCache) -> tuple[NodeView, ...]:
+    """The live radix tree (children in insertion order)."""
+
+    def view(node: Any, kids: tuple[NodeView, ...]) -> NodeView:
+        return NodeView(
+            start=node.start,
+            tokens=tuple(node.tokens),
+            blocks=len(node.blocks),
+            max_ref=max((b.ref_count for b in node.blocks), default=0),
+            owners=tuple(sorted(node.owners)),
+            children=kids,
+        )
+
+    return _freeze(cache.tree.root.child_list(), lambda n: n.child_list(), view)
+
+
+def exact_from_cache(cache: PagedKVCache) -> tuple[ExactView, ...]:
+    return tuple(
+        ExactView(tuple(key), len(entry.blocks), entry.logits is not None)
+        for key, entry in cache.exact.items()
+    )
+
+
+def summary_from_stats(stats: CacheStats) -> CacheSummary:
+    return CacheSummary(
+        policy=stats.policy,
+        block_size=stats.pool.block_size,
+        total_blocks=stats.pool.total_blocks,
+        used_blocks=stats.pool.used_blocks,
+        cached_tokens=stats.tree_tokens,
+        tree_nodes=stats.tree_nodes,
+        exact_entries=stats.exact_entries,
+        hit_count=stats.hit_count,
+        miss_count=stats.miss_count,
+        exact_hits=stats.exact_hits,
+        hit_tokens=stats.hit_tokens,
+        lookup_tokens=stats.lookup_tokens,
+        eviction_count=stats.eviction_count,
+        stored_tokens=stats.stored_tokens,
+        sessions={
+            sid: SessionView(c.lookups, c.hits, c.prompt_tokens, c.hit_tokens)
+            for sid, c in stats.sessions.items()
+        },
+    )
+
+
+def _damaged(exc: Exception) -> SnapshotFormatError:
+    return SnapshotFormatError(
+        f"index.json does not describe a cache ({type(exc).__name__}: {exc})"
+    )
+
+
+def nodes_from_meta(meta: Mapping[str, Any]) -> tuple[NodeView, ...]:
+    """The radix tree as a snapshot recorded it. A snapshot holds no requests, so every
+    reference count is 0."""
+    try:
+        block_tokens = [list(map(int, b["tokens"])) for b in meta["blocks"]]
+
+        def view(rec: Mapping[str, Any], kids: tuple[NodeView, ...]) -> NodeView:
+            ids = [int(i) for i in rec["blocks"]]
+            tokens = tuple(t for i in ids for t in block_tokens[i])
+            owners = tuple(sorted(str(o) for o in rec.get("owners", [])))
+            return NodeView(int(rec["start"]), tokens, len(ids), 0, owners, kids)
+
+        return _freeze(list(meta["tree"]), lambda r: list(r["children"]), view)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise _damaged(exc) from exc
+
+
+def exact_from_meta(meta: Mapping[str, Any]) -> tuple[ExactView, ...]:
+    try:
+        return tuple(
+            ExactView(tuple(map(int, e["tokens"])), len(e["blocks"]), bool(e.get("logits")))
+            for e in meta.get("exact", [])
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _damaged(exc) from exc
+
+
+def summary_from_meta(meta: Mapping[str, Any], nodes: Sequence[NodeView]) -> CacheSummary:
+    try:
+        counters = dict(meta.get("counters", {}))
+        sessions = {
+            str(sid): SessionView(
+                int(s["lookups"]), int(s["hits"]), int(s["prompt_tokens"]), int(s["hit_tokens"])
+            )
+            for sid, s in dict(counters.pop("sessions", {})).items()
+        }
+        pool = meta.get("pool") or {}
+        total = pool.get("total_blocks")
+        return CacheSummary(
+            policy=str(meta.get("policy", "?")),
+            block_size=int(meta["block_size"]),
+            total_blocks=None if total is None else int(total),
+            used_blocks=len(meta["blocks"]),
+            cached_tokens=sum(n.n_tokens for n in walk(nodes)),
+            tree_nodes=sum(1 for _ in walk(nodes)),
+            exact_entries=len(meta.get("exact", [])),
+            hit_count=int(counters.get("hit_count", 0)),
+            miss_count=int(counters.get("miss_count", 0)),
+            exact_hits=int(counters.get("exact_hits", 0)),
+            hit_tokens=int(counters.get("hit_tokens", 0)),
+            lookup_tokens=int(counters.get("lookup_tokens", 0)),
+            eviction_count=int(counters.get("eviction_count", 0)),
+            stored_tokens=int(counters.get("stored_tokens", 0)),
+            sessions=sessions,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _damaged(exc) from exc
+
+
+# ---- queries -------------------------------------------------------------------------------
+
+
+def walk(nodes: Iterable[NodeView]) -> Iterable[NodeView]:
+    """Every node, depth first."""
+    stack = list(reversed(list(nodes)))
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(node.children))
+
+
+def owned_by(nodes: Sequence[NodeView], session: str) -> tuple[NodeView, ...]:
+    """The branches a session's sequences pass through (owners are recorded on every node of
+    such a path, so the result stays connected to the root)."""
+    return _freeze(
+        [n for n in nodes if session in n.owners],
+        lambda n: [c for c in n.children if session in c.owners],
+        lambda n, kids: NodeView(n.start, n.tokens, n.blocks, n.max_ref, n.owners, kids),
+    )
+
+
+def covers(nodes: Sequence[NodeView], tokens: Sequence[int]) -> bool:
+    """True if `tokens` is a path from the root through these nodes (ending anywhere in an
+    edge)."""
+    level, pos = nodes, 0
+    while pos < len(tokens):
+        rest = tuple(tokens[pos:])
+        # either the edge is a prefix of what is left, or what is left ends inside the edge
+        node = next((c for c in level if c.tokens[: len(rest)] == rest[: c.n_tokens]), None)
+        if node is None:
+            return False
+        pos += node.n_tokens
+        level = node.children
+    return True
+
+
+# ---- text previews -------------------------------------------------------------------------
+
+
+def preview(text: str, limit: int = PREVIEW_CHARS) -> str:
+    """One line of at most `limit` characters: newlines become ⏎, other control characters ·."""
+    text = text.replace("\r\n", "\n")
+    out = []
+    for ch in text:
+        if ch in "\n\r":
+            out.append("⏎")
+        elif unicodedata.category(ch) == "Cc":
+            out.append("·")
+        else:
+            out.append(ch)
+    line = "".join(out)
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def ids_preview(ids: Sequence[int], limit: int = PREVIEW_CHARS) -> str:
+    """A preview from token ids, for when no tokenizer is at hand."""
+    return preview(" ".join(map(str, ids[:PREVIEW_TOKENS])), limit)
+
+
+def edge_preview(tokens: Sequence[int], decode: Decode | None, limit: int = PREVIEW_CHARS) -> str:
+    if decode is None:
+        return ids_preview(tokens, limit)
+    return preview(decode(tokens[:PREVIEW_TOKENS]), limit)
+
+
+def tail_preview(tokens: Sequence[int], decode: Decode | None, limit: int = PREVIEW_CHARS) -> str:
+    """The end of a sequence, where exact-index entries differ from each other."""
+    tail = tokens[-PREVIEW_TOKENS:]
+    text = ids_preview(tail, 10**6) if decode is None else preview(decode(tail), 10**6)
+    return text if len(text) <= limit else "…" + text[-(limit - 1) :]
+
+
+# ---- JSON ----------------------------------------------------------------------------------
+
+
+def tree_json(
+    nodes: Sequence[NodeView], decode: Decode | None = None, depth: int | None = None
+) -> list[dict[str, Any]]:
+    """The tree as nested JSON objects; below `depth` levels children are left out and counted
+    in `children_omitted`."""
+
+    def one(node: NodeView, level: int) -> dict[str, Any]:
+        keep = depth is None or level < depth
+        return {
+            "start": node.start,
+            "n_tokens": node.n_tokens,
+            "n_blocks": node.blocks,
+            "max_ref": node.max_ref,
+            "owners": list(node.owners),
+            "preview": edge_preview(node.tokens, decode),
+            "tokens": list(node.tokens),
+            "children": [one(c, level + 1) for c in node.children] if keep else [],
+            "children_omitted": 0 if keep else len(node.children),
+        }
+
+    return [one(n, 1) for n in nodes]
+
+
+def exact_json(entries: Sequence[ExactView], decode: Decode | None = None) -> list[dict[str, Any]]:
+    return [
+        {"n_tokens": len(e.tokens), "n_blocks": e.blocks, "has_logits": e.has_logits,
+         "tail_preview": tail_preview(e.tokens, decode)}
+        for e in entries
+    ]
+
+
+def stats_json(summary: CacheSummary) -> dict[str, Any]:
+    s = summary
+    return {
+        "policy": s.policy,
+        "hit_count": s.hit_count,
+        "miss_count": s.miss_count,
+        "hit_rate": s.hit_rate,
+        "exact_hits": s.exact_hits,
+        "hit_tokens": s.hit_tokens,
+        "lookup_tokens": s.lookup_tokens,
+        "token_hit_rate": s.token_hit_rate,
+        "eviction_count": s.eviction_count,
+        "stored_tokens": s.stored_tokens,
+        "tree_nodes": s.tree_nodes,
+        "tree_tokens": s.cached_tokens,
+        "exact_entries": s.exact_entries,
+        "sessions": {
+            sid: {"lookups": c.lookups, "hits": c.hits, "prompt_tokens": c.prompt_tokens,
+                  "hit_tokens": c.hit_tokens, "hit_rate": c.hit_rate}
+            for sid, c in sorted(s.sessions.items())
+        },
+    }
+
+
+def pool_json(summary: CacheSummary) -> dict[str, Any]:
+    return {
+        "block_size": summary.block_size,
+        "total_blocks": summary.total_blocks,
+        "used_blocks": summary.used_blocks,
+        "free_blocks": summary.free_blocks,
+        "utilisation": summary.utilisation,
+        "cached_tokens": summary.cached_tokens,
+    }

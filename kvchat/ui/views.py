@@ -1,0 +1,439 @@
+"""Rich renderables for kvchat's terminal output: pure functions of plain data.
+
+Everything the chat REPL, `kvchat inspect` and `kvchat verify` print is built here, from the
+plain views in `cache_view` and small dataclasses; nothing here touches a model or torch, so each
+view is tested by rendering it to text. Every view fits an 80-column terminal; the per-turn panels
+come in three sizes (`/panels off|compact|full`), compact being one line per panel.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.columns import Columns
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from kvchat.ui.cache_view import (
+    CacheSummary,
+    Decode,
+    ExactView,
+    NodeView,
+    edge_preview,
+    tail_preview,
+    walk,
+)
+
+if TYPE_CHECKING:
+    from kvchat.engine.verify import VerifyRow
+    from kvchat.sessions import Turn
+
+PANEL_MODES = ("off", "compact", "full")
+BAR_WIDTH = 24
+# A turn that computed fewer tokens than this measures mostly the fixed cost of one forward
+# pass, not the per-token prefill rate.
+MIN_RATE_TOKENS = 16
+
+
+# ---- small formatting helpers --------------------------------------------------------------
+
+
+def bar(fraction: float, width: int = BAR_WIDTH) -> str:
+    fraction = max(0.0, min(1.0, fraction))
+    filled = round(fraction * width)
+    if 0 < fraction < 1:  # a little is never drawn as none, nearly all never as all
+        filled = min(max(filled, 1), width - 1)
+    return "█" * filled + "░" * (width - filled)
+
+
+def pct(fraction: float) -> str:
+    return f"{fraction * 100:.1f}%"
+
+
+def ms(value: float) -> str:
+    return f"{value:,.0f} ms" if value < 1000 else f"{value / 1000:,.2f} s"
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
+def printable(text: str) -> str:
+    """Model output made safe for a terminal: control characters other than newline and tab are
+    shown as their Unicode control pictures (␛, ␇, ...) instead of being executed."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in "\n\t":
+            out.append(ch)
+        elif code < 0x20:
+            out.append(chr(0x2400 + code))
+        elif code == 0x7F:
+            out.append("␡")
+        elif 0x80 <= code < 0xA0:
+            out.append("�")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+# ---- one chat turn -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TurnView:
+    number: int
+    prompt_tokens: int
+    hit_tokens: int
+    source: str  # exact | radix | miss
+    ttft_ms: float
+    prefill_ms: float
+    completion_tokens: int
+    decode_tokens_per_s: float
+    finish_reason: str
+    saved_ms: float | None  # estimated prefill time the hit tokens saved
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def prefill_rate(samples: Iterable[tuple[int, float]]) -> float | None:
+    """Milliseconds per computed prompt token, from (computed tokens, prefill ms) of turns that
+    ran a prefill; turns with few computed tokens are used only when there is nothing else."""
+    usable = [(n, t) for n, t in samples if n > 0 and t > 0]
+    big = [(n, t) for n, t in usable if n >= MIN_RATE_TOKENS]
+    chosen = big or usable
+    tokens = sum(n for n, _ in chosen)
+    return sum(t for _, t in chosen) / tokens if tokens else None
+
+
+def estimate_saved_ms(hit_tokens: int, rate: float | None) -> float | None:
+    return None if rate is None else hit_tokens * rate
+
+
+def _saved(turn: TurnView) -> str:
+    return "saved —" if turn.saved_ms is None else f"saved ≈ {ms(turn.saved_ms)} est."
+
+
+def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
+    """This turn's prompt: how much came from the cache and what that saved."""
+    t = turn
+    if mode == "compact":
+        return Text(
+            f"turn {t.number} · {t.hit_tokens:,}/{t.prompt_tokens:,} cached {pct(t.hit_rate)} "
+            f"{t.source} · TTFT {ms(t.ttft_ms)} · {_saved(t)}"
+        )
+    lines = [
+        f"cached {t.hit_tokens:,} / {t.prompt_tokens:,} tok  {pct(t.hit_rate)}",
+        f"{bar(t.hit_rate)} {t.source}",
+        f"computed {t.computed_tokens:,} tok · prefill {ms(t.prefill_ms)}",
+        f"TTFT {ms(t.ttft_ms)} · {_saved(t)}",
+        f"reply {t.completion_tokens:,} tok · {t.decode_tokens_per_s:,.0f} tok/s · "
+        f"{t.finish_reason}",
+    ]
+    return Panel(
+        Text("\n".join(lines)), title=f"turn {t.number} · cache", title_align="left",
+        expand=False,
+    )
+
+
+def pool_panel(summary: CacheSummary, mode: str = "full") -> RenderableType:
+    """Occupancy of the block pool and the cache's overall hit rate."""
+    s = summary
+    if s.total_blocks is None:
+        used = f"{s.used_blocks:,} blocks (pool size not recorded)"
+        free = "free ?"
+    else:
+        used = f"{s.used_blocks:,} / {s.total_blocks:,} blocks · {pct(s.utilisation or 0.0)}"
+        free = f"free {s.free_blocks:,}"
+    if mode == "compact":
+        util = "" if s.utilisation is None else f" {pct(s.utilisation)}"
+        total = "?" if s.total_blocks is None else f"{s.total_blocks:,}"
+        return Text(
+            f"pool {s.used_blocks:,}/{total} blk{util} · {s.eviction_count:,} evicted · "
+            f"hit rate {pct(s.hit_rate)} · {s.cached_tokens:,} tok cached"
+        )
+    lines = [
+        f"used {used}",
+        bar(s.utilisation or 0.0),
+        f"{free} · evictions {s.eviction_count:,}",
+        f"hit rate {pct(s.hit_rate)} ({pct(s.token_hit_rate)} of tokens)",
+        f"cached {s.cached_tokens:,} tok in {plural(s.tree_nodes, 'node')}",
+    ]
+    return Panel(
+        Text("\n".join(lines)), title=f"block pool · {s.policy}", title_align="left",
+        expand=False,
+    )
+
+
+# ---- the radix tree ------------------------------------------------------------------------
+
+
+def _owners(owners: Sequence[str], limit: int = 2) -> str:
+    if not owners:
+        return ""
+    shown = ", ".join(owners[:limit])
+    return shown + (f" +{len(owners) - limit}" if len(owners) > limit else "")
+
+
+def node_label(node: NodeView, decode: Decode | None, highlight: str | None = None) -> Text:
+    label = Text(f"{node.n_tokens:,} tok · {node.blocks:,} blk · ref {node.max_ref} ")
+    label.append(f'"{edge_preview(node.tokens, decode)}"', style="cyan")
+    owners = _owners(node.owners)
+    if owners:
+        label.append(f" {owners}", style="bold" if highlight in node.owners else "dim")
+    return label
+
+
+def tree_view(
+    nodes: Sequence[NodeView],
+    decode: Decode | None,
+    depth: int = 3,
+    max_children: int = 3,
+    highlight: str | None = None,
+    title: str | None = None,
+) -> Tree:
+    """The radix tree, `depth` levels deep, at most `max_children` siblings per node (the
+    highlighted session's branches first); what is left out is counted, never silently dropped."""
+    all_nodes = list(walk(nodes))
+    head = title or "radix tree"
+    root = Tree(Text(f"{head} · {plural(len(all_nodes), 'node')} · "
+                     f"{sum(n.n_tokens for n in all_nodes):,} tok"))
+    if not nodes:
+        root.add(Text("(empty)", style="dim"))
+        return root
+
+    def first(group: Sequence[NodeView]) -> list[NodeView]:
+        if highlight is None:
+            return list(group)
+        return sorted(group, key=lambda n: highlight not in n.owners)  # stable
+
+    stack: list[tuple[Tree, Sequence[NodeView], int]] = [(root, nodes, 1)]
+    while stack:
+        parent, group, level = stack.pop()
+        ordered = first(group)
+        for node in ordered[:max_children]:
+            branch = parent.add(node_label(node, decode, highlight))
+            if not node.children:
+                continue
+            if level < depth:
+                stack.append((branch, node.children, level + 1))
+            else:
+                hidden = node.descendants()
+                branch.add(Text(f"… {hidden:,} more below", style="dim"))
+        if len(ordered) > max_children:
+            parent.add(Text(f"… {len(ordered) - max_children:,} more", style="dim"))
+    return root
+
+
+def tree_panel(
+    nodes: Sequence[NodeView],
+    decode: Decode | None,
+    mode: str = "full",
+    highlight: str | None = None,
+    depth: int = 3,
+    max_children: int = 3,
+) -> RenderableType:
+    if mode == "compact":
+        all_nodes = list(walk(nodes))
+        line = f"tree {plural(len(all_nodes), 'node')} · {sum(n.n_tokens for n in all_nodes):,} tok"
+        if highlight is not None:
+            mine = [n for n in all_nodes if highlight in n.owners]
+            line += (f" · {highlight}: {sum(n.n_tokens for n in mine):,} tok in "
+                     f"{plural(len(mine), 'node')}")
+        return Text(line)
+    return tree_view(nodes, decode, depth, max_children, highlight)
+
+
+def turn_panels(
+    turn: TurnView,
+    summary: CacheSummary,
+    nodes: Sequence[NodeView],
+    decode: Decode | None,
+    mode: str = "full",
+    highlight: str | None = None,
+) -> RenderableType:
+    """What the REPL prints after a reply."""
+    if mode == "off":
+        return Group()
+    hit, pool = hit_panel(turn, mode), pool_panel(summary, mode)
+    tree = tree_panel(nodes, decode, mode, highlight)
+    if mode == "compact":
+        return Group(hit, pool, tree)
+    return Group(Columns([hit, pool]), tree)
+
+
+# ---- REPL screens --------------------------------------------------------------------------
+
+
+def banner(lines: Sequence[str]) -> RenderableType:
+    return Panel(Text("\n".join(lines)), title="kvchat chat", title_align="left", expand=False)
+
+
+def help_view(commands: Sequence[tuple[str, str]], keys: Sequence[tuple[str, str]]) -> Table:
+    table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("does")
+    for usage, text in commands:
+        table.add_row(usage, text)
+    table.add_section()
+    for key, text in keys:
+        table.add_row(key, text)
+    return table
+
+
+def turns_table(turns: Sequence[Turn], last: int = 10) -> Table:
+    """A session's recent turns: what each prompt found in the cache."""
+    shown = list(enumerate(turns, 1))[-last:]
+    table = Table(box=box.SIMPLE_HEAD, title="this session's turns", title_justify="left")
+    for name in ("#", "prompt", "cached", "rate", "source", "TTFT", "reply", "end"):
+        table.add_column(name, justify="left" if name in ("source", "end") else "right")
+    for i, t in shown:
+        table.add_row(
+            str(i), f"{t.prompt_tokens:,}", f"{t.hit_tokens:,}", pct(t.hit_rate), t.source,
+            ms(t.ttft_ms), f"{t.completion_tokens:,}", t.finish_reason,
+        )
+    return table
+
+
+def sessions_counters_table(summary: CacheSummary) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, title="per session (cache lookups)", title_justify="left")
+    for name in ("session", "lookups", "hits", "prompt tok", "cached tok", "rate"):
+        table.add_column(name, justify="left" if name == "session" else "right")
+    for sid, c in sorted(summary.sessions.items()):
+        table.add_row(sid, f"{c.lookups:,}", f"{c.hits:,}", f"{c.prompt_tokens:,}",
+                      f"{c.hit_tokens:,}", pct(c.hit_rate))
+    return table
+
+
+def stats_view(summary: CacheSummary, turns: Sequence[Turn], integrity: str) -> RenderableType:
+    s = summary
+    facts = Text(
+        f"exact index {s.exact_entries:,} entries · {s.exact_hits:,} exact hits · "
+        f"{s.stored_tokens:,} tok stored · integrity {integrity}"
+    )
+    parts: list[RenderableType] = [pool_panel(s, "full"), facts]
+    if s.sessions:
+        parts.append(sessions_counters_table(s))
+    if turns:
+        parts.append(turns_table(turns))
+    return Group(*parts)
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    name: str
+    turns: int
+    updated: float
+    current: bool
+
+
+def sessions_table(rows: Sequence[SessionRow]) -> RenderableType:
+    if not rows:
+        return Text("No saved sessions yet.")
+    table = Table(box=box.SIMPLE_HEAD)
+    table.add_column("")
+    table.add_column("session")
+    table.add_column("turns", justify="right")
+    table.add_column("last used")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated))
+        table.add_row("*" if r.current else "", r.name, str(r.turns), when)
+    return table
+
+
+# ---- inspect -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SnapshotFacts:
+    path: str
+    model: str
+    dtype: str
+    saved_at: float | None
+
+
+def exact_table(entries: Sequence[ExactView], decode: Decode | None, limit: int = 10) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, title=f"exact index · {len(entries):,} entries",
+                  title_justify="left")
+    table.add_column("tokens", justify="right")
+    table.add_column("blocks", justify="right")
+    table.add_column("logits")
+    table.add_column("ends with")
+    newest_first = list(reversed(entries))  # the index keeps its oldest entries first
+    for e in newest_first[:limit]:
+        table.add_row(f"{len(e.tokens):,}", f"{e.blocks:,}", "yes" if e.has_logits else "no",
+                      Text(tail_preview(e.tokens, decode, 30)))
+    if len(entries) > limit:
+        table.add_row("…", "", "", Text(f"{len(entries) - limit:,} more (--json lists all)"))
+    return table
+
+
+def inspect_view(
+    facts: SnapshotFacts,
+    summary: CacheSummary,
+    nodes: Sequence[NodeView],
+    exact: Sequence[ExactView],
+    decode: Decode | None,
+    depth: int,
+    max_children: int,
+    session: str | None = None,
+) -> RenderableType:
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(facts.saved_at))
+            if facts.saved_at else "unknown")
+    head = Text(
+        f"snapshot {facts.path}\nsaved {when} · {facts.model} · {facts.dtype} · "
+        f"block {summary.block_size} tok"
+    )
+    if decode is None:
+        head.append("\n(no tokenizer file recorded: previews show token ids)", style="dim")
+    title = "radix tree" if session is None else f"radix tree (session {session})"
+    parts: list[RenderableType] = [head, pool_panel(summary, "full")]
+    if summary.sessions:
+        parts.append(sessions_counters_table(summary))
+    parts.append(tree_view(nodes, decode, depth, max_children, session, title))
+    parts.append(exact_table(exact, decode))
+    return Group(*parts)
+
+
+# ---- verify --------------------------------------------------------------------------------
+
+
+def verify_table(rows: Sequence[VerifyRow]) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, title="cached vs cold (greedy)", title_justify="left")
+    table.add_column("prompt", max_width=24, no_wrap=True, overflow="ellipsis")
+    table.add_column("scenario")
+    table.add_column("hit", justify="right")
+    table.add_column("equal")
+    table.add_column("first diff", justify="right")
+    table.add_column("max |Δlogit|", justify="right")
+    for r in rows:
+        table.add_row(
+            Text(r.prompt), r.scenario, f"{r.hit_tokens}/{r.prompt_tokens} {r.source}",
+            Text("yes", style="green") if r.tokens_equal else Text("NO", style="bold red"),
+            "—" if r.first_divergence is None else str(r.first_divergence),
+            f"{r.max_logit_diff:.1e}",
+        )
+    return table
+
+
+def verify_summary(rows: Sequence[VerifyRow]) -> Text:
+    bad = [r for r in rows if not r.tokens_equal]
+    worst = max((r.max_logit_diff for r in rows), default=0.0)
+    if not bad:
+        return Text(f"All {len(rows)} cached runs match the cold runs token for token "
+                    f"(max |logit diff| {worst:.1e}).", style="green")
+    return Text(f"{len(bad)} of {len(rows)} cached runs differ from the cold run "
+                f"(max |logit diff| {worst:.1e}).", style="bold red")

@@ -1,0 +1,229 @@
+"""The chat and inspect views: pure functions of plain data, checked as the exact text they
+print in an 80-column terminal; and the plain-data adapters from a live cache and a snapshot."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from kvchat.ui import cache_view as cv
+from kvchat.ui import views
+from kvchat.ui.cache_view import CacheSummary, ExactView, NodeView, SessionView
+from kvchat.ui.views import TurnView
+
+
+def render(renderable, width: int = 80) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
+
+
+def letters(ids) -> str:
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+TURN = TurnView(
+    number=2, prompt_tokens=412, hit_tokens=398, source="radix", ttft_ms=38.2, prefill_ms=31.0,
+    completion_tokens=48, decode_tokens_per_s=61.3, finish_reason="stop", saved_ms=240.0,
+)
+SUMMARY = CacheSummary(
+    policy="lru", block_size=16, total_blocks=4096, used_blocks=52, cached_tokens=830,
+    tree_nodes=5, exact_entries=3, hit_count=3, miss_count=1, exact_hits=1, hit_tokens=700,
+    lookup_tokens=760, eviction_count=0, stored_tokens=830,
+    sessions={"demo": SessionView(2, 1, 300, 250)},
+)
+NODES = (
+    NodeView(0, tuple(range(16)), 1, 0, ("demo", "other", "x"), (
+        NodeView(16, tuple(range(40, 70)), 2, 1, ("other",)),
+        NodeView(16, tuple(range(16, 36)), 2, 0, ("demo",)),
+        NodeView(16, (5,), 1, 0, ("x",)),
+        NodeView(16, (6,), 1, 0, ("x",), (NodeView(32, (7, 8), 1, 0, ("x",)),)),
+    )),
+)
+
+
+def test_hit_panel_full_and_compact():
+    assert render(views.hit_panel(TURN)) == "\n".join([
+        "╭─ turn 2 · cache ─────────────────╮",
+        "│ cached 398 / 412 tok  96.6%      │",
+        "│ ███████████████████████░ radix   │",
+        "│ computed 14 tok · prefill 31 ms  │",
+        "│ TTFT 38 ms · saved ≈ 240 ms est. │",
+        "│ reply 48 tok · 61 tok/s · stop   │",
+        "╰──────────────────────────────────╯",
+    ])
+    assert render(views.hit_panel(TURN, "compact")) == (
+        "turn 2 · 398/412 cached 96.6% radix · TTFT 38 ms · saved ≈ 240 ms est."
+    )
+
+
+def test_hit_panel_without_a_rate_says_so():
+    first = TurnView(1, 100, 0, "miss", 1500.0, 1490.0, 3, 10.0, "interrupted", None)
+    text = render(views.hit_panel(first))
+    assert "cached 0 / 100 tok  0.0%" in text
+    assert "░" * 24 + " miss" in text
+    assert "TTFT 1.50 s · saved —" in text
+    assert "reply 3 tok · 10 tok/s · interrupted" in text
+
+
+def test_pool_panel_full_and_compact():
+    assert render(views.pool_panel(SUMMARY)) == "\n".join([
+        "╭─ block pool · lru ───────────────╮",
+        "│ used 52 / 4,096 blocks · 1.3%    │",
+        "│ █░░░░░░░░░░░░░░░░░░░░░░░         │",
+        "│ free 4,044 · evictions 0         │",
+        "│ hit rate 75.0% (92.1% of tokens) │",
+        "│ cached 830 tok in 5 nodes        │",
+        "╰──────────────────────────────────╯",
+    ])
+    assert render(views.pool_panel(SUMMARY, "compact")) == (
+        "pool 52/4,096 blk 1.3% · 0 evicted · hit rate 75.0% · 830 tok cached"
+    )
+
+
+def test_pool_panel_of_an_old_snapshot_without_pool_size():
+    from dataclasses import replace
+
+    text = render(views.pool_panel(replace(SUMMARY, total_blocks=None)))
+    assert "used 52 blocks (pool size not recorded)" in text
+    assert "free ? · evictions 0" in text
+
+
+def test_tree_view_collapses_siblings_and_depth_and_puts_the_session_first():
+    text = render(views.tree_view(NODES, letters, depth=2, max_children=3, highlight="demo"))
+    assert text == "\n".join([
+        "radix tree · 6 nodes · 70 tok",
+        '└── 16 tok · 1 blk · ref 0 "abcdefghijklmnop" demo, other +1',
+        '    ├── 20 tok · 2 blk · ref 0 "qrstuvwxyzabcdefghij" demo',
+        '    ├── 30 tok · 2 blk · ref 1 "opqrstuvwxyzabcdefghijk…" other',
+        '    ├── 1 tok · 1 blk · ref 0 "f" x',
+        "    └── … 1 more",
+    ])
+    deep = render(views.tree_view(NODES, None, depth=2, max_children=4))
+    assert '├── 30 tok · 2 blk · ref 1 "40 41 42 43 44 45 46 47…" other' in deep
+    assert '└── 1 tok · 1 blk · ref 0 "6" x' in deep
+    assert "        └── … 1 more below" in deep
+
+
+def test_tree_view_of_an_empty_cache():
+    assert render(views.tree_view((), None)) == "radix tree · 0 nodes · 0 tok\n└── (empty)"
+
+
+def test_turn_panels_fit_80_columns_and_modes():
+    full = render(views.turn_panels(TURN, SUMMARY, NODES, letters, "full", "demo"))
+    assert max(len(line) for line in full.splitlines()) <= 80
+    first = full.splitlines()[0]
+    assert first.startswith("╭─ turn 2 · cache") and "╭─ block pool · lru" in first
+    assert "radix tree · 6 nodes · 70 tok" in full
+    compact = render(views.turn_panels(TURN, SUMMARY, NODES, letters, "compact", "demo"))
+    assert compact.splitlines() == [
+        "turn 2 · 398/412 cached 96.6% radix · TTFT 38 ms · saved ≈ 240 ms est.",
+        "pool 52/4,096 blk 1.3% · 0 evicted · hit rate 75.0% · 830 tok cached",
+        "tree 6 nodes · 70 tok · demo: 36 tok in 2 nodes",
+    ]
+    assert render(views.turn_panels(TURN, SUMMARY, NODES, letters, "off")) == ""
+
+
+def test_previews_escape_control_characters_and_truncate():
+    assert cv.preview("a\nb\r\nc\td\x1b") == "a⏎b⏎c·d·"
+    assert cv.preview("x" * 30) == "x" * 23 + "…"
+    assert cv.tail_preview(list(range(40)), letters, 10) == "…fghijklmn"
+    assert cv.ids_preview([1, 22, 333]) == "1 22 333"
+
+
+def test_printable_shows_terminal_controls_instead_of_running_them():
+    assert views.printable("ok\n\tgo\x1b[2J\x07\x7f\x85é") == "ok\n\tgo␛[2J␇␡�é"
+
+
+def test_bar_never_rounds_a_little_to_nothing():
+    assert views.bar(0.0, 10) == "░" * 10
+    assert views.bar(0.01, 10) == "█" + "░" * 9
+    assert views.bar(0.999, 10) == "█" * 9 + "░"
+    assert views.bar(1.0, 10) == "█" * 10
+
+
+def test_prefill_rate_prefers_turns_that_computed_many_tokens():
+    # 200 tokens in 100 ms -> 0.5 ms/token; the 5-token turn is mostly fixed overhead
+    assert views.prefill_rate([(200, 100.0), (5, 30.0), (0, 1.0)]) == pytest.approx(0.5)
+    assert views.prefill_rate([(5, 30.0)]) == pytest.approx(6.0)
+    assert views.prefill_rate([]) is None
+    assert views.estimate_saved_ms(398, 0.5) == pytest.approx(199.0)
+    assert views.estimate_saved_ms(398, None) is None
+
+
+def test_tree_json_schema_and_depth_limit():
+    doc = cv.tree_json(NODES, letters, depth=1)
+    assert doc == [{
+        "start": 0, "n_tokens": 16, "n_blocks": 1, "max_ref": 0,
+        "owners": ["demo", "other", "x"], "preview": "abcdefghijklmnop",
+        "tokens": list(range(16)), "children": [], "children_omitted": 4,
+    }]
+    full = cv.tree_json(NODES)
+    assert [c["n_tokens"] for c in full[0]["children"]] == [30, 20, 1, 1]
+    assert full[0]["children"][3]["children"][0]["tokens"] == [7, 8]
+    assert full[0]["children"][0]["preview"] == "40 41 42 43 44 45 46 47…"
+
+
+def test_owned_by_keeps_the_sessions_branches_only():
+    mine = cv.owned_by(NODES, "demo")
+    assert [n.tokens for n in cv.walk(mine)] == [tuple(range(16)), tuple(range(16, 36))]
+    assert cv.owned_by(NODES, "nobody") == ()
+    assert cv.covers(mine, list(range(20)))
+    assert cv.covers(mine, list(range(36)))
+    assert not cv.covers(mine, list(range(37)))
+    assert not cv.covers(mine, [0, 1, 2, 9])
+
+
+def test_adapters_agree_between_a_live_cache_and_its_snapshot_meta():
+    import random
+
+    import torch
+
+    from kvchat.cache.kvcache import PagedKVCache
+    from kvchat.cache.snapshot import export_state
+    from kvchat.config import CacheConfig
+
+    cache = PagedKVCache.create(CacheConfig(4, num_blocks=64), 1, 1, 2)
+    rng = random.Random(0)
+    shared = [rng.randrange(100) for _ in range(9)]
+    for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7, 8], [9])):
+        tokens = shared + tail
+        kv = [(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))]
+        res = cache.store(tokens, kv, 0, sid=f"s{i}")
+        cache.release(res.blocks)
+    held = cache.lookup(shared + [1, 2, 3], sid="s0")
+    reading = cv.nodes_from_cache(cache)
+    assert [n.max_ref for n in cv.walk(reading)] == [1, 1, 0, 0]  # the lookup holds a path
+    cache.release(held.blocks)
+    meta, _ = export_state(cache)
+    live, saved = cv.nodes_from_cache(cache), cv.nodes_from_meta(meta)
+    assert live == saved
+    assert [n.owners for n in cv.walk(live)] == [("s0", "s1", "s2"), ("s0",), ("s1",), ("s2",)]
+    assert cv.exact_from_cache(cache) == cv.exact_from_meta(meta)
+    from_stats = cv.summary_from_stats(cache.stats())
+    from_meta = cv.summary_from_meta(meta | {"pool": {"total_blocks": 64}}, saved)
+    assert from_stats == from_meta
+    assert from_meta.cached_tokens == cache.tree.num_tokens
+    assert from_meta.sessions["s0"] == SessionView(1, 1, 12, 11)
+
+
+def test_meta_that_is_not_a_cache_is_a_format_error():
+    with pytest.raises(cv.SnapshotFormatError, match="does not describe a cache"):
+        cv.nodes_from_meta({"tree": [{"start": 0}], "blocks": []})
+    with pytest.raises(cv.SnapshotFormatError):
+        cv.nodes_from_meta({"tree": [{"start": 0, "blocks": [3], "children": []}], "blocks": []})
+    with pytest.raises(cv.SnapshotFormatError):
+        cv.summary_from_meta({"tree": [], "blocks": "x"}, ())
+
+
+def test_exact_table_lists_newest_first_and_counts_the_rest():
+    entries = [ExactView(tuple(range(n)), n // 4 + 1, n % 2 == 0) for n in range(1, 14)]
+    text = render(views.exact_table(entries, letters, limit=2))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    assert lines[0] == "exact index · 13 entries"
+    assert lines[1].split() == ["tokens", "blocks", "logits", "ends", "with"]
+    assert lines[3].split() == ["13", "4", "no", "abcdefghijklm"]
+    assert lines[4].split() == ["12", "4", "yes", "abcdefghijkl"]
+    assert lines[5].split(maxsplit=1) == ["…", "11 more (--json lists all)"]
