@@ -97,8 +97,12 @@ class Runtime:
     def save(self) -> Path | None:
         if not self.options.persist or self.cache is None:
             return None
+        pool = self.cache.manager.stats()
         extra = {"tokenizer_file": tokenizer_file(self.backend.tokenizer),
-                 "model_label": self.model_label}
+                 "model_label": self.model_label,
+                 # the pool's size is not in the blocks list; `kvchat inspect` shows occupancy
+                 "pool": {"total_blocks": pool.total_blocks,
+                          "bytes_per_block": pool.bytes_per_block}}
         path = save_snapshot(self.options.sessions_dir, self.cache, self._fingerprint, extra)
         self.last_save = time.time()
         return path
