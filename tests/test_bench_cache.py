@@ -70,6 +70,7 @@ def test_tree_rows_keep_the_cache_at_each_size(result: CacheBenchResult) -> None
         assert [lk.prompt_tokens for lk in row.lookups] == [16, 64]
         assert row.tree_nodes >= row.tree_leaves >= 1
         assert 1 <= row.path_nodes <= 64 // 4 + 1
+        assert row.max_siblings >= 1
         for t in (*[lk.timing for lk in row.lookups], row.store, row.evict_per_block):
             assert 0 < t.min_s <= t.median_s <= t.max_s
 
@@ -108,8 +109,8 @@ def test_as_dict_is_json_with_the_derived_figures(result: CacheBenchResult) -> N
     assert (d["block_size"], d["policy"], d["prompt_tokens"]) == (4, "lru", 64)
     row = d["tree"][0]
     assert set(row) == {
-        "cached_blocks", "tree_nodes", "tree_leaves", "path_nodes", "lookups", "store",
-        "evict_per_block",
+        "cached_blocks", "tree_nodes", "tree_leaves", "path_nodes", "max_siblings", "lookups",
+        "store", "evict_per_block",
     }
     assert set(row["lookups"][0]) == {"prompt_tokens", "timing", "ns_per_token"}
     assert set(row["store"]) == {"median_s", "min_s", "max_s"}

@@ -78,6 +78,7 @@ class TreeRow:
     tree_nodes: int
     tree_leaves: int
     path_nodes: int  # nodes on the measured prompt's path: what a lookup walks
+    max_siblings: int  # the largest group of siblings sharing a first token
     lookups: tuple[LookupTiming, ...]  # a full hit, one per prompt length
     store: Timing  # a fresh prompt of `prompt_tokens`, pool not full
     evict_per_block: Timing
@@ -90,8 +91,11 @@ def _tree_cache(num_blocks: int, block_size: int, policy: str) -> PagedKVCache:
 
 
 class _Filler:
-    """Stores random token sequences, half of them branching off an earlier one at a random
-    point, so the tree is deep and the measured prompt's path is split into many nodes."""
+    """Stores random token sequences shaped like chat traffic around the measured prompt: a
+    quarter unrelated, a quarter sharing its first `system_tokens` tokens (a system prompt that
+    ends mid-block, so all of them are siblings in one group on the prompt's path), a quarter
+    branching off it at a random point (its path is split into many nodes), a quarter branching
+    off any earlier sequence."""
 
     def __init__(self, cache: PagedKVCache, seed: int, vocab: int = VOCAB) -> None:
         self.cache = cache
@@ -113,19 +117,21 @@ class _Filler:
         self.cache.release(res.blocks)
         return self.cache.manager.num_blocks - self.cache.manager.num_free
 
-    def fill(self, target_blocks: int, new_tokens: int, anchor: list[int]) -> None:
+    def fill(
+        self, target_blocks: int, new_tokens: int, anchor: list[int], system_tokens: int
+    ) -> None:
         bs = self.cache.block_size
         used = self.cache.manager.num_blocks - self.cache.manager.num_free
         while used < target_blocks:
-            fresh = min(new_tokens, (target_blocks - used) * bs)
-            if self.rng.random() < 0.5:
-                base = anchor if self.rng.random() < 0.5 or not self.seqs else self.rng.choice(
-                    self.seqs
-                )
-                cut = self.rng.randrange(1, len(base))
-                seq = base[:cut] + self.tokens(fresh)
+            fresh = self.tokens(min(new_tokens, (target_blocks - used) * bs))
+            kind = self.rng.randrange(4)
+            if kind == 0 or (kind == 3 and not self.seqs):
+                seq = fresh
+            elif kind == 1:
+                seq = anchor[:system_tokens] + fresh
             else:
-                seq = self.tokens(fresh)
+                base = anchor if kind == 2 else self.rng.choice(self.seqs)
+                seq = base[: self.rng.randrange(1, len(base))] + fresh
             self.seqs.append(seq)
             used = self.store(seq)
 
@@ -139,6 +145,7 @@ def _tree_row(
     trials: int,
     evict_batch: int,
     fill_tokens: int,
+    system_tokens: int,
     seed: int,
     progress: Progress | None,
 ) -> TreeRow:
@@ -152,7 +159,7 @@ def _tree_row(
     filler = _Filler(cache, seed)
     prompt = filler.tokens(prompt_tokens)
     filler.store(prompt)
-    filler.fill(size, fill_tokens, prompt)
+    filler.fill(size, fill_tokens, prompt, min(system_tokens, prompt_tokens - 1))
 
     if progress:
         progress(f"tree: lookups at {size:,} blocks")
@@ -170,6 +177,8 @@ def _tree_row(
         lookups.append(LookupTiming(len(query) - 1, measure(lookup, trials, warmup=2)))
 
     # counted now: the stores and evictions below may take the prompt's blocks
+    groups = [cache.tree.root, *(n for n, _ in cache.tree.nodes())]
+    max_siblings = max((len(g) for n in groups for g in n.children.values()), default=0)
     node, path_nodes = cache.tree.find_prefix(prompt).node, 0
     while node is not None and node is not cache.tree.root:
         node, path_nodes = node.parent, path_nodes + 1
@@ -207,6 +216,7 @@ def _tree_row(
         tree_nodes=stats.tree_nodes,
         tree_leaves=sum(1 for _ in cache.tree.leaves()),
         path_nodes=path_nodes,
+        max_siblings=max_siblings,
         lookups=tuple(lookups),
         store=store_t,
         evict_per_block=evict_t,
@@ -222,6 +232,7 @@ def bench_tree(
     trials: int = 15,
     evict_batch: int = 64,
     fill_tokens: int = 1024,
+    system_tokens: int = 47,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> list[TreeRow]:
@@ -230,7 +241,7 @@ def bench_tree(
     return [
         _tree_row(
             max(size, min_size), prompt_tokens, lengths, block_size, policy, trials,
-            evict_batch, fill_tokens, seed, progress,
+            evict_batch, fill_tokens, system_tokens, seed, progress,
         )
         for size in sizes
     ]
@@ -498,7 +509,7 @@ def render_cache_bench(result: CacheBenchResult) -> RenderableType:
         title_justify="left",
     )
     tree.add_column("cached blocks", justify="right")
-    tree.add_column("nodes / leaves\n(on path)", justify="right")
+    tree.add_column("nodes / leaves\n(on path, siblings)", justify="right")
     for n in lengths:
         tree.add_column(f"lookup {n:,}", justify="right")
     tree.add_column(f"store {result.prompt_tokens:,}", justify="right")
@@ -506,7 +517,8 @@ def render_cache_bench(result: CacheBenchResult) -> RenderableType:
     for row in result.tree:
         tree.add_row(
             f"{row.cached_blocks:,}",
-            f"{row.tree_nodes:,} / {row.tree_leaves:,}\n({row.path_nodes:,})",
+            f"{row.tree_nodes:,} / {row.tree_leaves:,}\n"
+            f"({row.path_nodes:,}, {row.max_siblings:,})",
             *[_cell(lk.timing) for lk in row.lookups],
             _cell(row.store),
             _cell(row.evict_per_block),
