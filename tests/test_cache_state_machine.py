@@ -186,6 +186,6 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=30, deadline=None
+    max_examples=200, stateful_step_count=30, deadline=None
 )
 TestCacheStateMachine = CacheMachine.TestCase
