@@ -242,3 +242,60 @@ def as_dict(obj: Any) -> Any:
         if hasattr(obj, name):
             out[name] = getattr(obj, name)
     return out
+
+
+_QUESTIONS = [
+    "Hi! Can you help me plan a weekend hike?",
+    "What should I pack for it?",
+    "How much water is enough?",
+    "And if it rains?",
+    "Any tips for blisters?",
+    "What snacks travel well?",
+    "How early should I start?",
+    "Thanks, anything else?",
+]
+
+
+@dataclass(frozen=True)
+class TurnRow:
+    turn: int
+    prompt_tokens: int
+    hit_tokens: int
+    ttft_on: float  # ms, cache on
+    ttft_off: float  # ms, cache off (the whole history prefilled every turn)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def bench_multiturn(
+    model: Any,
+    tokenizer: Any,
+    turns: int = 6,
+    max_new_tokens: int = 32,
+    block_size: int = 16,
+    system: str | None = "You are a friendly outdoor guide. Answer in two sentences.",
+    progress: Callable[[str], None] | None = None,
+) -> list[TurnRow]:
+    """A scripted chat, run twice on the same prompts: through the cache (each turn extends the
+    session's token history) and with the cache off."""
+    from kvchat.engine.conversation import next_prompt, record_turn
+    from kvchat.sessions import Session
+
+    on = Backend.create(model, tokenizer, CacheConfig(block_size, cache_mb=256))
+    off = Backend(model, tokenizer, None)
+    session = Session("bench", system=system)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    rows = []
+    for k in range(turns):
+        if progress:
+            progress(f"multiturn: turn {k + 1}/{turns}")
+        text = _QUESTIONS[k % len(_QUESTIONS)]
+        prompt = next_prompt(on, session, text)
+        cold = off.generate(Request(prompt, SamplingParams(max_new_tokens=1)))
+        warm = on.generate(Request(prompt, params, sid="bench"))
+        record_turn(session, text, prompt, warm)
+        rows.append(TurnRow(k + 1, warm.prompt_tokens, warm.cache_hit_tokens, warm.ttft_ms,
+                            cold.ttft_ms))
+    return rows

@@ -1,0 +1,232 @@
+"""`kvchat bench ...`: the measurements behind every performance claim in the README.
+
+Thin commands: parse options, load the model, call a bench function, render its typed result
+(or print it as JSON). Heavy imports happen inside the commands so `kvchat --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Measure what the cache buys: each subcommand prints ratios measured within one run "
+    "(medians of repeated trials after a warm-up). Add --json for machine-readable output.",
+    no_args_is_help=True,
+)
+
+Model = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="HF hub id, local folder or .gguf (default: embedded "
+                 "SmolLM2-135M-Instruct)."),
+]
+Dtype = Annotated[str | None, typer.Option("--dtype", help="float32 (CPU default) or bfloat16.")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+Trials = Annotated[int, typer.Option("--trials", min=1, help="Timed trials per figure.")]
+Plot = Annotated[
+    Path | None, typer.Option("--plot", help="Also save a plot (PNG; needs matplotlib).")
+]
+
+
+def _err() -> Console:
+    return Console(stderr=True)
+
+
+@contextmanager
+def _status(title: str) -> Iterator[Callable[[str], None]]:
+    console = _err()
+    with console.status(title) as status:
+        yield lambda msg: status.update(f"{title}: {msg}")
+
+
+def _load(model: str | None, dtype: str | None, device: str) -> Any:
+    from kvchat.models import load_model
+
+    return load_model(model, dtype=dtype, device=device)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{what} must be comma-separated integers, got {text!r}") \
+            from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{what} must be positive integers")
+    return values
+
+
+def _emit(result: Any, renderable: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        Console().print(renderable)
+
+
+@bench_app.command()
+def ttft(
+    lengths: Annotated[str, typer.Option(help="Prompt lengths, comma-separated.")] = (
+        "128,512,1024,2048"
+    ),
+    trials: Trials = 5,
+    model: Model = None,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    plot: Plot = None,
+    as_json: Json = False,
+) -> None:
+    """Time to first token, cold vs warm full-prefix hit vs exact repeat, next to one decode
+    step at the same context length."""
+    from kvchat.bench.engine import as_dict, bench_ttft
+    from kvchat.ui.bench_view import plot_ttft, ttft_table
+
+    sizes = _ints(lengths, "--lengths")
+    lm = _load(model, dtype, device)
+    with _status("bench ttft") as progress:
+        rows = bench_ttft(lm.model, lm.tokenizer, sizes, trials=trials, progress=progress)
+    _emit(as_dict(rows), ttft_table(rows), as_json)
+    if plot:
+        _err().print(f"plot: {plot_ttft(rows, plot)}")
+
+
+@bench_app.command()
+def overhead(
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length of each miss.")] = 512,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens decoded per request.")] = 32,
+    trials: Trials = 5,
+    model: Model = None,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    as_json: Json = False,
+) -> None:
+    """What the cache costs when it cannot help: a miss with the cache on vs off, and decode
+    tokens/s vs plain model.generate."""
+    from kvchat.bench.engine import as_dict, bench_overhead
+    from kvchat.ui.bench_view import overhead_table
+
+    lm = _load(model, dtype, device)
+    with _status("bench overhead") as progress:
+        res = bench_overhead(lm.model, lm.tokenizer, prompt_tokens, new_tokens, trials,
+                             progress=progress)
+    _emit(as_dict(res), overhead_table(res), as_json)
+
+
+@bench_app.command()
+def cache(
+    sizes: Annotated[str, typer.Option(help="Cached blocks to measure at, comma-separated.")] = (
+        "1000,10000,100000"
+    ),
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Looked-up prompt length.")] = 4096,
+    trials: Annotated[int, typer.Option(min=1)] = 15,
+    with_model: Annotated[
+        bool, typer.Option(help="Also time a 1,024-token prefill of the model for the "
+                           "gather-vs-prefill ratio.")
+    ] = True,
+    model: Model = None,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    as_json: Json = False,
+) -> None:
+    """Lookup / store / evict costs vs prompt length and cache size, and gather/store
+    bandwidth vs memcpy (and vs a prefill on the model)."""
+    from kvchat.bench.cache import render_cache_bench, run_cache_bench
+
+    counts = _ints(sizes, "--sizes")
+    lm = _load(model, dtype, device) if with_model else None
+    with _status("bench cache") as progress:
+        res = run_cache_bench(lm.model if lm else None, counts, prompt_tokens, trials=trials,
+                              progress=progress)
+    _emit(res.as_dict(), render_cache_bench(res), as_json)
+
+
+@bench_app.command()
+def batch(
+    requests: Annotated[int, typer.Option(min=1, help="Requests in the workload.")] = 32,
+    system_tokens: Annotated[int, typer.Option(min=1, help="Shared system prompt length.")] = 600,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
+    batch_size: Annotated[int, typer.Option(min=1, help="kvchat's decode batch size.")] = 32,
+    skip: Annotated[
+        str, typer.Option(help="Contenders to leave out: generate, generate_batch.")
+    ] = "",
+    model: Model = None,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    as_json: Json = False,
+) -> None:
+    """A shared-system-prompt workload through kvchat vs plain model.generate per request vs
+    transformers' generate_batch (continuous batching with block sharing)."""
+    from kvchat.bench.batch import bench_batch
+    from kvchat.ui.bench_view import batch_table
+
+    left_out = {s.strip() for s in skip.split(",") if s.strip()}
+    unknown = left_out - {"generate", "generate_batch"}
+    if unknown:
+        raise typer.BadParameter(f"unknown contender(s) in --skip: {', '.join(sorted(unknown))}")
+    include = tuple(c for c in ("generate", "generate_batch", "kvchat") if c not in left_out)
+    lm = _load(model, dtype, device)
+    with _status("bench batch") as progress:
+        res = bench_batch(lm.model, lm.tokenizer, requests, system_tokens, new_tokens,
+                          batch_size, include, progress)
+    _emit(res.as_dict(), batch_table(res), as_json)
+
+
+@bench_app.command()
+def multiturn(
+    turns: Annotated[int, typer.Option(min=1)] = 6,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length per turn.")] = 32,
+    model: Model = None,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    plot: Plot = None,
+    as_json: Json = False,
+) -> None:
+    """A scripted chat: per-turn hit rate and time to first token, cache on vs off."""
+    from kvchat.bench.engine import as_dict, bench_multiturn
+    from kvchat.ui.bench_view import multiturn_table, plot_multiturn
+
+    lm = _load(model, dtype, device)
+    with _status("bench multiturn") as progress:
+        rows = bench_multiturn(lm.model, lm.tokenizer, turns, max_tokens, progress=progress)
+    _emit(as_dict(rows), multiturn_table(rows), as_json)
+    if plot:
+        _err().print(f"plot: {plot_multiturn(rows, plot)}")
+
+
+@bench_app.command()
+def policies(
+    requests: Annotated[int, typer.Option(min=1, help="Requests replayed.")] = 400,
+    pool_fraction: Annotated[
+        float, typer.Option(min=0.01, max=1.0, help="Pool size as a fraction of the "
+                            "workload's distinct blocks.")
+    ] = 0.25,
+    with_model: Annotated[
+        bool, typer.Option(help="Run every request through the model (real H2O attention "
+                           "scores) instead of the token-level simulation.")
+    ] = False,
+    model: Model = None,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    plot: Plot = None,
+    as_json: Json = False,
+) -> None:
+    """Replay a workload bigger than the pool under lru / sink-lru / h2o: hit rate and
+    evictions per policy."""
+    from kvchat.bench.engine import as_dict
+    from kvchat.bench.policies import bench_policies
+    from kvchat.ui.bench_view import plot_policies, policies_table
+
+    lm = _load(model, dtype, device) if with_model else None
+    with _status("bench policies") as progress:
+        rows = bench_policies(requests, pool_fraction, model=lm.model if lm else None,
+                              tokenizer=lm.tokenizer if lm else None, progress=progress)
+    _emit(as_dict(rows), policies_table(rows), as_json)
+    if plot:
+        _err().print(f"plot: {plot_policies(rows, plot)}")
