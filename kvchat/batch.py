@@ -311,14 +311,9 @@ class BatchRun:
 # ---- output --------------------------------------------------------------------------------
 
 
-def output_line(res: ItemResult) -> dict[str, Any]:
-    item, r = res.item, res.result
-    if item.openai:
-        return _openai_line(res)
-    if r is None:
-        return {"id": item.id, "line": item.line, "error": res.error}
+def result_fields(r: GenerationResult) -> dict[str, Any]:
+    """What kvchat reports about one request: a batch output line, the server's /generate."""
     return {
-        "id": item.id,
         "text": r.text,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
@@ -327,8 +322,43 @@ def output_line(res: ItemResult) -> dict[str, Any]:
         "finish_reason": r.finish_reason,
         "ttft_ms": round(r.ttft_ms, 2),
         "total_ms": round(r.total_ms, 2),
-        **({"session": item.session} if item.session else {}),
     }
+
+
+def openai_finish_reason(reason: str) -> str:
+    # OpenAI has no "interrupted": the reply simply ends where it was stopped
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def chat_completion(r: GenerationResult, completion_id: str, model: str = "kvchat") -> (
+    dict[str, Any]
+):
+    """An OpenAI `chat.completion` object; `usage.prompt_tokens_details.cached_tokens` carries
+    the cache hit."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                     "finish_reason": openai_finish_reason(r.finish_reason)}],
+        "usage": {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cache_hit_tokens},
+        },
+    }
+
+
+def output_line(res: ItemResult) -> dict[str, Any]:
+    item, r = res.item, res.result
+    if item.openai:
+        return _openai_line(res)
+    if r is None:
+        return {"id": item.id, "line": item.line, "error": res.error}
+    return {"id": item.id, **result_fields(r),
+            **({"session": item.session} if item.session else {})}
 
 
 def _openai_line(res: ItemResult) -> dict[str, Any]:
@@ -337,21 +367,7 @@ def _openai_line(res: ItemResult) -> dict[str, Any]:
     if r is None:
         return {"id": f"batch_req_{item.line}", "custom_id": item.custom_id, "response": None,
                 "error": {"code": "invalid_request", "message": res.error}}
-    finish = {"stop": "stop", "length": "length"}.get(r.finish_reason, "stop")
-    body = {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": "kvchat",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                     "finish_reason": finish}],
-        "usage": {
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": r.cache_hit_tokens},
-        },
-    }
+    body = chat_completion(r, f"chatcmpl-{request_id}")
     return {"id": f"batch_req_{item.line}", "custom_id": item.custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body},
             "error": None}
