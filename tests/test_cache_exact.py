@@ -135,3 +135,31 @@ def test_check_catches_a_stale_reverse_map() -> None:
     idx._by_block[blocks[0].block_id].discard((1, 2))  # an entry its block forgot
     with pytest.raises(AssertionError, match="reverse map"):
         idx.check(BS)
+
+
+class CountingInt(int):
+    """A token that counts how often it is hashed."""
+
+    hashes = 0
+
+    def __hash__(self) -> int:
+        CountingInt.hashes += 1
+        return int.__hash__(self)
+
+
+def test_a_long_prompt_is_hashed_a_constant_number_of_times_not_once_per_block() -> None:
+    # The reverse map holds the key once per block; re-hashing all n tokens for each of the
+    # n / block_size blocks made put and eviction quadratic in the prompt length.
+    n = 256
+    toks = [CountingInt(i) for i in range(n)]
+    blocks = blocks_for(toks, 0)  # 64 blocks
+    idx = ExactIndex()
+    CountingInt.hashes = 0
+    idx.put(toks, blocks, torch.zeros(1))
+    assert CountingInt.hashes <= 2 * n
+    assert idx.get(toks) is not None
+    CountingInt.hashes = 0
+    assert idx.drop_block(blocks[10]) == 1
+    assert CountingInt.hashes <= 2 * n
+    assert len(idx) == 0
+    idx.check(BS)

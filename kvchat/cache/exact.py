@@ -1,8 +1,8 @@
 """Exact-match index: whole prompt -> its blocks and, when given, the last position's logits.
 
 With stored logits an exact repeat samples its first token without any forward pass. Entries die
-with any of their blocks (`drop_block`) and the index keeps at most `max_entries` (oldest out first),
-because each logits row is vocabulary-sized.
+with any of their blocks (`drop_block`) and the index keeps at most `max_entries` (oldest out
+first), because each logits row is vocabulary-sized.
 """
 
 from __future__ import annotations
@@ -16,6 +16,22 @@ if TYPE_CHECKING:
     from kvchat.cache.blocks import Block
 
 Key = tuple[int, ...]
+
+
+class _HashedKey(tuple[int, ...]):
+    """A token tuple that hashes its tokens once. The reverse map holds each prompt's key once per
+    block; a plain tuple re-hashes every token at each of those set operations, which made put
+    and eviction quadratic in the prompt length."""
+
+    _hash: int
+
+    def __new__(cls, tokens: Sequence[int]) -> _HashedKey:
+        self = super().__new__(cls, tokens)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass
@@ -46,7 +62,7 @@ class ExactIndex:
     def put(self, tokens: Sequence[int], blocks: Sequence[Block], logits: Any = None) -> None:
         if self.max_entries == 0:
             return
-        key = tuple(tokens)
+        key = _HashedKey(tokens)
         self._discard(key)
         self._entries[key] = ExactEntry(list(blocks), logits)
         for block in blocks:
