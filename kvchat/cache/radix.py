@@ -7,14 +7,15 @@ Invariants (checked by `check`):
 
 Matches are token-granular: a lookup may end inside an edge, even inside a block, because the K/V of
 position i depends only on tokens <= i. An insert that diverges mid-block starts its branch at the
-previous block boundary; the caller copies the shared head of that block into the branch's own block.
-Siblings may therefore share up to block_size - 1 leading tokens.
+previous block boundary; the caller copies the shared head of that block into the branch's own
+block. Siblings may therefore share up to block_size - 1 leading tokens.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -118,7 +119,9 @@ class RadixTree:
 
     # ---- mutation ----------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[Block], owner: str | None = None) -> None:
+    def insert(
+        self, tokens: Sequence[int], blocks: Sequence[Block], owner: str | None = None
+    ) -> None:
         """Register `tokens` whose K/V live in `blocks` (block i covers positions
         [i*bs, (i+1)*bs)). Blocks for the already cached part must be the tree's own blocks (as
         `find_prefix` returned them, or a fresh copy where the branch diverges mid-block).
@@ -157,7 +160,12 @@ class RadixTree:
             return
 
     def _attach(
-        self, parent: Node, pos: int, tokens: Sequence[int], blocks: Sequence[Block], owner: str | None
+        self,
+        parent: Node,
+        pos: int,
+        tokens: Sequence[int],
+        blocks: Sequence[Block],
+        owner: str | None,
     ) -> None:
         bs = self.block_size
         new_blocks = list(blocks[pos // bs :])
@@ -299,9 +307,9 @@ class RadixTree:
                 assert node.end % bs == 0, "inner node ends mid-block"
                 for key, group in node.children.items():
                     assert group and all(c.tokens[0] == key for c in group)
-                    assert all(a.tokens < b.tokens for a, b in zip(group, group[1:])), "order"
+                    assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
             else:
                 leaves.add(node)
         for group in self.root.children.values():
-            assert all(a.tokens < b.tokens for a, b in zip(group, group[1:])), "order"
+            assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
         assert leaves == self._leaves, "leaf set out of date"
