@@ -97,7 +97,7 @@ def test_tree_view_collapses_siblings_and_depth_and_puts_the_session_first():
         "radix tree · 6 nodes · 70 tok",
         '└── 16 tok · 1 blk · ref 0 "abcdefghijklmnop" demo, other +1',
         '    ├── 20 tok · 2 blk · ref 0 "qrstuvwxyzabcdefghij" demo',
-        '    ├── 30 tok · 2 blk · ref 1 "opqrstuvwxyzabcdefghijk…" other',
+        '    ├── 30 tok · 2 blk · ref 1 "opqrstuvwxy…ghijklmnopqr" other',
         '    ├── 1 tok · 1 blk · ref 0 "f" x',
         "    └── … 1 more",
     ])
@@ -131,6 +131,9 @@ def test_previews_escape_control_characters_and_truncate():
     assert cv.preview("x" * 30) == "x" * 23 + "…"
     assert cv.tail_preview(list(range(40)), letters, 10) == "…fghijklmn"
     assert cv.ids_preview([1, 22, 333]) == "1 22 333"
+    # a long edge shows where it starts and where it ends
+    assert cv.edge_preview(list(range(40)), letters) == "abcdefghijk…cdefghijklmn"
+    assert cv.edge_preview(list(range(5)), letters) == "abcde"
 
 
 def test_printable_shows_terminal_controls_instead_of_running_them():

@@ -291,18 +291,22 @@ def covers(nodes: Sequence[NodeView], tokens: Sequence[int]) -> bool:
 # ---- text previews -------------------------------------------------------------------------
 
 
-def preview(text: str, limit: int = PREVIEW_CHARS) -> str:
-    """One line of at most `limit` characters: newlines become ⏎, other control characters ·."""
-    text = text.replace("\r\n", "\n")
+def _clean(text: str) -> str:
+    """Newlines become ⏎, other control characters ·: one line, nothing a terminal executes."""
     out = []
-    for ch in text:
+    for ch in text.replace("\r\n", "\n"):
         if ch in "\n\r":
             out.append("⏎")
         elif unicodedata.category(ch) == "Cc":
             out.append("·")
         else:
             out.append(ch)
-    line = "".join(out)
+    return "".join(out)
+
+
+def preview(text: str, limit: int = PREVIEW_CHARS) -> str:
+    """One line of at most `limit` characters (see _clean)."""
+    line = _clean(text)
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
@@ -312,9 +316,16 @@ def ids_preview(ids: Sequence[int], limit: int = PREVIEW_CHARS) -> str:
 
 
 def edge_preview(tokens: Sequence[int], decode: Decode | None, limit: int = PREVIEW_CHARS) -> str:
+    """Start and end of an edge ("<|im_start|>sy…you today?"): where a branch diverges and
+    where it stops are what tell branches apart."""
     if decode is None:
         return ids_preview(tokens, limit)
-    return preview(decode(tokens[:PREVIEW_TOKENS]), limit)
+    text = _clean(decode(tokens[:PREVIEW_TOKENS]))
+    if len(tokens) <= PREVIEW_TOKENS and len(text) <= limit:
+        return text
+    tail = _clean(decode(tokens[-PREVIEW_TOKENS:]))
+    head_chars = (limit - 1) // 2
+    return text[:head_chars] + "…" + tail[-(limit - 1 - head_chars) :]
 
 
 def tail_preview(tokens: Sequence[int], decode: Decode | None, limit: int = PREVIEW_CHARS) -> str:

@@ -412,13 +412,14 @@ def inspect_view(
 
 
 def verify_table(rows: Sequence[VerifyRow]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, title="cached vs cold (greedy)", title_justify="left")
-    table.add_column("prompt", max_width=24, no_wrap=True, overflow="ellipsis")
-    table.add_column("scenario")
-    table.add_column("hit", justify="right")
-    table.add_column("equal")
-    table.add_column("first diff", justify="right")
-    table.add_column("max |Δlogit|", justify="right")
+    table = Table(box=box.SIMPLE_HEAD, title="cached vs cold (greedy)", title_justify="left",
+                  pad_edge=False, show_edge=False, collapse_padding=True)
+    table.add_column("prompt", max_width=18, no_wrap=True, overflow="ellipsis")
+    table.add_column("scenario", no_wrap=True)
+    table.add_column("hit", justify="right", no_wrap=True)
+    table.add_column("equal", no_wrap=True)
+    table.add_column("diverges", justify="right", no_wrap=True)
+    table.add_column("max |Δlogit|", justify="right", no_wrap=True)
     for r in rows:
         table.add_row(
             Text(r.prompt), r.scenario, f"{r.hit_tokens}/{r.prompt_tokens} {r.source}",
