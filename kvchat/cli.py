@@ -6,7 +6,10 @@ Each command is one function below. Options every model-loading command shares a
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -16,8 +19,12 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from kvchat import __version__
+from kvchat.config import H2O_COST_NOTE, POLICY_ENV_VAR
 from kvchat.errors import KvchatError
 from kvchat.models import ModelReport, describe_model
+
+if TYPE_CHECKING:
+    from kvchat.config import CacheConfig, SamplingParams
 
 ERROR_EXIT_CODE = 2
 INTERRUPT_EXIT_CODE = 130
@@ -43,6 +50,37 @@ DtypeOption = Annotated[
 DeviceOption = Annotated[
     str,
     typer.Option("--device", help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N."),
+]
+PolicyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--policy",
+        help=f"Eviction policy: lru, sink-lru (never evicts a sequence's first block) or h2o "
+        f"(evicts the blocks that received the least attention). Default: ${POLICY_ENV_VAR}, "
+        f"else lru. Cost of h2o: {H2O_COST_NOTE}",
+        show_default=False,
+    ),
+]
+BlockSizeOption = Annotated[
+    int, typer.Option("--block-size", help="Tokens per cache block.", min=1, max=4096)
+]
+CacheMbOption = Annotated[
+    float,
+    typer.Option("--cache-mb", help="K/V pool budget in MiB, all layers together; allocated once."),
+]
+PrefillChunkOption = Annotated[
+    int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.", min=1)
+]
+SessionsDirOption = Annotated[
+    Path,
+    typer.Option(
+        "--sessions-dir",
+        help="Folder for session transcripts, input history and the cache snapshot.",
+        file_okay=False,
+    ),
+]
+MaxTokensOption = Annotated[
+    int, typer.Option("--max-tokens", help="Most tokens to generate per reply.", min=1)
 ]
 
 
@@ -170,6 +208,354 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{suffix}"
     return str(n)
+
+
+def _cache_config(policy: str | None, block_size: int, cache_mb: float) -> CacheConfig:
+    from kvchat.config import CacheConfig, normalise_policy
+
+    return CacheConfig(block_size=block_size, cache_mb=cache_mb, policy=normalise_policy(policy))
+
+
+# ---- chat ----------------------------------------------------------------------------------
+
+
+@app.command()
+def chat(
+    session: Annotated[
+        str | None,
+        typer.Option("--session", "-s", help="Session to resume or create (default: a new one).",
+                     show_default=False),
+    ] = None,
+    system: Annotated[
+        str | None,
+        typer.Option("--system", help="System prompt for this session.", show_default=False),
+    ] = None,
+    policy: PolicyOption = None,
+    model: ModelOption = None,
+    dtype: DtypeOption = None,
+    device: DeviceOption = "auto",
+    max_tokens: MaxTokensOption = 256,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="0 is greedy decoding.", min=0.0)
+    ] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 keeps every token.", min=0)] = 0,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Sampling seed.", show_default=False)
+    ] = None,
+    block_size: BlockSizeOption = 16,
+    cache_mb: CacheMbOption = 1024.0,
+    prefill_chunk: PrefillChunkOption = 512,
+    sessions_dir: SessionsDirOption = Path("sessions"),
+    panels: Annotated[
+        str, typer.Option("--panels", help="What to show after each reply: off, compact, full.")
+    ] = "full",
+) -> None:
+    """Chat in a REPL; after each reply, panels show what the cache served."""
+    from kvchat.config import SamplingParams
+    from kvchat.sessions import SessionStore, sessions_lock, validate_name
+    from kvchat.ui.views import PANEL_MODES
+
+    name = validate_name(session) if session is not None else None
+    if panels not in PANEL_MODES:
+        raise KvchatError(f"--panels must be one of {', '.join(PANEL_MODES)}, got {panels!r}.")
+    params = SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+    )
+    cache = _cache_config(policy, block_size, cache_mb)
+    # The lock comes first: a second chat on the same folder fails before loading a model.
+    with sessions_lock(sessions_dir, "kvchat chat"):
+        store = SessionStore(sessions_dir)
+        name = name or _new_session_name(store.names())
+        _run_chat(model, dtype, device, cache, prefill_chunk, sessions_dir, name, system, params,
+                  panels)
+
+
+def _new_session_name(existing: list[str]) -> str:
+    from kvchat.ui.repl import next_session_name
+
+    return next_session_name(existing)
+
+
+def _run_chat(
+    model: str | None,
+    dtype: str | None,
+    device: str,
+    cache: CacheConfig,
+    prefill_chunk: int,
+    sessions_dir: Path,
+    name: str,
+    system: str | None,
+    params: SamplingParams,
+    panels: str,
+) -> None:
+    from kvchat.engine.runtime import Runtime, RuntimeOptions
+    from kvchat.ui.repl import Chat, make_reader
+
+    options = RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
+                             prefill_chunk=prefill_chunk, sessions_dir=sessions_dir)
+    runtime = Runtime.open(options)
+    session = runtime.store.load(name)
+    if system is not None:
+        session.system = system
+    reader = make_reader(runtime.store.history_file())
+    Chat(runtime, session, params, _stdout(), reader, panels).run()
+
+
+# ---- inspect -------------------------------------------------------------------------------
+
+
+@app.command("inspect")
+def inspect_snapshot(
+    sessions_dir: SessionsDirOption = Path("sessions"),
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON (schema in the README) instead of text.")
+    ] = False,
+    depth: Annotated[
+        int | None,
+        typer.Option("--depth", help="Tree levels to show (text default: 6; JSON: all).",
+                     min=1, show_default=False),
+    ] = None,
+    session: Annotated[
+        str | None,
+        typer.Option("--session", "-s", help="Only the branches this session's turns went "
+                     "through.", show_default=False),
+    ] = None,
+) -> None:
+    """Show the saved cache (radix tree, exact index, stats) without loading the model."""
+    from kvchat.sessions import INDEX, cache_dir, read_snapshot_meta, validate_name
+    from kvchat.ui import cache_view as cv
+    from kvchat.ui.views import SnapshotFacts, inspect_view
+
+    if session is not None:
+        validate_name(session)
+    index = cache_dir(sessions_dir) / INDEX
+    try:
+        info = read_snapshot_meta(sessions_dir)
+        if info is None:
+            _stderr().print(
+                f"No cache snapshot in {escape(str(index.parent))}: `kvchat chat` or `kvchat "
+                "batch` writes one there."
+            )
+            raise typer.Exit(1)
+        meta = info.meta
+        nodes = cv.nodes_from_meta(meta)
+        exact = cv.exact_from_meta(meta)
+        summary = cv.summary_from_meta(meta, nodes)
+    except (OSError, ValueError) as exc:
+        raise KvchatError(
+            f"The cache snapshot {index} cannot be read ({exc}). The next `kvchat chat` sets "
+            "it aside and starts with an empty cache."
+        ) from None
+    if session is not None:
+        nodes = cv.owned_by(nodes, session)
+        exact = tuple(e for e in exact if cv.covers(nodes, e.tokens))
+    decode = _snapshot_decoder(meta.get("tokenizer_file"))
+    fingerprint = meta.get("fingerprint", {})
+    if as_json:
+        doc = {
+            "fingerprint": fingerprint,
+            "snapshot": {"path": str(index), "saved_at": meta.get("saved_at"),
+                         "model_label": meta.get("model_label"),
+                         "tokenizer_file": meta.get("tokenizer_file"), "session": session},
+            "stats": cv.stats_json(summary),
+            "pool": cv.pool_json(summary),
+            "tree": cv.tree_json(nodes, decode, depth),
+            "exact": cv.exact_json(exact, decode),
+        }
+        # one line: token lists make an indented dump thousands of lines long
+        typer.echo(json.dumps(doc, ensure_ascii=False))
+        return
+    facts = SnapshotFacts(
+        path=str(index),
+        model=str(meta.get("model_label") or fingerprint.get("model", "?")),
+        dtype=str(fingerprint.get("dtype", "?")),
+        saved_at=meta.get("saved_at"),
+    )
+    _stdout().print(inspect_view(facts, summary, nodes, exact, decode, depth or 6, 8, session))
+
+
+def _snapshot_decoder(tokenizer_file: str | None) -> Any:
+    """Decode edge previews with the tokenizer file alone (no transformers, no torch); None
+    when it is not recorded or no longer there (previews then show token ids)."""
+    if not tokenizer_file or not Path(tokenizer_file).is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(tokenizer_file)
+    except Exception:  # a damaged tokenizer file only costs the previews
+        return None
+
+    def decode(ids: Any) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    return decode
+
+
+# ---- verify --------------------------------------------------------------------------------
+
+# Varied on purpose: short and long, prose, code, lists, arithmetic, several languages.
+VERIFY_PROMPTS = (
+    "What is the capital of France?",
+    "Write a detailed, step-by-step guide for a beginner who wants to start running: cover "
+    "shoes, warming up, how far and how often to run in the first month, how to avoid injury, "
+    "and what to eat before and after a run.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "List five fruits that are rich in vitamin C.",
+    "What is 17 multiplied by 23? Show your working.",
+    "Traduis en français : « The weather is lovely today, let's go for a walk. »",
+    "¿Cuáles son los tres colores primarios?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "Explain what a hash table is to a ten-year-old.",
+    "Write a haiku about a paged key-value cache.",
+)
+
+
+def _read_prompt_file(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
+    """(label, messages) per line of a JSONL file with "prompt" or "messages" (and optional
+    "id", "system")."""
+    from kvchat.ui.cache_view import preview
+
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise KvchatError(f"Cannot read {path}: {exc.strerror or exc}.") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if "messages" in item:
+                messages = [{"role": str(m["role"]), "content": str(m["content"])}
+                            for m in item["messages"]]
+            else:
+                messages = [{"role": "user", "content": str(item["prompt"])}]
+            if item.get("system"):
+                messages.insert(0, {"role": "system", "content": str(item["system"])})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise KvchatError(
+                f'{path} line {number}: expected a JSON object with "prompt" or "messages" '
+                f"({type(exc).__name__}: {exc})."
+            ) from None
+        label = str(item.get("id") or preview(messages[-1]["content"], 18))
+        out.append((label, messages))
+    if not out:
+        raise KvchatError(f"{path} holds no prompts.")
+    return out
+
+
+@app.command()
+def verify(
+    prompt: Annotated[
+        str | None,
+        typer.Argument(help="One prompt (sent as a user turn). Default: ten built-in prompts.",
+                       show_default=False),
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", "-f", help='JSONL file, one {"prompt": ...} or {"messages": '
+                     "[...]} per line.", dir_okay=False, show_default=False),
+    ] = None,
+    max_tokens: MaxTokensOption = 32,
+    model: ModelOption = None,
+    dtype: DtypeOption = None,
+    device: DeviceOption = "auto",
+    policy: PolicyOption = None,
+    block_size: BlockSizeOption = 16,
+    cache_mb: CacheMbOption = 1024.0,
+    prefill_chunk: PrefillChunkOption = 512,
+) -> None:
+    """Check that cached generation equals cold generation: per prompt, the first divergent
+    token and the largest logit difference. Exit code 1 if any greedy output differs."""
+    from kvchat.ui.cache_view import preview
+    from kvchat.ui.views import verify_summary, verify_table
+
+    if prompt is not None and file is not None:
+        raise KvchatError("Give a prompt or --file, not both.")
+    if file is not None:
+        prompts = _read_prompt_file(file)
+    else:
+        texts = [prompt] if prompt is not None else list(VERIFY_PROMPTS)
+        prompts = [(preview(t, 18), [{"role": "user", "content": t}]) for t in texts]
+    cache = _cache_config(policy, block_size, cache_mb)
+
+    from kvchat.engine.runtime import Runtime, RuntimeOptions
+    from kvchat.engine.verify import verify_prompt
+
+    runtime = Runtime.open(RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
+                                          prefill_chunk=prefill_chunk, persist=False))
+    backend = runtime.backend
+    rows = []
+    console = _stdout()
+    started = time.perf_counter()
+    with console.status("verifying…") as status:
+        for i, (label, messages) in enumerate(prompts, 1):
+            status.update(f"verifying prompt {i}/{len(prompts)}: {escape(label)}")
+            rows += verify_prompt(backend, backend.encode_chat(messages), label, max_tokens)
+    console.print(verify_table(rows))
+    console.print(verify_summary(rows))
+    elapsed = time.perf_counter() - started
+    console.print(f"[dim]{len(prompts)} prompt(s) in {elapsed:.1f} s[/dim]")
+    if not all(r.tokens_equal for r in rows):
+        raise typer.Exit(1)
+
+
+# ---- serve ---------------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind. Anything but loopback lets every "
+                          "machine that can reach this one use the server (no authentication).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.", min=0, max=65535)] = 8000,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Most requests decoded together in one step.",
+                          min=1)
+    ] = 8,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Reply length for requests that do not set "
+                          "max_tokens.", min=1)
+    ] = 256,
+    policy: PolicyOption = None,
+    model: ModelOption = None,
+    dtype: DtypeOption = None,
+    device: DeviceOption = "auto",
+    block_size: BlockSizeOption = 16,
+    cache_mb: CacheMbOption = 1024.0,
+    prefill_chunk: PrefillChunkOption = 512,
+    sessions_dir: SessionsDirOption = Path("sessions"),
+) -> None:
+    """Serve the model over HTTP: /generate, /v1/chat/completions (OpenAI), /cache/stats,
+    /cache/tree, /healthz. Stop with Ctrl-C or SIGTERM; the cache snapshot is saved then."""
+    import uvicorn
+
+    from kvchat.engine.runtime import Runtime, RuntimeOptions
+    from kvchat.server import GRACEFUL_SHUTDOWN_S, bind_warning, create_app, log_to_stderr
+    from kvchat.sessions import sessions_lock
+
+    cache = _cache_config(policy, block_size, cache_mb)
+    warning = bind_warning(host)
+    if warning:
+        _stderr().print(f"[bold yellow]Warning:[/bold yellow] [yellow]{escape(warning)}[/yellow]")
+    with sessions_lock(sessions_dir, "kvchat serve"):
+        runtime = Runtime.open(RuntimeOptions(model=model, dtype=dtype, device=device,
+                                              cache=cache, prefill_chunk=prefill_chunk,
+                                              sessions_dir=sessions_dir))
+        web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens)
+        log_to_stderr()
+        config = uvicorn.Config(web, host=host, port=port, lifespan="on",
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        try:
+            uvicorn.Server(config).run()
+        except KeyboardInterrupt:
+            pass  # uvicorn re-raises the Ctrl-C it shut down on; stopping is what it asked for
+        finally:
+            # the lifespan saved already, unless a second Ctrl-C forced the exit
+            web.state.engine.close()
 
 
 def main() -> None:

@@ -181,3 +181,72 @@ def test_models_on_the_embedded_default(use_embedded_cache, embedded_gguf):
     assert (row(out, "Layers"), row(out, "KV heads"), row(out, "Head dim")) == ("30", "3", "64")
     assert row(out, "Max context") == "8,192 tokens"
     assert row(out, "KV bytes per token") == "46,080"
+
+
+# ---- chat, inspect, verify: wiring and option checks (the commands have their own files) ----
+
+
+def test_help_lists_chat_inspect_and_verify():
+    out = invoke("--help").output
+    assert re.search(r"chat\s+Chat in a REPL", out)
+    assert re.search(r"inspect\s+Show the saved cache", out)
+    assert re.search(r"verify\s+Check that cached generation equals cold", out)
+
+
+def test_policy_help_says_what_h2o_costs():
+    from kvchat.config import H2O_COST_NOTE
+    from kvchat.engine.backend import H2O_COST_NOTE as BACKEND_NOTE
+
+    assert H2O_COST_NOTE == BACKEND_NOTE  # one note, quoted without importing the backend
+    out = " ".join(invoke("chat", "--help").output.replace("│", " ").split())
+    assert "Default: $EVICTION_POLICY, else lru." in out
+    assert " ".join(H2O_COST_NOTE.split()) in out
+
+
+def test_help_and_inspect_do_not_import_torch():
+    code = (
+        "import sys\nsys.argv = ['kvchat', '--help']\nfrom kvchat import cli\n"
+        "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY', [m for m in ('torch', 'transformers') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert "HEAVY []" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--session", "../etc"], "Invalid session name '../etc'"),
+        (["--session", "a/b"], "no path separators"),
+        (["--session", "cache"], "Invalid session name 'cache'"),
+        (["--panels", "loud"], "--panels must be one of off, compact, full"),
+        (["--policy", "fifo"], "Unknown eviction policy 'fifo'"),
+        (["--temperature", "0.5", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    ],
+)
+def test_chat_option_errors_are_clean_and_come_before_loading(args, fragment, tmp_path):
+    result = invoke("chat", "--sessions-dir", str(tmp_path / "s"), "--model", "/nonexistent",
+                    *args)
+    assert_clean_error(result, fragment)
+    assert not (tmp_path / "s").exists()  # nothing created, no model looked for
+
+
+def test_chat_from_a_pipe_runs_turns_and_names_a_new_session(tiny_model_dir, tmp_path):
+    root = tmp_path / "s"
+    result = CliRunner().invoke(
+        cli.app,
+        ["chat", "--model", str(tiny_model_dir), "--sessions-dir", str(root), "--max-tokens",
+         "4", "--block-size", "4", "--cache-mb", "8", "--panels", "compact"],
+        input="hello\nagain\n/bogus\n",
+        env=WIDE,
+    )
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "session  chat-1: new" in out
+    assert re.search(r"turn 1 · 0/\d+ cached 0\.0% miss", out)
+    assert re.search(r"turn 2 · [1-9]\d*/\d+ cached", out)
+    assert "Unknown command /bogus." in out
+    assert (root / "chat-1.json").exists() and (root / "cache" / "index.json").exists()
+    assert "(kvchat chat, since" in (root / ".lock").read_text()  # it names the last holder
+

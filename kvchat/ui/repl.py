@@ -1,0 +1,446 @@
+"""The chat loop of `kvchat chat`: read a line, run a turn or a slash command, print the panels.
+
+The loop only decides what happens; views.py draws it. Each turn extends the session's own token
+history (so the next turn's whole history is a cache hit), the session file is written after
+every turn and the cache snapshot every few turns and on the way out, however the loop ends.
+Ctrl-C while a reply streams stops that reply at the next step and keeps the REPL.
+"""
+
+from __future__ import annotations
+
+import difflib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Protocol
+
+from rich.console import Console
+from rich.text import Text
+
+from kvchat.errors import KvchatError
+from kvchat.sessions import Session, SessionError, validate_name
+from kvchat.ui import views
+from kvchat.ui.cache_view import nodes_from_cache, summary_from_stats
+
+if TYPE_CHECKING:
+    from kvchat.config import SamplingParams
+    from kvchat.engine.backend import Generation
+    from kvchat.engine.runtime import Runtime
+
+# The snapshot holds every cached block's K/V, so it is written every few turns rather than
+# after each one; the session file (small) is written after every turn.
+SAVE_EVERY = 3
+REPLY_PREFIX = "assistant> "
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "help": ("/help", "this list"),
+    "stats": ("/stats", "cache counters, per-session hit rates, this session's turns"),
+    "tree": ("/tree", "the radix tree, deeper than after a turn"),
+    "sessions": ("/sessions", "saved sessions"),
+    "session": ("/session NAME", "switch to session NAME (created if new)"),
+    "new": ("/new", "start a fresh session with a generated name"),
+    "reset": ("/reset", "forget this session's history (the shared cache keeps it)"),
+    "clear-cache": ("/clear-cache", "drop every cached block, for all sessions"),
+    "system": ("/system [TEXT | -]", "show, set, or with - clear this session's system prompt"),
+    "save": ("/save", "write the session and the cache snapshot now"),
+    "panels": ("/panels off|compact|full", "how much to show after each reply"),
+    "exit": ("/exit", "save and quit"),
+}
+ALIASES = {"quit": "exit", "q": "exit", "?": "help", "h": "help"}
+KEYS = (
+    ("Enter", "send the message"),
+    ("Esc, Enter", "new line: a message of several lines"),
+    ("Ctrl-C", "stop the reply being written; at the prompt, clear the line"),
+    ("Ctrl-D", "save and quit, like /exit"),
+    ("//text", "send a message that starts with '/'"),
+)
+KEYS_LINE = "Enter sends · Esc Enter: new line · Ctrl-C stops a reply · Ctrl-D quits"
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    arg: str
+
+
+def parse_command(line: str) -> Command | None:
+    """A slash command, or None when the line is a message ('//' escapes a leading slash)."""
+    text = line.strip()
+    if not text.startswith("/") or text.startswith("//"):
+        return None
+    head, _, arg = text[1:].partition(" ")
+    name = head.lower()
+    return Command(ALIASES.get(name, name), arg.strip())
+
+
+def message_text(line: str) -> str:
+    text = line.strip()
+    return text[1:] if text.startswith("//") else text
+
+
+def unknown_command_hint(name: str) -> str:
+    close = difflib.get_close_matches(name, list(COMMANDS) + list(ALIASES), n=1)
+    guess = f" Did you mean /{close[0]}?" if close else ""
+    shown = f"/{name}" if name else "/"
+    return f"Unknown command {shown}.{guess} Type /help for the list."
+
+
+# ---- reading lines -------------------------------------------------------------------------
+
+
+class LineReader(Protocol):
+    def read(self, prompt: str) -> str:
+        """One message; raises EOFError at the end of input, KeyboardInterrupt on Ctrl-C."""
+
+
+class TerminalReader:
+    """prompt-toolkit line editing with persistent history; Esc then Enter inserts a newline."""
+
+    def __init__(self, history_file: Path) -> None:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
+        from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
+
+        bindings = KeyBindings()
+
+        @bindings.add("escape", "enter")
+        def _newline(event: KeyPressEvent) -> None:
+            event.current_buffer.insert_text("\n")
+
+        self._session: PromptSession[str] = PromptSession(
+            history=FileHistory(str(history_file)),
+            key_bindings=bindings,
+            multiline=False,
+            prompt_continuation=lambda width, line, soft: "." * (width - 1) + " ",
+        )
+
+    def read(self, prompt: str) -> str:
+        return self._session.prompt(prompt)
+
+
+class PipeReader:
+    """For input that is not a terminal (a pipe, a file): one line per message."""
+
+    def read(self, prompt: str) -> str:
+        return input(prompt)
+
+
+def make_reader(history_file: Path) -> LineReader:
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        return TerminalReader(history_file)
+    return PipeReader()
+
+
+@contextmanager
+def cancel_on_sigint(cancel: threading.Event) -> Iterator[None]:
+    """While a reply streams: the first Ctrl-C sets `cancel` (the generation stops at its next
+    step), a second one raises KeyboardInterrupt as usual. The previous handler comes back after."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---- the loop ------------------------------------------------------------------------------
+
+
+def next_session_name(existing: list[str], prefix: str = "chat") -> str:
+    taken = set(existing)
+    n = 1
+    while f"{prefix}-{n}" in taken:
+        n += 1
+    return f"{prefix}-{n}"
+
+
+class Chat:
+    def __init__(
+        self,
+        runtime: Runtime,
+        session: Session,
+        params: SamplingParams,
+        console: Console,
+        reader: LineReader,
+        panels: str = "full",
+        save_every: int = SAVE_EVERY,
+    ) -> None:
+        self.rt = runtime
+        self.store = runtime.store
+        self.session = session
+        self.params = params
+        self.console = console
+        self.reader = reader
+        self.panels = panels
+        self.save_every = save_every
+        self.running = True
+        self._turns_since_snapshot = 0
+        # (computed tokens, prefill ms) of turns that ran a prefill: the basis of "time saved"
+        self._prefill_samples = [
+            (t.prompt_tokens - t.hit_tokens, t.prefill_ms) for t in session.turns
+        ]
+        self._handlers: dict[str, Callable[[str], None]] = {
+            "help": self._help,
+            "stats": self._stats,
+            "tree": self._tree,
+            "sessions": self._sessions,
+            "session": self._switch,
+            "new": self._new,
+            "reset": self._reset,
+            "clear-cache": self._clear_cache,
+            "system": self._system,
+            "save": self._save,
+            "panels": self._panels,
+            "exit": self._exit,
+        }
+
+    # ---- running ----
+
+    def run(self) -> None:
+        self.console.print(views.banner(self.banner_lines()))
+        try:
+            while self.running:
+                try:
+                    line = self.reader.read(f"{self.session.name}> ")
+                except KeyboardInterrupt:
+                    continue  # Ctrl-C at the prompt clears the line
+                except EOFError:
+                    self.console.print()
+                    break
+                try:
+                    self.handle(line)
+                except KeyboardInterrupt:
+                    self._say("(interrupted)", "yellow")
+        finally:
+            self.save_all()
+
+    def handle(self, line: str) -> None:
+        if not line.strip():
+            return
+        command = parse_command(line)
+        if command is None:
+            self.turn(message_text(line))
+            return
+        handler = self._handlers.get(command.name)
+        if handler is None:
+            self._say(unknown_command_hint(command.name), "yellow")
+            return
+        try:
+            handler(command.arg)
+        except KvchatError as error:
+            self._say(str(error), "red")
+
+    def banner_lines(self) -> list[str]:
+        rt, s = self.rt, self.session
+        pool = rt.cache.manager.stats()
+        dtype = str(next(rt.backend.model.parameters()).dtype).replace("torch.", "")
+        lines = [
+            f"model    {rt.model_label} · {rt.backend.device} · {dtype}",
+            f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
+            f"policy {rt.cache.policy.name}",
+            f"sessions {rt.options.sessions_dir}",
+        ]
+        if rt.notice:
+            lines.append(f"note     {rt.notice}")
+        if rt.restored_tokens:
+            lines.append(f"snapshot restored {rt.restored_tokens:,} cached tokens")
+        else:
+            lines.append("snapshot none yet (written every few turns and on exit)")
+        lines.append(self._session_line())
+        if s.system:
+            lines.append(f"system   {views.printable(s.system)[:60]}")
+        lines.append(KEYS_LINE + " · /help")
+        return lines
+
+    def _session_line(self) -> str:
+        s = self.session
+        if s.turns:
+            return f"session  {s.name}: resumed, {len(s.turns)} turns"
+        return f"session  {s.name}: new"
+
+    # ---- a turn ----
+
+    def turn(self, text: str) -> None:
+        from kvchat.engine.conversation import record_turn
+
+        cancel = threading.Event()
+        out = self.console.file
+        with cancel_on_sigint(cancel):
+            try:
+                prompt_ids, generation = self.rt.start_turn(self.session, text, self.params, cancel)
+            except KvchatError as error:
+                self._say(str(error), "red")
+                return
+            out.write(REPLY_PREFIX)
+            out.flush()
+            self._stream(generation)
+        result = generation.result
+        assert result is not None  # set whenever the generation's iterator ends
+        if result.finish_reason == "interrupted":
+            self.console.print(Text(" [stopped]", style="yellow"), end="")
+        self.console.print()
+        turn = record_turn(self.session, text, prompt_ids, result)
+        self.store.save(self.session)
+        self._turns_since_snapshot += 1
+        if self._turns_since_snapshot >= self.save_every:
+            self.save_snapshot()
+        if result.hit_source != "exact":
+            self._prefill_samples.append((result.computed_tokens, result.prefill_ms))
+        rate = views.prefill_rate(self._prefill_samples)
+        view = views.TurnView(
+            number=len(self.session.turns),
+            prompt_tokens=turn.prompt_tokens,
+            hit_tokens=turn.hit_tokens,
+            source=turn.source,
+            ttft_ms=result.ttft_ms,
+            prefill_ms=result.prefill_ms,
+            completion_tokens=turn.completion_tokens,
+            decode_tokens_per_s=result.decode_tokens_per_s,
+            finish_reason=turn.finish_reason,
+            saved_ms=views.estimate_saved_ms(turn.hit_tokens, rate),
+        )
+        if self.panels != "off":
+            self.console.print(
+                views.turn_panels(view, self._summary(), nodes_from_cache(self.rt.cache),
+                                  self._decode, self.panels, self.session.name)
+            )
+
+    def _stream(self, generation: Generation) -> None:
+        out = self.console.file
+        try:
+            for delta in generation:
+                out.write(views.printable(delta))
+                out.flush()
+        except KeyboardInterrupt:
+            # A second Ctrl-C: the generation may be suspended mid-iteration; closing it stores
+            # what it computed and sets its result.
+            generation.close()
+
+    # ---- helpers ----
+
+    def _say(self, text: str, style: str | None = None) -> None:
+        self.console.print(Text(text, style=style or ""))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.rt.backend.decode(list(ids), skip_special_tokens=False)
+
+    def _summary(self) -> views.CacheSummary:
+        return summary_from_stats(self.rt.cache.stats())
+
+    def save_snapshot(self) -> None:
+        self.rt.save()
+        self._turns_since_snapshot = 0
+
+    def save_all(self) -> None:
+        self.store.save(self.session)
+        self.save_snapshot()
+
+    # ---- slash commands ----
+
+    def _help(self, arg: str) -> None:
+        self.console.print(views.help_view(list(COMMANDS.values()), KEYS))
+
+    def _stats(self, arg: str) -> None:
+        try:
+            self.rt.cache.check_integrity()
+            integrity = "ok"
+        except AssertionError as error:
+            integrity = f"FAILED ({error})"
+        self.console.print(views.stats_view(self._summary(), self.session.turns, integrity))
+
+    def _tree(self, arg: str) -> None:
+        nodes = nodes_from_cache(self.rt.cache)
+        self.console.print(
+            views.tree_view(nodes, self._decode, depth=8, max_children=8,
+                            highlight=self.session.name)
+        )
+
+    def _sessions(self, arg: str) -> None:
+        rows = []
+        for name in self.store.names():
+            if name == self.session.name:
+                s = self.session
+            else:
+                try:
+                    s = self.store.load(name)
+                except SessionError:
+                    continue  # load() moved the unreadable file aside
+            rows.append(views.SessionRow(name, len(s.turns), s.updated, name == self.session.name))
+        if self.session.name not in self.store.names():
+            rows.append(views.SessionRow(self.session.name, 0, time.time(), True))
+        self.console.print(views.sessions_table(rows))
+
+    def _switch(self, arg: str) -> None:
+        if not arg:
+            self._say(f"This is session {self.session.name}. Usage: /session NAME")
+            return
+        name = validate_name(arg)
+        if name == self.session.name:
+            self._say(f"Already in session {name}.")
+            return
+        self.store.save(self.session)
+        self._enter(self.store.load(name))
+
+    def _new(self, arg: str) -> None:
+        self.store.save(self.session)
+        self._enter(Session(next_session_name(self.store.names())))
+
+    def _enter(self, session: Session) -> None:
+        self.session = session
+        self._say(self._session_line().replace("session  ", "session ", 1))
+
+    def _reset(self, arg: str) -> None:
+        self.session.reset()
+        self.store.save(self.session)
+        self._say(f"Session {self.session.name} starts over; the shared cache is kept.")
+
+    def _clear_cache(self, arg: str) -> None:
+        freed = self.rt.cache.clear()
+        self._say(f"Cleared the cache: {freed:,} blocks freed.")
+
+    def _system(self, arg: str) -> None:
+        if not arg:
+            current = self.session.system
+            self._say(f"System prompt: {current}" if current
+                      else "No system prompt (the chat template's default applies).")
+            return
+        self.session.system = None if arg == "-" else arg
+        self.store.save(self.session)
+        self._say(
+            "System prompt " + ("cleared" if arg == "-" else "set") + ". The next turn starts "
+            "from a changed beginning, so only the unchanged part of the history is a hit."
+        )
+
+    def _save(self, arg: str) -> None:
+        self.save_all()
+        cached = self.rt.cache.stats().tree_tokens
+        self._say(f"Saved session {self.session.name} and the cache snapshot "
+                  f"({cached:,} tokens) in {self.rt.options.sessions_dir}.")
+
+    def _panels(self, arg: str) -> None:
+        mode = arg.lower()
+        if mode not in views.PANEL_MODES:
+            self._say(f"Panels are {self.panels}. Usage: /panels off|compact|full")
+            return
+        self.panels = mode
+        self._say(f"Panels: {mode}.")
+
+    def _exit(self, arg: str) -> None:
+        self.running = False

@@ -1,0 +1,247 @@
+"""The chat loop in-process on the tiny model, fed by a scripted reader: slash commands, saving,
+and Ctrl-C during a reply (the signal handler and a KeyboardInterrupt raised mid-forward)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvchat.config import CacheConfig, SamplingParams
+from kvchat.engine.backend import Backend
+from kvchat.engine.runtime import Runtime, RuntimeOptions
+from kvchat.sessions import Session, read_snapshot_meta
+from kvchat.ui.repl import (
+    Chat,
+    Command,
+    message_text,
+    next_session_name,
+    parse_command,
+    unknown_command_hint,
+)
+
+Line = str | BaseException | Callable[[], str]
+
+
+class Script:
+    """A LineReader that replays lines; an exception item is raised, a callable is called."""
+
+    def __init__(self, *lines: Line) -> None:
+        self.lines = list(lines)
+        self.prompts: list[str] = []
+
+    def read(self, prompt: str) -> str:
+        self.prompts.append(prompt)
+        if not self.lines:
+            raise EOFError
+        item = self.lines.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item() if callable(item) else item
+
+
+def make_runtime(model, tokenizer, root: Path) -> Runtime:
+    model.set_attn_implementation("sdpa")
+    cfg = CacheConfig(4, num_blocks=400)
+    options = RuntimeOptions(cache=cfg, sessions_dir=root)
+    rt = Runtime(Backend.create(model, tokenizer, cfg), options, "tiny")
+    rt.restore()
+    return rt
+
+
+def run_chat(rt: Runtime, *lines: Line, name: str = "demo", max_tokens: int = 6,
+             panels: str = "full") -> tuple[str, Chat]:
+    console = Console(file=io.StringIO(), width=80, color_system=None, force_terminal=False)
+    chat = Chat(rt, rt.store.load(name), SamplingParams(max_new_tokens=max_tokens), console,
+                Script(*lines), panels)
+    chat.run()
+    return console.file.getvalue(), chat
+
+
+def cached_numbers(output: str) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in re.findall(r"cached (\d+) / (\d+) tok", output)]
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "command"),
+    [
+        ("/help", Command("help", "")),
+        ("  /Session  work-2 ", Command("session", "work-2")),
+        ("/system Be brief and kind.", Command("system", "Be brief and kind.")),
+        ("/quit", Command("exit", "")),
+        ("/?", Command("help", "")),
+        ("/", Command("", "")),
+        ("hello /tree", None),
+        ("//tree is a word", None),
+    ],
+)
+def test_parse_command(line, command):
+    assert parse_command(line) == command
+
+
+def test_message_text_unescapes_a_leading_double_slash():
+    assert message_text("//etc/hosts please ") == "/etc/hosts please"
+    assert message_text(" hi ") == "hi"
+
+
+def test_unknown_command_hint_suggests_the_closest():
+    assert unknown_command_hint("sesions") == (
+        "Unknown command /sesions. Did you mean /sessions? Type /help for the list."
+    )
+    assert unknown_command_hint("zzz") == "Unknown command /zzz. Type /help for the list."
+
+
+def test_next_session_name_fills_the_first_gap():
+    assert next_session_name([]) == "chat-1"
+    assert next_session_name(["chat-1", "chat-3", "demo"]) == "chat-2"
+
+
+# ---- the loop ------------------------------------------------------------------------------
+
+
+def test_turns_hit_the_history_and_commands_answer(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(
+        rt,
+        "hello there",
+        "and again",
+        "/tree",
+        "/stats",
+        "/sessin",
+        "/session ../evil",
+        "/panels loud",
+        "/panels compact",
+        "third",
+        "/sessions",
+        KeyboardInterrupt(),  # Ctrl-C at the prompt: the loop goes on
+        "/exit",
+        "never read",
+    )
+    turns = chat.session.turns
+    assert len(turns) == 3
+    assert [t.hit_tokens for t in turns][0] == 0
+    # turn 2's prompt starts with turn 1's prompt + reply, all but the last token cached
+    assert turns[1].hit_tokens == turns[0].prompt_tokens + turns[0].completion_tokens - 1
+    assert cached_numbers(out)[:2] == [(0, turns[0].prompt_tokens),
+                                       (turns[1].hit_tokens, turns[1].prompt_tokens)]
+    assert "integrity ok" in out
+    assert "Unknown command /sessin. Did you mean /session? Type /help for the list." in out
+    assert "Invalid session name '../evil'" in out
+    assert "Panels are full. Usage: /panels off|compact|full" in out
+    assert re.search(r"turn 3 · \d+/\d+ cached \d+\.\d% radix", out)  # compact panels
+    assert re.search(r"\*\s+demo\s+3", out)  # /sessions marks the current one
+    assert chat.reader.lines == ["never read"]
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert len(saved["turns"]) == 3 and saved["tokens"] == chat.session.tokens
+    assert read_snapshot_meta(tmp_path) is not None  # written on the way out
+    rt.cache.check_integrity()
+
+
+def test_sessions_switch_new_reset_system_clear(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(
+        rt, "hi", "/new", "/session demo", "/system Answer in French.", "/system",
+        "/reset", "/clear-cache", "/session other", "/session other",
+    )
+    assert "session chat-1: new" in out
+    assert "session demo: resumed, 1 turns" in out
+    assert "System prompt set." in out
+    assert "System prompt: Answer in French." in out
+    assert "Session demo starts over; the shared cache is kept." in out
+    assert re.search(r"Cleared the cache: [1-9]\d* blocks freed\.", out)
+    assert "Already in session other." in out
+    assert chat.session.name == "other"
+    demo = rt.store.load("demo")
+    assert demo.turns == [] and demo.system == "Answer in French."
+    assert rt.cache.stats().tree_tokens == 0
+    rt.cache.check_integrity()
+
+
+def test_snapshot_every_three_turns_and_on_an_exception(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+
+    def snapshot_state() -> str:
+        info = read_snapshot_meta(tmp_path)
+        return "none" if info is None else str(info.meta["snapshot_id"])
+
+    seen: list[str] = []
+
+    def look() -> str:
+        seen.append(snapshot_state())
+        return "next"
+
+    with pytest.raises(RuntimeError, match="reader broke"):
+        run_chat(rt, "one", "two", look, look, "four", RuntimeError("reader broke"))
+    # none after two turns, one after the third; the exception still saved everything
+    assert seen[0] == "none" and seen[1] != "none"
+    assert snapshot_state() not in ("none", seen[1])
+    assert len(rt.store.load("demo").turns) == 5
+
+
+def test_first_ctrl_c_stops_the_reply_and_the_loop_goes_on(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    backend = rt.backend
+    forward = backend.forward
+    calls = {"n": 0}
+
+    def press_ctrl_c_on_third_decode(ids, past):
+        calls["n"] += 1
+        if calls["n"] == 4:  # one prefill, then decode steps
+            signal.raise_signal(signal.SIGINT)
+        return forward(ids, past)
+
+    monkeypatch.setattr(backend, "forward", press_ctrl_c_on_third_decode)
+    before = signal.getsignal(signal.SIGINT)
+    out, chat = run_chat(rt, "tell me a long story", "and then?", max_tokens=200)
+    assert signal.getsignal(signal.SIGINT) is before  # the REPL's handler was removed
+    first, second = chat.session.turns
+    assert first.finish_reason == "interrupted" and first.completion_tokens == 4
+    assert "[stopped]" in out and "interrupted" in out
+    assert second.hit_tokens == first.prompt_tokens + first.completion_tokens - 1
+    rt.cache.check_integrity()
+
+
+def test_keyboard_interrupt_inside_a_forward_keeps_cache_and_loop(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """A second Ctrl-C raises KeyboardInterrupt wherever the reply is; nothing leaks."""
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    backend = rt.backend
+    forward = backend.forward
+    calls = {"n": 0}
+
+    def interrupted_forward(ids, past):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return forward(ids, past)
+
+    monkeypatch.setattr(backend, "forward", interrupted_forward)
+    out, chat = run_chat(rt, "story please", "more", max_tokens=50)
+    first, second = chat.session.turns
+    assert first.finish_reason == "interrupted"
+    assert second.finish_reason in ("stop", "length") and second.hit_tokens > first.prompt_tokens
+    rt.cache.check_integrity()
+    assert all(b.ref_count == 0 for b in rt.cache.tree.all_blocks())
+
+
+def test_system_option_applies_to_the_session(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    rt.store.save(Session("demo", system="Old."))
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    session = rt.store.load("demo")
+    session.system = "New."
+    Chat(rt, session, SamplingParams(max_new_tokens=3), console, Script("hi")).run()
+    assert rt.store.load("demo").system == "New."
+    assert "system   New." in console.file.getvalue()
