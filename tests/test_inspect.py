@@ -1,0 +1,158 @@
+"""`kvchat inspect`: the saved cache read from index.json alone (no model, no torch), its JSON
+schema against the live cache that wrote it, the session filter, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvchat import cli
+from kvchat.config import CacheConfig, SamplingParams
+from kvchat.engine.conversation import record_turn
+from kvchat.engine.runtime import Runtime, RuntimeOptions
+from kvchat.sessions import Session
+from kvchat.ui import cache_view as cv
+
+WIDE = {"COLUMNS": "200"}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli.app, list(args), env=WIDE)
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model_dir, tmp_path_factory) -> tuple[Path, Runtime]:
+    """A sessions dir whose snapshot holds two sessions that share the template's prefix."""
+    root = tmp_path_factory.mktemp("sessions")
+    rt = Runtime.open(RuntimeOptions(model=str(tiny_model_dir), cache=CacheConfig(4, cache_mb=8),
+                                     sessions_dir=root))
+    params = SamplingParams(max_new_tokens=5)
+    for name, texts in (("alpha", ["hello", "more"]), ("beta", ["something else"])):
+        session = Session(name)
+        for text in texts:
+            ids, generation = rt.start_turn(session, text, params)
+            record_turn(session, text, ids, generation.run())
+        rt.store.save(session)
+    rt.save()
+    return root, rt
+
+
+def test_json_schema_matches_the_cache_that_was_saved(saved):
+    root, rt = saved
+    result = invoke("inspect", "--sessions-dir", str(root), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert set(doc) == {"fingerprint", "snapshot", "stats", "pool", "tree", "exact"}
+    assert doc["fingerprint"] == rt._fingerprint
+    assert doc["snapshot"]["path"] == str(root / "cache" / "index.json")
+    assert doc["snapshot"]["tokenizer_file"].endswith("tokenizer.json")
+
+    decode = cli._snapshot_decoder(doc["snapshot"]["tokenizer_file"])
+    assert doc["tree"] == cv.tree_json(cv.nodes_from_cache(rt.cache), decode)
+    assert doc["exact"] == cv.exact_json(cv.exact_from_cache(rt.cache), decode)
+    stats = rt.cache.stats()
+    expected = cv.stats_json(cv.summary_from_stats(stats))
+    assert doc["stats"] == expected
+    assert doc["stats"]["sessions"]["alpha"]["lookups"] == 2
+    assert doc["pool"] == {
+        "block_size": 4, "total_blocks": stats.pool.total_blocks,
+        "used_blocks": stats.pool.used_blocks, "free_blocks": stats.pool.free_blocks,
+        "utilisation": stats.pool.utilisation, "cached_tokens": stats.tree_tokens,
+    }
+    root_node = doc["tree"][0]
+    assert root_node["owners"] == ["alpha", "beta"]
+    assert root_node["preview"] == "<|im_start|…start|>user⏎"  # decoded, not ids
+    assert {c["owners"][0] for c in root_node["children"]} == {"alpha", "beta"}
+    assert all(key in root_node for key in ("start", "n_tokens", "n_blocks", "max_ref", "tokens",
+                                            "children", "children_omitted"))
+
+
+def test_session_filter_and_depth(saved):
+    root, _ = saved
+    doc = json.loads(invoke("inspect", "--sessions-dir", str(root), "--json", "--session",
+                            "beta").output)
+    nodes, stack = [], list(doc["tree"])
+    while stack:
+        nodes.append(stack.pop())
+        stack.extend(nodes[-1]["children"])
+    assert len(nodes) == 2 and all("beta" in n["owners"] for n in nodes)
+    assert len(doc["tree"][0]["children"]) == 1
+    assert doc["snapshot"]["session"] == "beta"
+    assert len(doc["exact"]) == 1  # beta's one prompt; alpha's two are on the other branch
+    shallow = json.loads(invoke("inspect", "--sessions-dir", str(root), "--json", "--depth",
+                                "1").output)
+    assert shallow["tree"][0]["children"] == []
+    assert shallow["tree"][0]["children_omitted"] == 2
+
+
+def test_text_view_shows_tree_pool_sessions_and_exact_index(saved):
+    root, rt = saved
+    result = invoke("inspect", "--sessions-dir", str(root))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "snapshot " + str(root / "cache" / "index.json") in out
+    assert "local folder tiny-model" in out and "float32 · block 4 tok" in out
+    stats = rt.cache.stats()
+    assert f"used {stats.pool.used_blocks} / {stats.pool.total_blocks:,} blocks" in out
+    assert f"radix tree · 3 nodes · {stats.tree_tokens} tok" in out
+    assert '"<|im_start|…' in out and " alpha, beta" in out
+    assert "exact index · 3 entries" in out
+
+
+def test_previews_fall_back_to_token_ids_without_a_tokenizer(saved, tmp_path):
+    root, _ = saved
+    copy = tmp_path / "copy"
+    (copy / "cache").mkdir(parents=True)
+    meta = json.loads((root / "cache" / "index.json").read_text())
+    meta["tokenizer_file"] = str(tmp_path / "gone.json")
+    (copy / "cache" / "index.json").write_text(json.dumps(meta))
+    result = invoke("inspect", "--sessions-dir", str(copy))
+    assert result.exit_code == 0, result.output
+    assert "previews show token ids" in result.output
+    assert '"1 85 ' in result.output  # <|im_start|> is id 1, then bytes
+
+
+def test_inspect_imports_neither_torch_nor_transformers(saved):
+    root, _ = saved
+    code = (
+        "import sys\n"
+        f"sys.argv = ['kvchat', 'inspect', '--sessions-dir', {str(root)!r}]\n"
+        "from kvchat import cli\n"
+        "try:\n    cli.main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout
+
+
+def test_no_snapshot_is_a_clear_message(tmp_path):
+    result = invoke("inspect", "--sessions-dir", str(tmp_path))
+    assert result.exit_code == 1
+    assert f"No cache snapshot in {tmp_path / 'cache'}" in result.output
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        json.dumps({"tree": [], "blocks": []}),  # no kv_file
+        json.dumps({"tree": [{"start": 0, "blocks": [7], "children": []}], "blocks": [],
+                    "kv_file": "kv.safetensors", "block_size": 4}),
+    ],
+    ids=["not-json", "no-kv-file", "dangling-block"],
+)
+def test_damaged_index_is_a_clear_error_and_is_left_alone(tmp_path, content):
+    index = tmp_path / "cache" / "index.json"
+    index.parent.mkdir()
+    index.write_text(content)
+    result = invoke("inspect", "--sessions-dir", str(tmp_path))
+    assert result.exit_code == 2
+    assert f"The cache snapshot {index} cannot be read" in result.output
+    assert "Traceback" not in result.output
+    assert index.read_text() == content  # inspect only reads

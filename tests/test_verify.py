@@ -1,0 +1,111 @@
+"""`kvchat verify` on the tiny model: the table, the exit code when a cached run differs from the
+cold run, prompt files and their errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from kvchat import cli
+
+WIDE = {"COLUMNS": "200"}
+
+
+@pytest.fixture
+def verify(tiny_model_dir):
+    def run(*args: str):
+        base = ["verify", "--model", str(tiny_model_dir), "--block-size", "4", "--cache-mb", "8"]
+        return CliRunner().invoke(cli.app, base + list(args), env=WIDE)
+
+    return run
+
+
+def rows(output: str) -> list[list[str]]:
+    """Table rows: prompt, scenario, hit, equal, first diff, max |Δlogit| (split on 2+ spaces)."""
+    found = []
+    for line in output.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 6 and cells[1] in ("prefix hit", "exact repeat"):
+            found.append(cells)
+    return found
+
+
+def test_one_prompt_cached_equals_cold(verify):
+    result = verify("Hi, how are you?", "--max-tokens", "6")
+    assert result.exit_code == 0, result.output
+    table = rows(result.output)
+    assert [r[1] for r in table] == ["prefix hit", "exact repeat"]
+    prefix, exact = table
+    assert prefix[0] == "Hi, how are you?"
+    hit, total = map(int, prefix[2].split()[0].split("/"))
+    assert 0 < hit < total and prefix[2].endswith("radix")
+    assert exact[2] == f"{total}/{total} exact"
+    assert [r[3] for r in table] == ["yes", "yes"]
+    assert [r[4] for r in table] == ["—", "—"]
+    assert all(float(r[5]) <= 1e-4 for r in table)
+    assert "All 2 cached runs match the cold runs token for token" in result.output
+
+
+def test_default_prompts_are_ten_and_varied(verify):
+    assert len(set(cli.VERIFY_PROMPTS)) == 10
+    result = verify("--max-tokens", "2")
+    assert result.exit_code == 0, result.output
+    assert len(rows(result.output)) == 20
+    assert "All 20 cached runs match" in result.output
+
+
+def test_a_broken_cache_is_caught_with_exit_code_1(verify, monkeypatch):
+    from kvchat.cache.kvcache import PagedKVCache
+
+    gather = PagedKVCache.gather
+
+    def corrupt(self, blocks, n_tokens):
+        return [(k + 0.5, v) for k, v in gather(self, blocks, n_tokens)]
+
+    monkeypatch.setattr(PagedKVCache, "gather", corrupt)
+    result = verify("Hello there, how are you?", "--max-tokens", "8")
+    assert result.exit_code == 1, result.output
+    table = rows(result.output)
+    assert "NO" in [r[3] for r in table]
+    bad = next(r for r in table if r[3] == "NO")
+    assert int(bad[4]) >= 0 and float(bad[5]) > 1e-3
+    assert re.search(r"[12] of 2 cached runs differ from the cold run", result.output)
+
+
+def test_prompt_file_with_messages_ids_and_system(verify, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"prompt": "Name a colour."}),
+        "",
+        json.dumps({"id": "chat-2", "system": "Be terse.", "messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Count to three."}]}),
+    ]))
+    result = verify("--file", str(path), "--max-tokens", "4")
+    assert result.exit_code == 0, result.output
+    assert [r[0] for r in rows(result.output)] == ["Name a colour."] * 2 + ["chat-2"] * 2
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"prompt": "ok"}\n{"nothing": 1}\n', "prompts.jsonl line 2: expected a JSON object"),
+        ("not json\n", "prompts.jsonl line 1"),
+        ("\n\n", "holds no prompts"),
+    ],
+)
+def test_bad_prompt_files_are_clear_errors(verify, tmp_path, content, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    result = verify("--file", str(path))
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_prompt_and_file_together_are_refused(verify, tmp_path):
+    result = verify("hi", "--file", str(tmp_path / "x.jsonl"))
+    assert result.exit_code == 2
+    assert "Give a prompt or --file, not both." in result.output
