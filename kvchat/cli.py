@@ -558,6 +558,133 @@ def serve(
             web.state.engine.close()
 
 
+# ---- batch ---------------------------------------------------------------------------------
+
+
+@app.command()
+def batch(
+    file: Annotated[
+        Path, typer.Argument(help="JSONL requests: prompt / messages / OpenAI batch lines.",
+                             exists=True, dir_okay=False, readable=True)
+    ],
+    output: Annotated[
+        str | None,
+        typer.Option("--output", "-o", help="Where results go (JSONL, input order); '-' or "
+                     "nothing: stdout, with progress and summary on stderr.", show_default=False),
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Sequences decoded together.", min=1)
+    ] = 8,
+    max_tokens: MaxTokensOption = 256,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="Default for lines without one; 0 is greedy.",
+                            min=0.0)
+    ] = 0.0,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Default sampling seed.", show_default=False)
+    ] = None,
+    fail_fast: Annotated[
+        bool, typer.Option("--fail-fast", help="Stop at the first line that fails.")
+    ] = False,
+    policy: PolicyOption = None,
+    model: ModelOption = None,
+    dtype: DtypeOption = None,
+    device: DeviceOption = "auto",
+    block_size: BlockSizeOption = 16,
+    cache_mb: CacheMbOption = 1024.0,
+    prefill_chunk: PrefillChunkOption = 512,
+    sessions_dir: SessionsDirOption = Path("sessions"),
+) -> None:
+    """Run a file of requests through the shared cache with batched decoding.
+
+    Lines sharing a "session" chain into one conversation. Bad lines are reported with their
+    line numbers and skipped; the exit code is 1 if any line failed. Ctrl-C writes what
+    finished and saves the cache.
+    """
+    import sys
+
+    from kvchat.batch import (
+        BatchRun,
+        output_line,
+        parse_error_line,
+        read_batch,
+        write_jsonl,
+    )
+    from kvchat.config import SamplingParams
+    from kvchat.engine.runtime import Runtime, RuntimeOptions
+    from kvchat.sessions import sessions_lock
+    from kvchat.ui.batch_view import batch_progress, progress_rate, summary_table
+
+    items, errors = read_batch(file)
+    err = _stderr()
+    if not items and not errors:
+        raise KvchatError(f"{file} holds no requests: it is empty.")
+    for line, message in errors:
+        err.print(f"[red]line {line}:[/red] {escape(message)} [dim](skipped)[/dim]")
+    if errors and fail_fast:
+        raise typer.Exit(1)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
+    cache = _cache_config(policy, block_size, cache_mb)
+    to_stdout = output is None or output == "-"
+    ui = err if to_stdout else _stdout()
+    interrupted = False
+    with sessions_lock(sessions_dir, "kvchat batch"):
+        options = RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
+                                 prefill_chunk=prefill_chunk, sessions_dir=sessions_dir)
+        runtime = Runtime.open(options)
+        if runtime.notice:
+            ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
+        started = time.perf_counter()
+        with batch_progress(ui) as progress:
+            task = progress.add_task("batch", total=len(items), rate="")
+
+            def update(res: Any) -> None:
+                if res.error is not None:
+                    progress.console.print(f"[red]line {res.item.line}:[/red] "
+                                           f"{escape(res.error)}")
+                progress.update(task, completed=run.progress.done,
+                                rate=progress_rate(run.progress))
+
+            run = BatchRun(runtime.backend, items, params, batch_size, fail_fast, update)
+            try:
+                run.run()
+            except KeyboardInterrupt:
+                run.stop()
+                interrupted = True
+        results = run.ordered()
+        rows = {r.item.line: output_line(r) for r in results}
+        rows.update({line: parse_error_line(line, message) for line, message in errors})
+        ordered = [rows[k] for k in sorted(rows)]
+        if to_stdout:
+            write_jsonl(ordered, sys.stdout)
+        else:
+            assert output is not None
+            with open(output, "w", encoding="utf-8") as fh:
+                write_jsonl(ordered, fh)
+        runtime.save()
+        stats = runtime.cache.stats() if runtime.cache is not None else None
+        ui.print(summary_table(run.progress, results, len(errors), stats,
+                               time.perf_counter() - started))
+    if interrupted:
+        ui.print(f"[yellow]Interrupted: wrote {len(results)} finished result(s); the cache "
+                 "was saved.[/yellow]")
+        raise typer.Exit(INTERRUPT_EXIT_CODE)
+    if errors or run.progress.failed:
+        raise typer.Exit(1)
+
+
+# ---- bench ---------------------------------------------------------------------------------
+
+
+def _add_bench() -> None:
+    from kvchat.bench.commands import bench_app
+
+    app.add_typer(bench_app, name="bench")
+
+
+_add_bench()
+
+
 def main() -> None:
     """Console-script entry point."""
     # Commands report their own errors (see _KvchatGroup); these catch what escapes a command,

@@ -1,0 +1,72 @@
+"""Rich views for `kvchat batch`: the live progress line and the closing summary table."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from kvchat.batch import BatchProgress, ItemResult
+    from kvchat.cache.kvcache import CacheStats
+
+
+def batch_progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]batch[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def progress_rate(p: BatchProgress) -> str:
+    elapsed = max(time.perf_counter() - p.started, 1e-9)
+    failed = f" · [red]{p.failed} failed[/red]" if p.failed else ""
+    return f"{p.completion_tokens / elapsed:,.1f} tok/s · hit rate {p.hit_rate:.0%}{failed}"
+
+
+def estimated_saving_ms(results: Sequence[ItemResult]) -> float | None:
+    """Prefill time the hits saved, at the prefill speed this run measured on its misses
+    (requests that computed at least 32 prompt tokens)."""
+    done = [r.result for r in results if r.result is not None]
+    timed = [r for r in done if r.computed_tokens >= 32 and r.prefill_ms > 0]
+    if not timed:
+        return None
+    per_token = sum(r.prefill_ms for r in timed) / sum(r.computed_tokens for r in timed)
+    return per_token * sum(r.cache_hit_tokens for r in done)
+
+
+def summary_table(
+    p: BatchProgress, results: Sequence[ItemResult], parse_errors: int, stats: CacheStats | None,
+    wall_s: float,
+) -> Table:
+    done = [r.result for r in results if r.result is not None]
+    prompt = sum(r.prompt_tokens for r in done)
+    hits = sum(r.cache_hit_tokens for r in done)
+    computed = sum(r.computed_tokens for r in done)
+    saved = estimated_saving_ms(results)
+    t = Table(title="kvchat batch", box=box.SIMPLE_HEAD, show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("requests", f"{len(done)} done, {p.failed + parse_errors} failed")
+    t.add_row("prompt tokens", f"{prompt:,}")
+    t.add_row("hit tokens", f"{hits:,}")
+    t.add_row("hit rate", f"{hits / prompt:.1%}" if prompt else "–")
+    t.add_row("prefill computed / total", f"{computed:,} / {prompt:,}")
+    t.add_row("completion tokens", f"{sum(r.completion_tokens for r in done):,}")
+    t.add_row("prefill time saved (est.)", "–" if saved is None else f"{saved / 1000:,.1f} s")
+    t.add_row("wall time", f"{wall_s:,.1f} s")
+    if stats is not None:
+        t.add_row("evictions", f"{stats.eviction_count:,}")
+        t.add_row("pool", f"{stats.pool.used_blocks:,}/{stats.pool.total_blocks:,} blocks "
+                          f"({stats.pool.utilisation:.0%})")
+    return t
