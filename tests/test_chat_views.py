@@ -222,11 +222,27 @@ def test_meta_that_is_not_a_cache_is_a_format_error():
 
 
 def test_exact_table_lists_newest_first_and_counts_the_rest():
+    # each entry is a prefix of the next: only the longest has a part of its own
     entries = [ExactView(tuple(range(n)), n // 4 + 1, n % 2 == 0) for n in range(1, 14)]
     text = render(views.exact_table(entries, letters, limit=2))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     assert lines[0] == "exact index · 13 entries"
-    assert lines[1].split() == ["tokens", "blocks", "logits", "ends", "with"]
-    assert lines[3].split() == ["13", "4", "no", "abcdefghijklm"]
+    assert lines[1].split() == ["tokens", "blocks", "logits", "what", "sets", "it", "apart"]
+    assert lines[3].split() == ["13", "4", "no", "m"]
     assert lines[4].split() == ["12", "4", "yes", "abcdefghijkl"]
     assert lines[5].split(maxsplit=1) == ["…", "11 more (--json lists all)"]
+
+
+def test_previews_skip_what_a_sequence_shares_with_its_closest_sibling():
+    a, b, c = (1, 2, 3, 4, 5), (1, 2, 3, 9), (7, 8)
+    assert cv.distinct_offsets([a, b, c]) == [3, 3, 0]
+    assert cv.distinct_offsets([a, a[:2]]) == [2, 2]
+    assert cv.distinct_offsets([]) == []
+    assert cv.distinct_preview(a, 3, letters) == "ef"
+    assert cv.distinct_preview(a[:2], 2, letters) == "bc"  # a prefix of a sibling: its end
+    siblings = (NodeView(4, a, 2, 0, ()), NodeView(4, b, 1, 0, ()))
+    tree = render(views.tree_view(siblings, letters))
+    assert '5 tok · 2 blk · ref 0 "ef"' in tree and '4 tok · 1 blk · ref 0 "j"' in tree
+    assert [n["preview"] for n in cv.tree_json(siblings, letters)] == ["ef", "j"]
+    exact = cv.exact_json([ExactView(a, 2, True), ExactView(b, 1, False)], letters)
+    assert [(e["distinct_from"], e["preview"]) for e in exact] == [(3, "ef"), (3, "j")]

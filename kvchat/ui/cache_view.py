@@ -328,6 +328,30 @@ def edge_preview(tokens: Sequence[int], decode: Decode | None, limit: int = PREV
     return text[:head_chars] + "…" + tail[-(limit - 1 - head_chars) :]
 
 
+def distinct_offsets(seqs: Sequence[Sequence[int]]) -> list[int]:
+    """For each sequence, how many leading tokens it shares with the most similar other one.
+    In sorted order the most similar sequence is a neighbour, so this is one sort and a pass."""
+    order = sorted(range(len(seqs)), key=lambda i: tuple(seqs[i]))
+    out = [0] * len(seqs)
+    for prev, cur in zip(order, order[1:], strict=False):
+        a, b = seqs[prev], seqs[cur]
+        n = min(len(a), len(b))
+        shared = next((i for i in range(n) if a[i] != b[i]), n)
+        out[prev] = max(out[prev], shared)
+        out[cur] = max(out[cur], shared)
+    return out
+
+
+def distinct_preview(
+    tokens: Sequence[int], shared: int, decode: Decode | None, limit: int = PREVIEW_CHARS
+) -> str:
+    """What sets a sequence apart from its most similar sibling: the text after the `shared`
+    leading tokens, or its end when it is a prefix of another."""
+    if shared >= len(tokens):
+        return tail_preview(tokens, decode, limit)
+    return edge_preview(tokens[shared:], decode, limit)
+
+
 def tail_preview(tokens: Sequence[int], decode: Decode | None, limit: int = PREVIEW_CHARS) -> str:
     """The end of a sequence, where exact-index entries differ from each other."""
     tail = tokens[-PREVIEW_TOKENS:]
@@ -344,7 +368,11 @@ def tree_json(
     """The tree as nested JSON objects; below `depth` levels children are left out and counted
     in `children_omitted`."""
 
-    def one(node: NodeView, level: int) -> dict[str, Any]:
+    def group(siblings: Sequence[NodeView], level: int) -> list[dict[str, Any]]:
+        shared = distinct_offsets([n.tokens for n in siblings])
+        return [one(n, s, level) for n, s in zip(siblings, shared, strict=True)]
+
+    def one(node: NodeView, shared: int, level: int) -> dict[str, Any]:
         keep = depth is None or level < depth
         return {
             "start": node.start,
@@ -352,20 +380,21 @@ def tree_json(
             "n_blocks": node.blocks,
             "max_ref": node.max_ref,
             "owners": list(node.owners),
-            "preview": edge_preview(node.tokens, decode),
+            "preview": distinct_preview(node.tokens, shared, decode),
             "tokens": list(node.tokens),
-            "children": [one(c, level + 1) for c in node.children] if keep else [],
+            "children": group(node.children, level + 1) if keep else [],
             "children_omitted": 0 if keep else len(node.children),
         }
 
-    return [one(n, 1) for n in nodes]
+    return group(nodes, 1)
 
 
 def exact_json(entries: Sequence[ExactView], decode: Decode | None = None) -> list[dict[str, Any]]:
+    shared = distinct_offsets([e.tokens for e in entries])
     return [
         {"n_tokens": len(e.tokens), "n_blocks": e.blocks, "has_logits": e.has_logits,
-         "tail_preview": tail_preview(e.tokens, decode)}
-        for e in entries
+         "distinct_from": s, "preview": distinct_preview(e.tokens, s, decode)}
+        for e, s in zip(entries, shared, strict=True)
     ]
 
 

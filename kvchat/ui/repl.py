@@ -60,7 +60,7 @@ KEYS = (
     ("Ctrl-D", "save and quit, like /exit"),
     ("//text", "send a message that starts with '/'"),
 )
-KEYS_LINE = "Enter sends · Esc Enter: new line · Ctrl-C stops a reply · Ctrl-D quits"
+KEYS_LINE = "Enter send · Esc Enter newline · Ctrl-C stop reply · Ctrl-D quit · /help"
 
 
 # ---- parsing -------------------------------------------------------------------------------
@@ -252,7 +252,8 @@ class Chat:
         pool = rt.cache.manager.stats()
         dtype = str(next(rt.backend.model.parameters()).dtype).replace("torch.", "")
         lines = [
-            f"model    {rt.model_label} · {rt.backend.device} · {dtype}",
+            f"model    {rt.model_label}",
+            f"device   {rt.backend.device} · {dtype}",
             f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
             f"policy {rt.cache.policy.name}",
             f"sessions {rt.options.sessions_dir}",
@@ -266,7 +267,7 @@ class Chat:
         lines.append(self._session_line())
         if s.system:
             lines.append(f"system   {views.printable(s.system)[:60]}")
-        lines.append(KEYS_LINE + " · /help")
+        lines.append(KEYS_LINE)
         return lines
 
     def _session_line(self) -> str:

@@ -26,8 +26,8 @@ from kvchat.ui.cache_view import (
     Decode,
     ExactView,
     NodeView,
-    edge_preview,
-    tail_preview,
+    distinct_offsets,
+    distinct_preview,
     walk,
 )
 
@@ -188,9 +188,13 @@ def _owners(owners: Sequence[str], limit: int = 2) -> str:
     return shown + (f" +{len(owners) - limit}" if len(owners) > limit else "")
 
 
-def node_label(node: NodeView, decode: Decode | None, highlight: str | None = None) -> Text:
+def node_label(
+    node: NodeView, decode: Decode | None, highlight: str | None = None, shared: int = 0
+) -> Text:
+    """Counts, then a preview of the edge's text after the `shared` tokens it has in common
+    with a sibling (siblings can share the head of the block they branch in)."""
     label = Text(f"{node.n_tokens:,} tok · {node.blocks:,} blk · ref {node.max_ref} ")
-    label.append(f'"{edge_preview(node.tokens, decode)}"', style="cyan")
+    label.append(f'"{distinct_preview(node.tokens, shared, decode)}"', style="cyan")
     owners = _owners(node.owners)
     if owners:
         label.append(f" {owners}", style="bold" if highlight in node.owners else "dim")
@@ -224,8 +228,10 @@ def tree_view(
     while stack:
         parent, group, level = stack.pop()
         ordered = first(group)
+        shared = dict(zip(map(id, ordered), distinct_offsets([n.tokens for n in ordered]),
+                          strict=True))
         for node in ordered[:max_children]:
-            branch = parent.add(node_label(node, decode, highlight))
+            branch = parent.add(node_label(node, decode, highlight, shared[id(node)]))
             if not node.children:
                 continue
             if level < depth:
@@ -371,11 +377,12 @@ def exact_table(entries: Sequence[ExactView], decode: Decode | None, limit: int 
     table.add_column("tokens", justify="right")
     table.add_column("blocks", justify="right")
     table.add_column("logits")
-    table.add_column("ends with")
-    newest_first = list(reversed(entries))  # the index keeps its oldest entries first
-    for e in newest_first[:limit]:
+    table.add_column("what sets it apart")
+    shared = distinct_offsets([e.tokens for e in entries])
+    newest_first = list(reversed(list(zip(entries, shared, strict=True))))  # oldest are first
+    for e, s in newest_first[:limit]:
         table.add_row(f"{len(e.tokens):,}", f"{e.blocks:,}", "yes" if e.has_logits else "no",
-                      Text(tail_preview(e.tokens, decode, 30)))
+                      Text(distinct_preview(e.tokens, s, decode, 30)))
     if len(entries) > limit:
         table.add_row("…", "", "", Text(f"{len(entries) - limit:,} more (--json lists all)"))
     return table
