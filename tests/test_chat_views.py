@@ -147,10 +147,12 @@ def test_bar_never_rounds_a_little_to_nothing():
     assert views.bar(1.0, 10) == "█" * 10
 
 
-def test_prefill_rate_prefers_turns_that_computed_many_tokens():
+def test_prefill_rate_comes_from_the_largest_prefill():
     # 200 tokens in 100 ms -> 0.5 ms/token; the 5-token turn is mostly fixed overhead
     assert views.prefill_rate([(200, 100.0), (5, 30.0), (0, 1.0)]) == pytest.approx(0.5)
+    assert views.prefill_rate([(200, 100.0), (200, 60.0)]) == pytest.approx(0.3)  # latest
     assert views.prefill_rate([(5, 30.0)]) == pytest.approx(6.0)
+    assert views.prefill_rate([(0, 2.0)]) is None
     assert views.prefill_rate([]) is None
     assert views.estimate_saved_ms(398, 0.5) == pytest.approx(199.0)
     assert views.estimate_saved_ms(398, None) is None

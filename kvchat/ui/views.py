@@ -37,9 +37,6 @@ if TYPE_CHECKING:
 
 PANEL_MODES = ("off", "compact", "full")
 BAR_WIDTH = 24
-# A turn that computed fewer tokens than this measures mostly the fixed cost of one forward
-# pass, not the per-token prefill rate.
-MIN_RATE_TOKENS = 16
 
 
 # ---- small formatting helpers --------------------------------------------------------------
@@ -110,13 +107,14 @@ class TurnView:
 
 
 def prefill_rate(samples: Iterable[tuple[int, float]]) -> float | None:
-    """Milliseconds per computed prompt token, from (computed tokens, prefill ms) of turns that
-    ran a prefill; turns with few computed tokens are used only when there is nothing else."""
-    usable = [(n, t) for n, t in samples if n > 0 and t > 0]
-    big = [(n, t) for n, t in usable if n >= MIN_RATE_TOKENS]
-    chosen = big or usable
-    tokens = sum(n for n, _ in chosen)
-    return sum(t for _, t in chosen) / tokens if tokens else None
+    """Milliseconds per prompt token, from (computed tokens, prefill ms) of turns that ran a
+    prefill: the largest one (the latest of equals), since a short prefill measures mostly the
+    fixed cost of a forward pass rather than the cost per token."""
+    best: tuple[int, float] | None = None
+    for n, t in samples:
+        if n > 0 and t > 0 and (best is None or n >= best[0]):
+            best = (n, t)
+    return None if best is None else best[1] / best[0]
 
 
 def estimate_saved_ms(hit_tokens: int, rate: float | None) -> float | None:
