@@ -394,7 +394,7 @@ def test_disconnect_mid_stream_cancels_and_keeps_the_kv(served: Served) -> None:
     prompt_tokens = len(served.runtime.backend.encode_chat(user("Tell me a long story.")))
     assert stats["server"]["decode_steps"] < long - 1
     # prompt and the tokens generated before the cancel are stored
-    assert prompt_tokens < stats["tree_tokens"] < prompt_tokens + long
+    assert prompt_tokens <= stats["tree_tokens"] < prompt_tokens + long
     again = served.client.post("/generate", json={"prompt": "Tell me a long story.",
                                                   "max_tokens": 3}).json()
     assert (again["hit_source"], again["cache_hit_tokens"]) == ("exact", prompt_tokens)
