@@ -160,6 +160,27 @@ def cancel_on_sigint(cancel: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+@contextmanager
+def typeahead_hidden() -> Iterator[None]:
+    """While a reply streams, keys typed ahead are not echoed into it: they stay queued, and the
+    next prompt shows them. Ctrl-C still raises SIGINT (only ECHO is turned off)."""
+    import termios
+
+    try:
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except (termios.error, OSError, ValueError):
+        yield  # not a terminal (a pipe, a test runner's stream)
+        return
+    quiet = termios.tcgetattr(fd)
+    quiet[3] &= ~termios.ECHO  # lflag
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
 # ---- the loop ------------------------------------------------------------------------------
 
 
@@ -283,7 +304,7 @@ class Chat:
 
         cancel = threading.Event()
         out = self.console.file
-        with cancel_on_sigint(cancel):
+        with cancel_on_sigint(cancel), typeahead_hidden():
             try:
                 prompt_ids, generation = self.rt.start_turn(self.session, text, self.params, cancel)
             except KvchatError as error:
