@@ -413,8 +413,9 @@ VERIFY_PROMPTS = (
 
 
 def _read_prompt_file(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
-    """(label, messages) per line of a JSONL file with "prompt" or "messages" (and optional
-    "id", "system")."""
+    """(label, messages) per line of a request file in `kvchat batch`'s format; verify runs each
+    line on its own (a "session" does not chain lines here)."""
+    from kvchat.batch import LineError, parse_line
     from kvchat.ui.cache_view import preview
 
     try:
@@ -426,21 +427,13 @@ def _read_prompt_file(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
-            if "messages" in item:
-                messages = [{"role": str(m["role"]), "content": str(m["content"])}
-                            for m in item["messages"]]
-            else:
-                messages = [{"role": "user", "content": str(item["prompt"])}]
-            if item.get("system"):
-                messages.insert(0, {"role": "system", "content": str(item["system"])})
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise KvchatError(
-                f'{path} line {number}: expected a JSON object with "prompt" or "messages" '
-                f"({type(exc).__name__}: {exc})."
-            ) from None
-        label = str(item.get("id") or preview(messages[-1]["content"], 18))
-        out.append((label, messages))
+            item = parse_line(line, number)
+        except LineError as exc:
+            raise KvchatError(f"{path} line {number}: {exc}.") from None
+        system = [{"role": "system", "content": item.system}] if item.system else []
+        label = item.id if item.id != f"line-{number}" else preview(item.messages[-1]["content"],
+                                                                     18)
+        out.append((label, system + item.messages))
     if not out:
         raise KvchatError(f"{path} holds no prompts.")
     return out
@@ -455,8 +448,9 @@ def verify(
     ] = None,
     file: Annotated[
         Path | None,
-        typer.Option("--file", "-f", help='JSONL file, one {"prompt": ...} or {"messages": '
-                     "[...]} per line.", dir_okay=False, show_default=False),
+        typer.Option("--file", "-f", help='JSONL file in the format of `kvchat batch` (one '
+                     '{"prompt": ...} or {"messages": [...]} per line).', dir_okay=False,
+                     show_default=False),
     ] = None,
     max_tokens: MaxTokensOption = 32,
     model: ModelOption = None,

@@ -92,8 +92,9 @@ def test_prompt_file_with_messages_ids_and_system(verify, tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"prompt": "ok"}\n{"nothing": 1}\n', "prompts.jsonl line 2: expected a JSON object"),
-        ("not json\n", "prompts.jsonl line 1"),
+        ('{"prompt": "ok"}\n{"nothing": 1}\n',
+         'prompts.jsonl line 2: give exactly one of "prompt" or "messages".'),
+        ("not json\n", "prompts.jsonl line 1: invalid JSON"),
         ("\n\n", "holds no prompts"),
     ],
 )
