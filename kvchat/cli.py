@@ -528,7 +528,7 @@ def serve(
     import uvicorn
 
     from kvchat.engine.runtime import Runtime, RuntimeOptions
-    from kvchat.server import GRACEFUL_SHUTDOWN_S, bind_warning, create_app, log_to_stderr
+    from kvchat.server import Server, bind_warning, create_app, log_to_stderr
     from kvchat.sessions import sessions_lock
 
     cache = _cache_config(policy, block_size, cache_mb)
@@ -541,10 +541,8 @@ def serve(
                                               sessions_dir=sessions_dir))
         web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens)
         log_to_stderr()
-        config = uvicorn.Config(web, host=host, port=port, lifespan="on",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         try:
-            uvicorn.Server(config).run()
+            Server(uvicorn.Config(web, host=host, port=port, lifespan="on")).run()
         except KeyboardInterrupt:
             pass  # uvicorn re-raises the Ctrl-C it shut down on; stopping is what it asked for
         finally:

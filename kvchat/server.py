@@ -20,6 +20,7 @@ import ipaddress
 import itertools
 import json
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -59,8 +61,10 @@ DEFAULT_BATCH_SIZE = 8
 DEFAULT_MAX_TOKENS = 256
 # Far above any prompt a model's context holds; stops a runaway body before it is parsed.
 MAX_BODY_BYTES = 8 * 1024 * 1024
-# On shutdown, how long requests in flight may finish before they are cancelled (and stored).
-GRACEFUL_SHUTDOWN_S = 10
+# On shutdown, how long requests in flight may finish before they are interrupted (their K/V
+# stays cached); uvicorn cancels whatever is left BACKSTOP_S later.
+GRACEFUL_SHUTDOWN_S = 5.0
+BACKSTOP_S = 5.0
 
 
 def is_loopback(host: str) -> bool:
@@ -361,6 +365,17 @@ class Engine:
 
     def submit(self, handle: Handle) -> None:
         self._post(lambda: self._admit(handle))
+
+    def interrupt(self) -> None:
+        """Stop every request in flight at the next step: each finishes as interrupted, with
+        what it computed cached."""
+
+        def cancel_all() -> None:
+            for handle in self._handles.values():
+                handle.cancel()
+
+        with contextlib.suppress(EngineStopped):
+            self._post(cancel_all)
 
     # ---- the engine thread ----
 
@@ -851,18 +866,34 @@ def create_app(
     return app
 
 
+class Server(uvicorn.Server):
+    """uvicorn whose graceful shutdown gives the requests in flight `grace_s` to finish, then
+    interrupts them through the engine, so that their replies end normally (finish_reason
+    "interrupted") before the lifespan saves the snapshot."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float = GRACEFUL_SHUTDOWN_S) -> None:
+        config.timeout_graceful_shutdown = int(grace_s + BACKSTOP_S)
+        super().__init__(config)
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        app: Any = self.config.app
+        timer = asyncio.get_running_loop().call_later(self.grace_s, app.state.engine.interrupt)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 @contextlib.contextmanager
-def serving(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+def serving(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+            grace_s: float = GRACEFUL_SHUTDOWN_S) -> Iterator[tuple[str, Server]]:
     """Run app with uvicorn on a background thread (tests, embedding); yields its base URL and
-    shuts it down (lifespan included) on exit."""
-    import socket
-
-    import uvicorn
-
+    the server, and shuts it down (lifespan included) on exit."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"), grace_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -870,7 +901,7 @@ def serving(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[st
             if not thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.01)
-        yield f"http://{host}:{sock.getsockname()[1]}"
+        yield f"http://{host}:{sock.getsockname()[1]}", server
     finally:
         server.should_exit = True
         thread.join()

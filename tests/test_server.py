@@ -76,7 +76,7 @@ def open_runtime(model_dir: Path, sessions: Path) -> Runtime:
 def served(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Served]:
     runtime = open_runtime(tiny_model_dir, tmp_path / "sessions")
     app = create_app(runtime, batch_size=4, max_tokens=MAX_NEW)
-    with serving(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with serving(app) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
         yield Served(url, app, runtime, client)
 
 
@@ -417,6 +417,25 @@ def test_disconnect_while_waiting_for_a_whole_reply(served: Served) -> None:
     served.wait_idle()
     served.check_cache()
     assert served.client.get("/cache/stats").json()["server"]["decode_steps"] < 1499
+
+
+def test_shutdown_interrupts_a_stream_then_saves(tiny_model_dir: Path, tmp_path: Path) -> None:
+    runtime = open_runtime(tiny_model_dir, tmp_path / "sessions")
+    app = create_app(runtime)
+    body = {"prompt": "An endless story.", "max_tokens": 1900, "stream": True}
+    with serving(app, grace_s=0.1) as (url, server), httpx.stream(
+        "POST", f"{url}/generate", json=body, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        assert next(lines) == "event: token"
+        server.should_exit = True  # what SIGINT and SIGTERM do
+        events = sse_events(lines)
+    assert events[-1][0] == "done"
+    done = json.loads(events[-1][1])
+    assert done["finish_reason"] == "interrupted" and done["completion_tokens"] < 1900
+    info = read_snapshot_meta(tmp_path / "sessions")
+    assert info is not None and info.cached_tokens >= done["prompt_tokens"]
+    assert app.state.engine.counters.cancelled == 1
 
 
 # ---- load ------------------------------------------------------------------------------------
