@@ -153,7 +153,7 @@ def test_sessions_switch_new_reset_system_clear(tiny_model, tiny_tokenizer, tmp_
         "/reset", "/clear-cache", "/session other", "/session other",
     )
     assert "session chat-1: new" in out
-    assert "session demo: resumed, 1 turns" in out
+    assert "session demo: resumed, 1 turn" in out
     assert "System prompt set." in out
     assert "System prompt: Answer in French." in out
     assert "Session demo starts over; the shared cache is kept." in out
@@ -245,3 +245,21 @@ def test_system_option_applies_to_the_session(tiny_model, tiny_tokenizer, tmp_pa
     Chat(rt, session, SamplingParams(max_new_tokens=3), console, Script("hi")).run()
     assert rt.store.load("demo").system == "New."
     assert "system   New." in console.file.getvalue()
+
+
+def test_a_prompt_beyond_the_context_says_how_to_go_on(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(rt, "x" * 3000, "/stats")
+    assert "the model's context is 2048 tokens. Start over with /reset or /new." in " ".join(
+        out.split())
+    assert chat.session.turns == [] and "integrity ok" in out
+
+
+def test_banner_says_why_a_snapshot_was_set_aside(tiny_model, tiny_tokenizer, tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "index.json").write_text("{broken")
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, _ = run_chat(rt)
+    banner = " ".join(out.replace("│", " ").split())
+    assert "snapshot Cache snapshot unreadable" in banner and "set aside in" in banner
+    assert "snapshot none yet" not in banner

@@ -26,7 +26,7 @@ from rich.text import Text
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionError, validate_name
 from kvchat.ui import views
-from kvchat.ui.cache_view import nodes_from_cache, summary_from_stats
+from kvchat.ui.cache_view import nodes_from_cache, preview, summary_from_stats
 
 if TYPE_CHECKING:
     from kvchat.config import SamplingParams
@@ -280,26 +280,27 @@ class Chat:
             f"sessions {rt.options.sessions_dir}",
         ]
         if rt.notice:
-            lines.append(f"note     {rt.notice}")
-        if rt.restored_tokens:
+            lines.append(f"snapshot {rt.notice}")
+        elif rt.restored_tokens:
             lines.append(f"snapshot restored {rt.restored_tokens:,} cached tokens")
         else:
             lines.append("snapshot none yet (written every few turns and on exit)")
         lines.append(self._session_line())
         if s.system:
-            lines.append(f"system   {views.printable(s.system)[:60]}")
+            lines.append(f"system   {preview(s.system, 60)}")
         lines.append(KEYS_LINE)
         return lines
 
     def _session_line(self) -> str:
         s = self.session
         if s.turns:
-            return f"session  {s.name}: resumed, {len(s.turns)} turns"
+            return f"session  {s.name}: resumed, {views.plural(len(s.turns), 'turn')}"
         return f"session  {s.name}: new"
 
     # ---- a turn ----
 
     def turn(self, text: str) -> None:
+        from kvchat.engine.backend import PromptTooLongError
         from kvchat.engine.conversation import record_turn
 
         cancel = threading.Event()
@@ -307,6 +308,9 @@ class Chat:
         with cancel_on_sigint(cancel), typeahead_hidden():
             try:
                 prompt_ids, generation = self.rt.start_turn(self.session, text, self.params, cancel)
+            except PromptTooLongError as error:
+                self._say(f"{error} Start over with /reset or /new.", "red")
+                return
             except KvchatError as error:
                 self._say(str(error), "red")
                 return
