@@ -46,7 +46,7 @@ class CacheConfig:
     block_size: int = 16
     cache_mb: float = 1024.0
     num_blocks: int | None = None
-    policy: str = "lru"
+    policy: str | None = None  # None: $EVICTION_POLICY, else lru
     max_exact_entries: int = 256
 
     def __post_init__(self) -> None:

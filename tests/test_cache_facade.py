@@ -122,7 +122,8 @@ def test_pool_and_tree_stats() -> None:
     s = cache.stats()
     assert (s.pool.total_blocks, s.pool.used_blocks, s.pool.free_blocks) == (10, 4, 6)
     assert s.pool.utilisation == pytest.approx(0.4)
-    assert (s.tree_nodes, s.tree_tokens, s.exact_entries) == (3, 4 + 6 + 3, 2)
+    # stores without logits add no exact entries: only logits let a repeat skip the forward
+    assert (s.tree_nodes, s.tree_tokens, s.exact_entries) == (3, 4 + 6 + 3, 0)
     assert s.stored_tokens == 10 + 2  # the copied shared head is not new K/V
     d = s.as_dict()
     assert (d["total_blocks"], d["used_blocks"], d["free_blocks"], d["block_size"]) == (10, 4, 6, 4)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import NamedTuple
 
 import torch
@@ -26,7 +26,7 @@ class CacheIntegrityError(AssertionError):
     """The cache's bookkeeping contradicts itself (a bug, never a user error)."""
 
 
-class HitSource(str, Enum):
+class HitSource(StrEnum):
     EXACT = "exact"
     RADIX = "radix"
     MISS = "miss"
@@ -293,14 +293,12 @@ class PagedKVCache:
             if stored == m:
                 for block in held:
                     block.acquire()
+            # Only entries with logits can answer a repeat without a forward pass; the radix
+            # tree already serves every other whole-prompt match, so none are kept without.
             if logits is not None:
                 key_len = n if logits_len is None else logits_len
                 if key_len <= stored:
                     self.exact.put(tokens[:key_len], path[: _ceil_div(key_len, bs)], logits)
-            elif stored == n and n:
-                old = self.exact.get(tokens)
-                if old is None or old.logits is None:  # never trade stored logits for none
-                    self.exact.put(tokens, path[: _ceil_div(n, bs)])
         finally:
             for block in held:
                 block.release()
