@@ -8,6 +8,7 @@ layers. Blocks handed to a caller are acquired; the caller releases them when it
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -306,32 +307,53 @@ class PagedKVCache:
 
     # ---- eviction ----------------------------------------------------------------------------
 
-    def _candidates(self) -> dict[int, tuple[Block, Node]]:
-        out = {}
-        for leaf in self.tree.leaves():
-            block = leaf.blocks[-1]
-            if block.ref_count == 0:
-                out[block.block_id] = (block, leaf)
-        return out
-
     def _evict(
         self,
         n: int,
-        select: Callable[[Sequence[Block]], Block | None] | None = None,
+        rank: Callable[[Block], tuple[float, ...] | None] | None = None,
     ) -> int:
-        """Evict up to n leaf blocks chosen by the policy; returns how many went."""
-        select = select or self.policy.select_victim
+        """Evict up to n leaf blocks in the policy's order; returns how many went.
+
+        One heap over the leaves' last blocks; when a leaf loses its last block, its new last
+        block (or, once it is gone, its parent's) becomes a candidate. Only a merge of a parent
+        with its single remaining child moves blocks between nodes, so the heap is rebuilt then.
+        """
+        rank = rank or self.policy.rank
+        tree = self.tree
         done = 0
-        while done < n:
-            candidates = self._candidates()
-            victim = select([b for b, _ in candidates.values()])
-            if victim is None:
-                break
-            _, leaf = candidates[victim.block_id]
+
+        def build() -> tuple[list[tuple[tuple[float, ...], int]], dict[int, Node]]:
+            heap: list[tuple[tuple[float, ...], int]] = []
+            owner: dict[int, Node] = {}
+            for leaf in tree.leaves():
+                push(heap, owner, leaf)
+            return heap, owner
+
+        def push(heap: list[tuple[tuple[float, ...], int]], owner: dict[int, Node],
+                 leaf: Node) -> None:
+            block = leaf.blocks[-1]
+            key = rank(block) if block.ref_count == 0 else None
+            if key is not None:
+                heapq.heappush(heap, (key, block.block_id))
+                owner[block.block_id] = leaf
+
+        heap, owner = build()
+        while done < n and heap:
+            _, bid = heapq.heappop(heap)
+            leaf = owner.pop(bid)
+            victim = leaf.blocks[-1]
+            parent = leaf.parent
+            merges_before = tree.merges
             self.exact.drop_block(victim)
-            self.tree.pop_leaf_block(leaf)
+            tree.pop_leaf_block(leaf)
             self.manager.free([victim])
             done += 1
+            if tree.merges != merges_before:
+                heap, owner = build()
+            elif leaf.blocks:
+                push(heap, owner, leaf)
+            elif parent is not None and parent is not tree.root and parent.is_leaf:
+                push(heap, owner, parent)
         self.counters.eviction_count += done
         return done
 
@@ -342,10 +364,7 @@ class PagedKVCache:
         """Drop everything no request is using (first blocks too); returns blocks freed."""
         self.exact.clear()
 
-        def any_block(blocks: Sequence[Block]) -> Block | None:
-            return blocks[0] if blocks else None
-
-        return self._evict(self.manager.num_blocks, any_block)
+        return self._evict(self.manager.num_blocks, lambda block: (0.0,))
 
     # ---- views -------------------------------------------------------------------------------
 

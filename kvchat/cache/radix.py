@@ -83,6 +83,7 @@ class RadixTree:
         self.block_size = block_size
         self.root = Node(None, 0, [], [])
         self._leaves: set[Node] = set()
+        self.merges = 0  # node merges so far (eviction watches it: merges move blocks)
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -233,6 +234,7 @@ class RadixTree:
         return block
 
     def _merge_single_child(self, node: Node) -> None:
+        self.merges += 1
         (child,) = node.child_list()
         node.remove_child(child)
         node.tokens.extend(child.tokens)
