@@ -26,10 +26,6 @@ from kvchat.engine.sampling import make_generator, sample
 from kvchat.errors import KvchatError
 
 H2O_ATTENTION = "kvchat_h2o"
-H2O_COST_NOTE = (
-    "h2o computes attention in plain PyTorch (no fused SDPA kernel) to read the weights: "
-    "expect prefill to be slower and to use more memory on long prompts (roughly 10-30% on CPU)."
-)
 
 
 class PromptTooLongError(KvchatError):
