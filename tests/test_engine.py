@@ -258,7 +258,7 @@ def test_transformers_calls_we_rely_on(tiny_model):
     this fails first."""
     from transformers import DynamicCache
 
-    from kvchat.engine.backend import build_past, past_kv, past_length
+    from kvchat.engine.backend import build_past, past_kv, past_length, wrap_past
 
     ids = torch.tensor([prompt(92, 12)])
     with torch.inference_mode():
@@ -274,3 +274,31 @@ def test_transformers_calls_we_rely_on(tiny_model):
                           logits_to_keep=1)
         assert torch.allclose(tail.logits, out.logits, atol=1e-5)
         assert past_length(rebuilt) == 12
+        # wrap without copying, then a padded two-row batch with a 2D mask, explicit positions
+        # and logits for chosen columns (the batched scheduler's forward)
+        wrapped = wrap_past([(k.clone(), v.clone()) for k, v in kv], tiny_model.config)
+        assert wrapped.get_seq_length() == 8
+        batch_kv = [(torch.cat([k, torch.zeros_like(k)]), torch.cat([v, torch.zeros_like(v)]))
+                    for k, v in kv]
+        batch = wrap_past(batch_kv, tiny_model.config)
+        mask = torch.tensor([[1] * 8 + [1] * 4, [0] * 8 + [1] * 4])
+        pos = torch.tensor([[8, 9, 10, 11], [0, 1, 2, 3]])
+        two = tiny_model(input_ids=torch.cat([ids[:, 8:], ids[:, :4]]), attention_mask=mask,
+                         position_ids=pos, past_key_values=batch, use_cache=True,
+                         logits_to_keep=torch.tensor([3]))
+        alone = tiny_model(input_ids=ids[:, :4], use_cache=True, logits_to_keep=1)
+        assert torch.allclose(two.logits[0, -1], out.logits[0, -1], atol=1e-5)
+        assert torch.allclose(two.logits[1, -1], alone.logits[0, -1], atol=1e-5)
+    # the H2O path: a registered attention function and mask, switched per model
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from kvchat.engine.backend import H2O_ATTENTION
+
+    assert H2O_ATTENTION in AttentionInterface._global_mapping
+    assert H2O_ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    tiny_model.set_attn_implementation(H2O_ATTENTION)
+    with torch.inference_mode():
+        eager = tiny_model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    tiny_model.set_attn_implementation("sdpa")
+    assert torch.allclose(eager.logits, out.logits, atol=1e-5)

@@ -248,7 +248,8 @@ class Backend:
     def gather_past(self, lookup: Lookup) -> DynamicCache:
         assert self.cache is not None
         kv = self.cache.gather(lookup.blocks, lookup.matched)
-        return build_past(kv, self.model.config)
+        # the gather already made fresh tensors: wrap them rather than copy them once more
+        return wrap_past(kv, self.model.config)
 
     def forward(
         self, ids: Sequence[int], past: DynamicCache
