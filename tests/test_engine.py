@@ -258,7 +258,7 @@ def test_transformers_calls_we_rely_on(tiny_model):
     this fails first."""
     from transformers import DynamicCache
 
-    from kvchat.engine.backend import build_past, past_kv, past_length, wrap_past
+    from kvchat.engine.backend import build_past, past_kv, past_length, reserved_past, wrap_past
 
     ids = torch.tensor([prompt(92, 12)])
     with torch.inference_mode():
@@ -289,6 +289,16 @@ def test_transformers_calls_we_rely_on(tiny_model):
         alone = tiny_model(input_ids=ids[:, :4], use_cache=True, logits_to_keep=1)
         assert torch.allclose(two.logits[0, -1], out.logits[0, -1], atol=1e-5)
         assert torch.allclose(two.logits[1, -1], alone.logits[0, -1], atol=1e-5)
+        # in-place growth inside a reserved buffer, past its capacity too: same logits as cat
+        buffers = [(torch.cat([k, torch.zeros(1, k.shape[1], 1, k.shape[3])], dim=2),
+                     torch.cat([v, torch.zeros(1, v.shape[1], 1, v.shape[3])], dim=2))
+                    for k, v in kv]
+        reserved = reserved_past(buffers, 8, tiny_model.config)
+        assert reserved.get_seq_length() == 8
+        grown = tiny_model(input_ids=ids[:, 8:], past_key_values=reserved, use_cache=True,
+                           logits_to_keep=1)
+        assert reserved.get_seq_length() == 12
+        assert torch.equal(grown.logits, tail.logits)
     # the H2O path: a registered attention function and mask, switched per model
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS

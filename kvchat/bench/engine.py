@@ -147,14 +147,33 @@ class OverheadResult:
     miss_cache_off: Timing
     kvchat_decode_tps: float  # median over trials
     generate_decode_tps: float
+    miss_ratios: tuple[float, ...]  # on / off, trial by trial (paired, order alternating)
+    decode_ratios: tuple[float, ...]  # kvchat / generate decode tokens/s, trial by trial
 
     @property
     def miss_overhead(self) -> float:
-        return self.miss_cache_on.median_ms / self.miss_cache_off.median_ms - 1
+        return statistics.median(self.miss_ratios) - 1
 
     @property
     def decode_ratio(self) -> float:
-        return self.kvchat_decode_tps / self.generate_decode_tps
+        return statistics.median(self.decode_ratios)
+
+
+class _TokenClock:
+    """A generate() streamer that stamps each token: the first put() carries the prompt."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def decode_tps(self) -> float:
+        tokens = self.stamps[1:]  # the first put is the prompt
+        return (len(tokens) - 1) / (tokens[-1] - tokens[0]) if len(tokens) > 1 else 0.0
 
 
 def bench_overhead(
@@ -167,6 +186,8 @@ def bench_overhead(
     policy: str = "lru",
     progress: Callable[[str], None] | None = None,
 ) -> OverheadResult:
+    """Trials are paired and their order alternates, so drift on a shared machine hits both
+    sides alike; the ratios reported are medians of the per-trial ratios."""
     off = Backend(model, tokenizer, None)
     per_request = prompt_tokens + new_tokens + block_size
     cfg = CacheConfig(block_size, num_blocks=(trials + 3) * 2 * per_request // block_size,
@@ -174,62 +195,53 @@ def bench_overhead(
     on = Backend.create(model, tokenizer, cfg)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     seeds = iter(range(10_000, 20_000))
+
+    def request(b: Backend) -> tuple[float, float]:
+        res = b.generate(Request(random_prompt(off, prompt_tokens, next(seeds)), params))
+        return res.total_ms, res.decode_tokens_per_s
+
+    def generate() -> float:
+        ids = torch.tensor([random_prompt(off, prompt_tokens, next(seeds))], device=off.device)
+        clock = _TokenClock()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=tokenizer.eos_token_id, streamer=clock)
+        return clock.decode_tps()
+
     if progress:
         progress("overhead: cache miss, cache on vs off")
-    tps: list[float] = []
-
-    def request(b: Backend) -> Callable[[], float]:
-        def go() -> float:
-            res = b.generate(Request(random_prompt(off, prompt_tokens, next(seeds)), params))
-            if b is on:
-                tps.append(res.decode_tokens_per_s)
-            return res.total_ms
-
-        return go
-
-    # interleave on/off trials so drift on a shared machine hits both alike
-    on_ms, off_ms = [], []
-    request(on)()
-    request(off)()
-    tps.clear()
-    for _ in range(trials):
-        on_ms.append(request(on)())
-        off_ms.append(request(off)())
+    request(on), request(off)  # warm-up
+    on_ms, off_ms, kv_tps, gen_tps = [], [], [], []
+    for i in range(trials):
+        if i % 2:
+            off_ms.append(request(off)[0])
+            ms, tps = request(on)
+        else:
+            ms, tps = request(on)
+            off_ms.append(request(off)[0])
+        on_ms.append(ms)
+        kv_tps.append(tps)
     if progress:
         progress("overhead: decode tokens/s vs model.generate")
-    gen_tps = _generate_decode_tps(off, prompt_tokens, new_tokens, trials)
+    generate()  # warm-up
+    for i in range(trials):
+        if i % 2:
+            gen_tps.append(generate())
+            kv_tps[i] = request(on)[1]
+        else:
+            kv_tps[i] = request(on)[1]
+            gen_tps.append(generate())
     return OverheadResult(
         prompt_tokens,
         new_tokens,
         Timing(statistics.median(on_ms), min(on_ms), max(on_ms)),
         Timing(statistics.median(off_ms), min(off_ms), max(off_ms)),
-        statistics.median(tps),
-        gen_tps,
+        statistics.median(kv_tps),
+        statistics.median(gen_tps),
+        tuple(a / b for a, b in zip(on_ms, off_ms, strict=True)),
+        tuple(a / b for a, b in zip(kv_tps, gen_tps, strict=True)),
     )
-
-
-def _generate_decode_tps(b: Backend, prompt_tokens: int, new_tokens: int, trials: int) -> float:
-    """Decode tokens/s of plain model.generate: (N-1) tokens over the time between a 1-token and
-    an N-token generate of the same prompt (the prefill cancels out)."""
-    ids = torch.tensor([random_prompt(b, prompt_tokens, 7)], device=b.device)
-    mask = torch.ones_like(ids)
-
-    def gen(n: int) -> Callable[[], None]:
-        def go() -> None:
-            with torch.inference_mode():
-                b.model.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                    do_sample=False, pad_token_id=b.tokenizer.eos_token_id,
-                )
-
-        return go
-
-    rates = []
-    for _ in range(max(2, trials // 2)):
-        t1 = measure(gen(1), 1, warmup=0).median_ms
-        tn = measure(gen(new_tokens), 1, warmup=0).median_ms
-        rates.append((new_tokens - 1) / max(tn - t1, 1e-6) * 1000)
-    return statistics.median(rates)
 
 
 def as_dict(obj: Any) -> Any:

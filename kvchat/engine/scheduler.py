@@ -36,7 +36,7 @@ from kvchat.engine.backend import (
     SequenceState,
     past_kv,
     past_length,
-    wrap_past,
+    reserved_past,
 )
 
 TextCallback = Callable[["Ticket", str], None]
@@ -221,12 +221,13 @@ class Scheduler:
         kv: list[KV] = []
         if ref is not None:
             for layer_idx, (k0, _) in enumerate(ref):
-                shape = (n_rows, k0.shape[1], p_len, k0.shape[3])
+                # room for the tails too: the forward writes them in place
+                shape = (n_rows, k0.shape[1], p_len + t_len, k0.shape[3])
                 keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
                 for i, row_past in enumerate(pasts):
                     if row_past is not None and matched[i]:
-                        keys[i, :, p_len - matched[i] :] = row_past[layer_idx][0][0]
-                        values[i, :, p_len - matched[i] :] = row_past[layer_idx][1][0]
+                        keys[i, :, p_len - matched[i] : p_len] = row_past[layer_idx][0][0]
+                        values[i, :, p_len - matched[i] : p_len] = row_past[layer_idx][1][0]
                 kv.append((keys, values))
         mask = torch.zeros(n_rows, p_len + t_len, dtype=torch.long, device=b.device)
         ids = torch.zeros(n_rows, t_len, dtype=torch.long, device=b.device)
@@ -235,16 +236,17 @@ class Scheduler:
             mask[i, p_len - matched[i] : p_len + len(tail)] = 1
             ids[i, : len(tail)] = torch.tensor(tail, device=b.device)
             pos[i] = torch.arange(matched[i], matched[i] + t_len, device=b.device)
-        past = wrap_past(kv, b.model.config) if kv else b.empty_past()
+        past = reserved_past(kv, p_len, b.model.config) if kv else b.empty_past()
         last_cols = sorted({len(t) - 1 for t in tails})
         logits_cols, _ = b.forward_batch(ids, past, mask, pos, columns=last_cols)
-        valid = mask.bool()
         full = past_kv(past, 0, p_len + t_len)
         for i, (ticket, state, _) in enumerate(group):
             col = last_cols.index(len(tails[i]) - 1)
             state.prompt_logits = logits_cols[i, col]
             state.t_prefill = time.perf_counter()
-            row_kv = [(k[i : i + 1, :, valid[i]], v[i : i + 1, :, valid[i]]) for k, v in full]
+            # a row's real positions are one run: its past right-aligned, its tail after it
+            lo, hi = p_len - matched[i], p_len + len(tails[i])
+            row_kv = [(k[i : i + 1, :, lo:hi], v[i : i + 1, :, lo:hi]) for k, v in full]
             self._after_prefill(ticket, state, row_kv)
 
     def _after_prefill(self, ticket: Ticket, state: SequenceState, kv: list[KV]) -> None:
@@ -280,21 +282,24 @@ class Scheduler:
             else:
                 per_row.append(self._row_kv(i, 0, row.kv_len))
         width = max(r.kv_len for r in live)
+        # room for every row's remaining tokens, so decode steps write in place
+        room = max(r.state.request.params.max_new_tokens - len(r.state.generated) for r in live)
+        capacity = width + max(1, min(room, b.max_context - width))
         kv: list[KV] = []
         for layer_idx in range(len(per_row[0])):
             k0 = per_row[0][layer_idx][0]
-            shape = (len(live), k0.shape[1], width, k0.shape[3])
+            shape = (len(live), k0.shape[1], capacity, k0.shape[3])
             keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
             for i, (row, row_kv) in enumerate(zip(live, per_row, strict=True)):
-                keys[i, :, width - row.kv_len :] = row_kv[layer_idx][0][0]
-                values[i, :, width - row.kv_len :] = row_kv[layer_idx][1][0]
+                keys[i, :, width - row.kv_len : width] = row_kv[layer_idx][0][0]
+                values[i, :, width - row.kv_len : width] = row_kv[layer_idx][1][0]
             kv.append((keys, values))
         mask = torch.zeros(len(live), width, dtype=torch.bool, device=b.device)
         for i, row in enumerate(live):
             mask[i, width - row.kv_len :] = True
             row.kv = None
         self.rows, self._mask = live, mask
-        self._past = wrap_past(kv, b.model.config)
+        self._past = reserved_past(kv, width, b.model.config)
         self._dirty = False
 
     def _row_kv(self, i: int, start: int, end: int) -> list[KV]:

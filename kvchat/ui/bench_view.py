@@ -70,7 +70,8 @@ def overhead_table(r: OverheadResult) -> Table:
               _ratio(1 + r.miss_overhead, r.miss_overhead <= 0.03))
     t.add_row("decode tokens/s (kvchat vs model.generate)", f"{r.kvchat_decode_tps:.2f}",
               f"{r.generate_decode_tps:.2f}", _ratio(r.decode_ratio, r.decode_ratio >= 0.97))
-    t.caption = "Targets: a miss ≤ 1.03x with the cache on; decode ≥ 0.97x model.generate."
+    t.caption = ("ratio: median of paired trials (order alternating). Targets: a miss ≤ 1.03x "
+                 "with the cache on; decode ≥ 0.97x model.generate.")
     return t
 
 
