@@ -46,6 +46,7 @@ def test_overhead_json(tiny_model_dir):
     assert r["prompt_tokens"] == 24 and r["new_tokens"] == 4
     assert r["kvchat_decode_tps"] > 0 and r["generate_decode_tps"] > 0
     assert "miss_overhead" in r and "decode_ratio" in r
+    assert len(r["h2o_prefill_ratios"]) == 1 and r["h2o_prefill_ratio"] > 0
 
 
 def test_cache_json(tiny_model_dir):

@@ -182,6 +182,10 @@ def batch(
 def multiturn(
     turns: Annotated[int, typer.Option(min=1)] = 6,
     max_tokens: Annotated[int, typer.Option(min=1, help="Reply length per turn.")] = 32,
+    system: Annotated[
+        str, typer.Option(help="The chat's system prompt ('' for none). A long one, as apps "
+                          "use, raises every turn's hit rate.")
+    ] = "You are a friendly outdoor guide. Answer in two sentences.",
     model: Model = None,
     dtype: Dtype = None,
     device: Device = "auto",
@@ -194,7 +198,8 @@ def multiturn(
 
     lm = _load(model, dtype, device)
     with _status("bench multiturn") as progress:
-        rows = bench_multiturn(lm.model, lm.tokenizer, turns, max_tokens, progress=progress)
+        rows = bench_multiturn(lm.model, lm.tokenizer, turns, max_tokens,
+                               system=system or None, progress=progress)
     _emit(as_dict(rows), multiturn_table(rows), as_json)
     if plot:
         _err().print(f"plot: {plot_multiturn(rows, plot)}")

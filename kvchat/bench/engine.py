@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.backend import Backend, Request, build_past, past_kv
+from kvchat.engine.backend import H2O_ATTENTION, Backend, Request, build_past, past_kv
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,11 @@ class OverheadResult:
     generate_decode_tps: float
     miss_ratios: tuple[float, ...]  # on / off, trial by trial (paired, order alternating)
     decode_ratios: tuple[float, ...]  # kvchat / generate decode tokens/s, trial by trial
+    h2o_prefill_ratios: tuple[float, ...] = ()  # miss TTFT with h2o's attention / with lru's
+
+    @property
+    def h2o_prefill_ratio(self) -> float | None:
+        return statistics.median(self.h2o_prefill_ratios) if self.h2o_prefill_ratios else None
 
     @property
     def miss_overhead(self) -> float:
@@ -232,6 +237,28 @@ def bench_overhead(
         else:
             kv_tps[i] = request(on)[1]
             gen_tps.append(generate())
+    if progress:
+        progress("overhead: prefill with h2o's attention vs the default")
+    h2o_cfg = CacheConfig(block_size, num_blocks=cfg.num_blocks, policy="h2o")
+    h2o_ratios = []
+    default_impl = model.config._attn_implementation
+    one = SamplingParams(max_new_tokens=1)
+    try:
+        h2o = Backend.create(model, tokenizer, h2o_cfg)  # switches the model's attention
+
+        def miss_ttft(h2o_attention: bool) -> float:
+            model.set_attn_implementation(H2O_ATTENTION if h2o_attention else default_impl)
+            b = h2o if h2o_attention else on
+            prompt = random_prompt(off, prompt_tokens, next(seeds))
+            return b.generate(Request(prompt, one)).ttft_ms
+
+        miss_ttft(True), miss_ttft(False)  # warm-up
+        for i in range(trials):
+            pair = (miss_ttft(True), miss_ttft(False)) if i % 2 == 0 else \
+                tuple(reversed((miss_ttft(False), miss_ttft(True))))
+            h2o_ratios.append(pair[0] / pair[1])
+    finally:
+        model.set_attn_implementation(default_impl)
     return OverheadResult(
         prompt_tokens,
         new_tokens,
@@ -241,6 +268,7 @@ def bench_overhead(
         statistics.median(gen_tps),
         tuple(a / b for a, b in zip(on_ms, off_ms, strict=True)),
         tuple(a / b for a, b in zip(kv_tps, gen_tps, strict=True)),
+        tuple(h2o_ratios),
     )
 
 
@@ -250,7 +278,7 @@ def as_dict(obj: Any) -> Any:
         return [as_dict(o) for o in obj]
     out = asdict(obj)
     for name in ("warm_vs_decode", "exact_vs_decode", "cold_vs_warm", "miss_overhead",
-                 "decode_ratio"):
+                 "decode_ratio", "h2o_prefill_ratio"):
         if hasattr(obj, name):
             out[name] = getattr(obj, name)
     return out
