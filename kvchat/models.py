@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -445,11 +445,13 @@ def check_causal_lm(config: PretrainedConfig, source: ModelSource) -> None:
     )
 
 
-def model_facts(config: PretrainedConfig, model: PreTrainedModel | None = None) -> ModelFacts:
+def model_facts(
+    config: PretrainedConfig, model: PreTrainedModel | None = None, count: bool = True
+) -> ModelFacts:
     """Cache-sizing numbers of a config.
 
-    n_params is counted on `model` when given, else on a weightless (meta-device) instance of the
-    config, which is exact and allocates nothing.
+    n_params is counted on `model` when given, else (with `count`) on a weightless (meta-device)
+    instance of the config, which is exact and allocates nothing.
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_heads = int(text.num_attention_heads)
@@ -472,7 +474,8 @@ def model_facts(config: PretrainedConfig, model: PreTrainedModel | None = None) 
         hidden_size=int(text.hidden_size),
         vocab_size=int(text.vocab_size),
         max_context=getattr(text, "max_position_embeddings", None),
-        n_params=count_parameters(model) if model is not None else _meta_parameter_count(config),
+        n_params=count_parameters(model) if model is not None
+        else _meta_parameter_count(config) if count else None,
     )
 
 
@@ -494,6 +497,27 @@ def _meta_parameter_count(config: PretrainedConfig) -> int | None:
     return count_parameters(skeleton)
 
 
+def _safetensors_parameter_count(folder: Path) -> int | None:
+    """Parameters stored in a folder's safetensors files, from their JSON headers alone (no
+    weights read, no model class imported). A tied embedding is stored, and counted, once."""
+    import math
+    import struct
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    try:
+        for path in files:
+            with open(path, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return total
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
@@ -513,10 +537,19 @@ def describe_model(
         folder=folder,
         gguf_bytes=Path(source.location).stat().st_size if source.is_gguf else None,
         folder_bytes=folder_bytes(folder) if folder is not None else None,
-        facts=model_facts(config),
+        facts=_with_stored_count(config, folder),
         dtype=dtype_canonical,
         device=device_name,
     )
+
+
+def _with_stored_count(config: PretrainedConfig, folder: Path | None) -> ModelFacts:
+    """Facts for `kvchat models`: the parameter count from the safetensors headers when the
+    folder has them, instead of building a weightless model skeleton to count."""
+    stored = _safetensors_parameter_count(folder) if folder is not None else None
+    if stored is None:
+        return model_facts(config)
+    return replace(model_facts(config, count=False), n_params=stored)
 
 
 def load_model(
