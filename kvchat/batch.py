@@ -248,7 +248,10 @@ class BatchRun:
         return next_prompt(self.backend, session, last["content"])
 
     def _finished(self, ticket: Ticket) -> None:
-        item, prompt = self._tickets.pop(ticket.request_id)
+        entry = self._tickets.pop(ticket.request_id, None)
+        if entry is None:  # already recorded (a finish interrupted and retried by abort)
+            return
+        item, prompt = entry
         if ticket.error is not None:
             self._record(ItemResult(item, error=str(ticket.error)))
         else:

@@ -135,3 +135,94 @@ def test_streaming_callbacks_and_errors(tiny_model, tiny_tokenizer):
     sched.run()
     assert empty.error is not None and good.result is not None
     assert got.get(good.request_id, "") == good.result.text
+
+
+def _cold_kv(model, seq):
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([seq]), use_cache=True)
+    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+
+def test_interrupt_inside_a_step_keeps_every_row_correct(tiny_model, tiny_tokenizer):
+    """A Ctrl-C raised while one row's text is handled must not leave the other rows with
+    stale lengths: what abort() stores must be the K/V a cold run computes."""
+    b = backend(tiny_model, tiny_tokenizer)
+    sched = Scheduler(b, batch_size=4)
+    calls = {"n": 0}
+
+    def on_text(t, d):
+        calls["n"] += 1
+        if t.request_id == 0 and calls["n"] > 12:
+            raise KeyboardInterrupt
+
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    rng = random.Random(9)
+    tickets = [sched.submit(Request([rng.randrange(3, 250) for _ in range(n)], params), on_text)
+               for n in (10, 13, 7)]
+    with pytest.raises(KeyboardInterrupt):
+        sched.run()
+    sched.abort()
+    b.cache.check_integrity()
+    assert all(blk.ref_count == 0 for blk in b.cache.manager.blocks)
+    for t in tickets:
+        assert t.result is not None
+        seq = t.request.prompt_ids + t.result.token_ids
+        match = b.cache.tree.find_prefix(seq)
+        assert match.matched >= len(t.request.prompt_ids)
+        got = b.cache.gather(match.blocks, match.matched)
+        ref = _cold_kv(tiny_model, seq[: match.matched])
+        assert max(float((k - rk).abs().max()) for (k, _), (rk, _) in zip(got, ref, strict=True)) \
+            < 1e-4
+
+
+def test_failed_admission_releases_what_it_looked_up(tiny_model, tiny_tokenizer, monkeypatch):
+    b = backend(tiny_model, tiny_tokenizer)
+    finished = []
+    sched = Scheduler(b, batch_size=4, on_finish=finished.append)
+    rng = random.Random(3)
+    system = [rng.randrange(3, 250) for _ in range(9)]
+    sched.submit(Request(system + [5, 6, 7], SamplingParams(max_new_tokens=2)))
+    sched.run()
+    real = b.forward_batch
+
+    def oom(*args, **kwargs):
+        if kwargs.get("columns") is not None:  # the wave's batched tail prefill
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(b, "forward_batch", oom)
+    tickets = [sched.submit(Request(system + [rng.randrange(3, 250) for _ in range(5)],
+                                    SamplingParams(max_new_tokens=5))) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sched.step()
+    assert all(t.done for t in tickets) and len(finished) == 1 + 3
+    assert all(blk.ref_count == 0 for blk in b.cache.manager.blocks)
+    b.cache.check_integrity()
+
+
+def test_interrupt_inside_the_final_store_is_reported_once(tiny_model, tiny_tokenizer,
+                                                           monkeypatch):
+    b = backend(tiny_model, tiny_tokenizer)
+    real = b.cache.store
+    armed = {"on": True}
+
+    def store(*args, **kwargs):
+        if armed["on"] and kwargs.get("logits_len") is not None:  # a request's final store
+            armed["on"] = False
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(b.cache, "store", store)
+    finished: list[object] = []
+    sched = Scheduler(b, batch_size=4, on_finish=finished.append)
+    rng = random.Random(4)
+    tickets = [sched.submit(Request([rng.randrange(3, 250) for _ in range(6 + i)],
+                                    SamplingParams(max_new_tokens=12 - 3 * i, ignore_eos=True)))
+               for i in range(3)]
+    with pytest.raises(KeyboardInterrupt):
+        sched.run()
+    sched.abort()
+    assert all(t.result is not None for t in tickets)
+    assert len(finished) == len({id(t) for t in finished}) == 3  # each reported exactly once
+    assert all(blk.ref_count == 0 for blk in b.cache.manager.blocks)
+    b.cache.check_integrity()

@@ -271,20 +271,16 @@ class PagedKVCache:
                 end = min(n, (m + room + need * bs) if extend else (base + need * bs))
                 if end > m:
                     new = self.manager.allocate(need)
-                    if extend:
-                        targets, keep = [held[-1], *new], held
-                    else:
-                        targets, keep = new, held[: base // bs]
-                        if m > base:  # the shared head of a block we diverge in
-                            self.manager.copy_tokens(held[-1], new[0], m - base)
-                    window = [
-                        (k[:, :, m - skip_tokens : end - skip_tokens],
-                         v[:, :, m - skip_tokens : end - skip_tokens])
-                        for k, v in kv_per_layer
-                    ]
-                    self.manager.write([b.block_id for b in targets], m - base, window)
+                    keep = held if extend else held[: base // bs]
+                    try:
+                        self._fill(new, held, extend, base, m, end, skip_tokens, kv_per_layer)
+                        self.tree.insert(tokens[:end], keep + new, owner=sid)
+                    except BaseException:  # e.g. Ctrl-C: the new blocks go back, unowned
+                        for block in new:
+                            block.release()
+                        self.manager.free(new)
+                        raise
                     path = keep + new
-                    self.tree.insert(tokens[:end], path, owner=sid)
                     for block in keep:  # the caller's reference on the kept blocks
                         block.acquire()
                     for block in new:
@@ -304,6 +300,29 @@ class PagedKVCache:
             for block in held:
                 block.release()
         return StoreResult(stored, stored - m, tuple(path), stored == n, evicted)
+
+    def _fill(
+        self,
+        new: list[Block],
+        held: list[Block],
+        extend: bool,
+        base: int,
+        m: int,
+        end: int,
+        skip_tokens: int,
+        kv_per_layer: Sequence[KV],
+    ) -> None:
+        """Write positions [m, end) into the held leaf's last block and/or the new blocks; a
+        branch that diverges mid-block first copies the shared head of that block."""
+        targets = [held[-1], *new] if extend else new
+        if not extend and m > base:
+            self.manager.copy_tokens(held[-1], new[0], m - base)
+        window = [
+            (k[:, :, m - skip_tokens : end - skip_tokens],
+             v[:, :, m - skip_tokens : end - skip_tokens])
+            for k, v in kv_per_layer
+        ]
+        self.manager.write([b.block_id for b in targets], m - base, window)
 
     # ---- eviction ----------------------------------------------------------------------------
 

@@ -376,6 +376,7 @@ class SequenceState:
         self.t_first = 0.0
         self._gen = make_generator(request.params, backend.device)
         self._cut_at_stop = False
+        self._released = False  # the lookup's blocks went back
         self.result: GenerationResult | None = None
 
     @property
@@ -452,38 +453,53 @@ class SequenceState:
 
     def finish(self, kv: Sequence[KV] | None, kv_len: int) -> GenerationResult:
         """Store positions [pre.matched, kv_len) whose K/V are in `kv` (per layer, covering just
-        that range), release the request's blocks, and build the result. Idempotent."""
+        that range), release the request's blocks, and build the result. Idempotent, and the
+        result is set even if an interrupt lands in the store (which then keeps nothing)."""
         if self.result is not None:
             return self.result
-        b, req, pre = self.backend, self.request, self.pre
-        n = len(req.prompt_ids)
+        b, pre = self.backend, self.pre
         stored = pre.matched
         cache = b.cache
-        if cache is not None and pre.lookup is not None:
-            try:
-                if kv is not None and kv_len > pre.matched:
-                    seq = (list(req.prompt_ids) + self.generated)[:kv_len]
-                    logits = self.prompt_logits
-                    res = cache.store(
-                        seq,
-                        kv,
-                        pre.matched,
-                        logits=None if logits is None else logits.detach().clone(),
-                        logits_len=n,
-                        sid=req.sid,
-                    )
-                    stored = res.stored
-                    if self.mass is not None and self.mass.numel():
-                        _record_mass(cache, res.blocks, self.mass)
-                    cache.release(res.blocks)
-            finally:
-                cache.release(pre.lookup.blocks)
+        try:
+            if cache is not None and pre.lookup is not None and not self._released:
+                try:
+                    if kv is not None and kv_len > pre.matched:
+                        stored = self._store(cache, kv, kv_len)
+                finally:
+                    self._released = True  # a second finish must not release them again
+                    cache.release(pre.lookup.blocks)
+        finally:
+            self.result = self._result(stored)
+        return self.result
+
+    def _store(self, cache: PagedKVCache, kv: Sequence[KV], kv_len: int) -> int:
+        req, pre = self.request, self.pre
+        seq = (list(req.prompt_ids) + self.generated)[:kv_len]
+        logits = self.prompt_logits
+        res = cache.store(
+            seq,
+            kv,
+            pre.matched,
+            logits=None if logits is None else logits.detach().clone(),
+            logits_len=len(req.prompt_ids),
+            sid=req.sid,
+        )
+        try:
+            if self.mass is not None and self.mass.numel():
+                _record_mass(cache, res.blocks, self.mass)
+        finally:
+            cache.release(res.blocks)
+        return res.stored
+
+    def _result(self, stored: int) -> GenerationResult:
+        b, pre = self.backend, self.pre
+        n = len(self.request.prompt_ids)
         if not self._cut_at_stop:
             self.text = b.decode(self.generated)
         t_end = time.perf_counter()
         decode_s = t_end - self.t_first if self.t_first else 0.0
         source = pre.lookup.source.value if pre.lookup is not None else "off"
-        self.result = GenerationResult(
+        return GenerationResult(
             text=self.text,
             token_ids=list(self.generated),
             prompt_tokens=n,
@@ -498,7 +514,6 @@ class SequenceState:
             stored_tokens=stored,
             step_logits=self.step_logits,
         )
-        return self.result
 
 
 class Generation:

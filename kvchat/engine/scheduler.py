@@ -57,6 +57,7 @@ class Ticket:
     state: SequenceState | None = None
     result: GenerationResult | None = None
     error: Exception | None = None
+    notified: bool = False  # on_finish has been called for it
 
     @property
     def done(self) -> bool:
@@ -158,13 +159,40 @@ class Scheduler:
             return []
         for ticket in wave:
             self.pending.remove(ticket)
-        b = self.backend
         for ticket in [t for t in wave if t.cancel_event.is_set()]:
             ticket.error = RequestCancelled("cancelled before it started")
             self._notify(ticket)
             wave.remove(ticket)
         batched: list[tuple[Ticket, SequenceState, PrefillLookup]] = []
-        admitted = []
+        admitted: list[Ticket] = []
+        try:
+            self._admit_wave(wave, batched, admitted)
+        except BaseException:
+            self._undo_wave(wave)
+            raise
+        return admitted
+
+    def _undo_wave(self, wave: list[Ticket]) -> None:
+        """After a failure mid-admission: requests that looked up blocks finish as interrupted
+        (releasing them); requests that had not started go back to the queue."""
+        joined = {id(r.ticket) for r in self.rows}
+        for ticket in reversed(wave):
+            if ticket.done or id(ticket) in joined:
+                continue
+            if ticket.state is None:
+                self.pending.insert(0, ticket)
+                continue
+            ticket.state.interrupt()
+            ticket.result = ticket.state.finish(None, 0)
+            self._notify(ticket)
+
+    def _admit_wave(
+        self,
+        wave: list[Ticket],
+        batched: list[tuple[Ticket, SequenceState, PrefillLookup]],
+        admitted: list[Ticket],
+    ) -> None:
+        b = self.backend
         with torch.inference_mode():
             for ticket in wave:
                 try:
@@ -186,7 +214,6 @@ class Scheduler:
                     batched.append((ticket, state, pre))
             if batched:
                 self._prefill_together(batched)
-        return admitted
 
     def _prefill_alone(self, ticket: Ticket, state: SequenceState, pre: PrefillLookup) -> None:
         b = self.backend
@@ -327,10 +354,13 @@ class Scheduler:
                                                    device=dev)], dim=1)
         with torch.inference_mode():
             logits, mass = b.forward_batch(last, self._past, mask.long(), pos)
+        # the forward grew every row by one position: record that for all rows before any
+        # per-row work (a callback or Ctrl-C below must not leave rows with stale lengths)
         self._mask = mask
         self.steps += 1
-        for i, row in enumerate(self.rows):
+        for row in self.rows:
             row.kv_len += 1
+        for i, row in enumerate(self.rows):
             if not row.alive:
                 continue
             if mass is not None:
@@ -343,10 +373,10 @@ class Scheduler:
 
     def _finish_row(self, i: int) -> None:
         row = self.rows[i]
+        row.alive = False  # first: an interrupt below must not make abort() finish it twice
         matched = row.state.pre.matched
         self._finish_state(row.ticket, row.state, self._row_kv(i, matched, row.kv_len),
                            row.kv_len, sliced=True)
-        row.alive = False
 
     def _finish_state(
         self,
@@ -359,27 +389,40 @@ class Scheduler:
         matched = state.pre.matched
         if not sliced:
             kv = [(k[:, :, matched:kv_len], v[:, :, matched:kv_len]) for k, v in kv]
-        ticket.result = state.finish(list(kv), kv_len)
-        self._notify(ticket)
+        try:
+            state.finish(list(kv), kv_len)
+        finally:  # finish sets a result even when interrupted mid-store: report it, once
+            ticket.result = state.result
+            self._notify(ticket)
 
     def _emit(self, ticket: Ticket, delta: str) -> None:
         if delta and ticket.on_text is not None:
             ticket.on_text(ticket, delta)
 
     def _notify(self, ticket: Ticket) -> None:
+        if ticket.notified:
+            return
+        ticket.notified = True
         if self.on_finish is not None:
             self.on_finish(ticket)
 
     def abort(self) -> None:
         """Stop everything (Ctrl-C): running requests store what they computed and finish as
         interrupted; pending ones never start."""
+        errors: list[BaseException] = []
         for i, row in enumerate(self.rows):
-            if row.alive:
-                row.state.interrupt()
+            if not row.alive:
+                continue
+            row.state.interrupt()
+            try:
                 if row.kv is not None:
-                    self._finish_state(row.ticket, row.state, row.kv, row.kv_len)
                     row.alive = False
+                    self._finish_state(row.ticket, row.state, row.kv, row.kv_len)
                 else:
                     self._finish_row(i)
+            except BaseException as exc:  # finish the others first, then report
+                errors.append(exc)
         self.rows, self._past, self._mask = [], None, None
         self.pending.clear()
+        if errors:
+            raise errors[0]
