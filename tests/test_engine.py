@@ -312,3 +312,34 @@ def test_transformers_calls_we_rely_on(tiny_model):
         eager = tiny_model(input_ids=ids, use_cache=True, logits_to_keep=1)
     tiny_model.set_attn_implementation("sdpa")
     assert torch.allclose(eager.logits, out.logits, atol=1e-5)
+
+
+def test_sliding_window_model_keeps_whole_prefixes(tiny_tokenizer):
+    """Sliding-window layers (Mistral, Gemma, Phi-3) would drop positions kvchat stores; the
+    cache keeps them all and the window comes from the model's mask: same tokens as generate."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = tiny_tokenizer
+    cfg = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=2048, sliding_window=8, initializer_range=0.2,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    ids = prompt(93, 20)
+    with torch.inference_mode():
+        ref = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    expected = ref[0, len(ids):].tolist()
+    b = Backend.create(model, tok, CacheConfig(BLOCK, num_blocks=64))
+    first = b.generate(Request(ids, SamplingParams(max_new_tokens=6)))
+    assert first.token_ids == expected and first.stored_tokens == len(ids) + 5
+    warm = b.generate(Request(ids + expected[:3], SamplingParams(max_new_tokens=3)))
+    assert warm.cache_hit_tokens == len(ids) + 2
+    assert warm.token_ids == expected[3:6]
+    sched = Scheduler(b, batch_size=2)
+    t = sched.submit(Request(ids, SamplingParams(max_new_tokens=6)))
+    sched.run()
+    assert t.result is not None and t.result.token_ids == expected
+    b.cache.check_integrity()

@@ -72,15 +72,28 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(H2O_ATTENTION, eager_mask)
 # ---- transformers cache objects ------------------------------------------------------------
 
 
+def _full_cache(config: Any) -> DynamicCache:
+    """An empty DynamicCache whose layers all keep every position. Sliding-window layers would
+    drop positions outside the window, and kvchat stores and reuses whole prefixes; the window
+    itself is still applied by the attention mask the model builds from its config."""
+    past = DynamicCache(config=config)
+    past.layers = [DynamicLayer() for _ in past.layers]
+    return past
+
+
 def build_past(kv: Sequence[KV], config: Any) -> DynamicCache:
-    """A DynamicCache holding the given per-layer (1, H, T, D) K/V (the v5 constructor)."""
-    return DynamicCache(kv, config=config)
+    """A DynamicCache holding copies of the given per-layer (1, H, T, D) K/V."""
+    past = _full_cache(config)
+    layers: list[Any] = list(past.layers)
+    for layer, (k, v) in zip(layers, kv, strict=True):
+        layer.update(k, v)
+    return past
 
 
 def wrap_past(kv: Sequence[KV], config: Any) -> DynamicCache:
     """A DynamicCache over the given per-layer (B, H, T, D) tensors, without copying them
     (the batched path builds its padded tensors itself)."""
-    past = DynamicCache(config=config)
+    past = _full_cache(config)
     layers: list[Any] = list(past.layers)
     if len(layers) != len(kv):
         raise ValueError(f"model has {len(layers)} cache layers, got K/V for {len(kv)}")
@@ -334,7 +347,7 @@ class Backend:
         return (out.logits if columns is not None else out.logits[:, -1]), mass
 
     def empty_past(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        return _full_cache(self.model.config)
 
     def check_request(self, request: Request) -> None:
         n = len(request.prompt_ids)
