@@ -217,30 +217,17 @@ def bench_overhead(
     if progress:
         progress("overhead: cache miss, cache on vs off")
     request(on), request(off)  # warm-up
-    on_ms, off_ms, kv_tps, gen_tps = [], [], [], []
-    for i in range(trials):
-        if i % 2:
-            off_ms.append(request(off)[0])
-            ms, tps = request(on)
-        else:
-            ms, tps = request(on)
-            off_ms.append(request(off)[0])
-        on_ms.append(ms)
-        kv_tps.append(tps)
+    miss = _paired(lambda: request(on)[0], lambda: request(off)[0], trials)
+    on_ms, off_ms = [a for a, _ in miss], [b for _, b in miss]
     if progress:
         progress("overhead: decode tokens/s vs model.generate")
     generate()  # warm-up
-    for i in range(trials):
-        if i % 2:
-            gen_tps.append(generate())
-            kv_tps[i] = request(on)[1]
-        else:
-            kv_tps[i] = request(on)[1]
-            gen_tps.append(generate())
+    decode = _paired(lambda: request(on)[1], generate, trials)
+    kv_tps, gen_tps = [a for a, _ in decode], [b for _, b in decode]
     if progress:
         progress("overhead: prefill with h2o's attention vs the default")
     h2o_cfg = CacheConfig(block_size, num_blocks=cfg.num_blocks, policy="h2o")
-    h2o_ratios = []
+    h2o_ratios: list[float] = []
     default_impl = model.config._attn_implementation
     one = SamplingParams(max_new_tokens=1)
     try:
@@ -253,10 +240,8 @@ def bench_overhead(
             return b.generate(Request(prompt, one)).ttft_ms
 
         miss_ttft(True), miss_ttft(False)  # warm-up
-        for i in range(trials):
-            pair = (miss_ttft(True), miss_ttft(False)) if i % 2 == 0 else \
-                tuple(reversed((miss_ttft(False), miss_ttft(True))))
-            h2o_ratios.append(pair[0] / pair[1])
+        pairs = _paired(lambda: miss_ttft(True), lambda: miss_ttft(False), trials)
+        h2o_ratios = [a / b for a, b in pairs]
     finally:
         model.set_attn_implementation(default_impl)
     return OverheadResult(
@@ -270,6 +255,23 @@ def bench_overhead(
         tuple(a / b for a, b in zip(kv_tps, gen_tps, strict=True)),
         tuple(h2o_ratios),
     )
+
+
+def _paired(
+    first: Callable[[], float], second: Callable[[], float], trials: int
+) -> list[tuple[float, float]]:
+    """(first(), second()) per trial, the call order alternating so that drift on a shared
+    machine hits both sides alike."""
+    out = []
+    for i in range(trials):
+        if i % 2:
+            b = second()
+            a = first()
+        else:
+            a = first()
+            b = second()
+        out.append((a, b))
+    return out
 
 
 def as_dict(obj: Any) -> Any:
