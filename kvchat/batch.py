@@ -21,9 +21,9 @@ from typing import Any
 
 from kvchat.config import ConfigError, SamplingParams
 from kvchat.engine.backend import Backend, GenerationResult, Request
-from kvchat.engine.conversation import conversation, next_prompt, record_turn
 from kvchat.engine.scheduler import Scheduler, Ticket
 from kvchat.sessions import Session, SessionError, validate_name
+from kvchat.turns import conversation, next_prompt, record_turn
 
 _COMMON = {"id", "session", "system", "max_tokens", "temperature", "seed"}
 _OPENAI = {"custom_id", "method", "url", "body"}

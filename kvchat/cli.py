@@ -289,7 +289,7 @@ def _run_chat(
     params: SamplingParams,
     panels: str,
 ) -> None:
-    from kvchat.engine.runtime import Runtime, RuntimeOptions
+    from kvchat.runtime import Runtime, RuntimeOptions
     from kvchat.ui.repl import Chat, make_reader
 
     options = RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
@@ -475,8 +475,8 @@ def verify(
         prompts = [(preview(t, 18), [{"role": "user", "content": t}]) for t in texts]
     cache = _cache_config(policy, block_size, cache_mb)
 
-    from kvchat.engine.runtime import Runtime, RuntimeOptions
     from kvchat.engine.verify import verify_prompt
+    from kvchat.runtime import Runtime, RuntimeOptions
 
     runtime = Runtime.open(RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
                                           prefill_chunk=prefill_chunk, persist=False))
@@ -527,7 +527,7 @@ def serve(
     /cache/tree, /healthz. Stop with Ctrl-C or SIGTERM; the cache snapshot is saved then."""
     import uvicorn
 
-    from kvchat.engine.runtime import Runtime, RuntimeOptions
+    from kvchat.runtime import Runtime, RuntimeOptions
     from kvchat.server import Server, bind_warning, create_app, log_to_stderr
     from kvchat.sessions import sessions_lock
 
@@ -603,7 +603,7 @@ def batch(
         write_jsonl,
     )
     from kvchat.config import SamplingParams
-    from kvchat.engine.runtime import Runtime, RuntimeOptions
+    from kvchat.runtime import Runtime, RuntimeOptions
     from kvchat.sessions import sessions_lock
     from kvchat.ui.batch_view import batch_progress, progress_rate, summary_table
 

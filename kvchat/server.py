@@ -47,11 +47,11 @@ from kvchat.batch import chat_completion, openai_finish_reason, result_fields
 from kvchat.config import ConfigError, SamplingParams
 from kvchat.engine.backend import GenerationResult, PromptTooLongError
 from kvchat.engine.backend import Request as EngineRequest
-from kvchat.engine.conversation import next_prompt, record_turn
-from kvchat.engine.runtime import Runtime, fingerprint, tokenizer_file
 from kvchat.engine.scheduler import RequestCancelled, Scheduler, Ticket
 from kvchat.errors import KvchatError
+from kvchat.runtime import Runtime, fingerprint, tokenizer_file
 from kvchat.sessions import INDEX, Session, SessionError, cache_dir, validate_name
+from kvchat.turns import next_prompt, record_turn
 from kvchat.ui import cache_view as cv
 
 log = logging.getLogger("kvchat.server")

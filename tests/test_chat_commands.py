@@ -15,7 +15,7 @@ from rich.console import Console
 
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.backend import Backend
-from kvchat.engine.runtime import Runtime, RuntimeOptions
+from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.sessions import Session, read_snapshot_meta
 from kvchat.ui.repl import (
     Chat,

@@ -118,7 +118,7 @@ def test_chat_in_a_terminal_resumes_from_the_snapshot(tiny_model_dir, tmp_path):
     assert child.exitstatus == 0
 
     from kvchat.config import CacheConfig
-    from kvchat.engine.runtime import Runtime, RuntimeOptions
+    from kvchat.runtime import Runtime, RuntimeOptions
 
     rt = Runtime.open(RuntimeOptions(model=str(tiny_model_dir), cache=CacheConfig(4, cache_mb=8),
                                      sessions_dir=root))

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from kvchat import cli
 from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.conversation import record_turn
-from kvchat.engine.runtime import Runtime, RuntimeOptions
+from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.sessions import Session
+from kvchat.turns import record_turn
 from kvchat.ui import cache_view as cv
 
 WIDE = {"COLUMNS": "200"}

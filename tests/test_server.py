@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from kvchat.cli import app as cli_app
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.backend import Request
-from kvchat.engine.runtime import Runtime, RuntimeOptions
+from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.server import bind_warning, create_app, serving
 from kvchat.sessions import SessionsLocked, read_snapshot_meta, sessions_lock
 

@@ -14,8 +14,7 @@ import torch
 
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.backend import Backend, Request
-from kvchat.engine.conversation import next_prompt, record_turn
-from kvchat.engine.runtime import Runtime, RuntimeOptions
+from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.sessions import (
     Session,
     SessionError,
@@ -24,6 +23,7 @@ from kvchat.sessions import (
     sessions_lock,
     validate_name,
 )
+from kvchat.turns import next_prompt, record_turn
 
 
 def runtime(model, tokenizer, root: Path, block_size: int = 4, policy: str = "lru") -> Runtime:

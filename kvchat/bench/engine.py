@@ -322,8 +322,8 @@ def bench_multiturn(
 ) -> list[TurnRow]:
     """A scripted chat, run twice on the same prompts: through the cache (each turn extends the
     session's token history) and with the cache off."""
-    from kvchat.engine.conversation import next_prompt, record_turn
     from kvchat.sessions import Session
+    from kvchat.turns import next_prompt, record_turn
 
     on = Backend.create(model, tokenizer, CacheConfig(block_size, cache_mb=256))
     off = Backend(model, tokenizer, None)

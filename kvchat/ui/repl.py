@@ -31,7 +31,7 @@ from kvchat.ui.cache_view import nodes_from_cache, preview, summary_from_stats
 if TYPE_CHECKING:
     from kvchat.config import SamplingParams
     from kvchat.engine.backend import Generation
-    from kvchat.engine.runtime import Runtime
+    from kvchat.runtime import Runtime
 
 # The snapshot holds every cached block's K/V, so it is written every few turns rather than
 # after each one; the session file (small) is written after every turn.
@@ -301,7 +301,7 @@ class Chat:
 
     def turn(self, text: str) -> None:
         from kvchat.engine.backend import PromptTooLongError
-        from kvchat.engine.conversation import record_turn
+        from kvchat.turns import record_turn
 
         cancel = threading.Event()
         out = self.console.file

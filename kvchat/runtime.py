@@ -16,8 +16,8 @@ from typing import Any
 
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.backend import Backend, Generation, Request
-from kvchat.engine.conversation import next_prompt
 from kvchat.sessions import Session, SessionStore, load_snapshot, save_snapshot
+from kvchat.turns import next_prompt
 
 
 @dataclass(frozen=True)
