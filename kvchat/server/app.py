@@ -1,0 +1,50 @@
+"""The kvchat HTTP app: one engine worker, the shared state, the error shape and the routers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from kvchat import __version__
+from kvchat.runtime import Runtime
+from kvchat.server import cache_api, native, openai
+from kvchat.server.errors import add_error_handlers
+from kvchat.server.limits import MAX_BODY_BYTES, BodyLimit
+from kvchat.server.prepare import DEFAULT_MAX_TOKENS, Preparer, Sessions
+from kvchat.server.state import ServerState
+from kvchat.server.worker import DEFAULT_BATCH_SIZE, EngineWorker
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the engine thread; on shutdown, stop it and save the cache snapshot."""
+    worker: EngineWorker = app.state.engine
+    worker.start()
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(worker.close_and_report)
+
+
+def create_app(
+    runtime: Runtime,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> FastAPI:
+    """The kvchat HTTP app over one runtime. Its lifespan starts the engine thread and, on
+    shutdown, stops it and saves the cache snapshot. `app.state.engine` is the EngineWorker
+    (whoever runs the app may `close()` it again: it is idempotent)."""
+    worker = EngineWorker(runtime, batch_size)
+    sessions = Sessions(worker.store)
+    app = FastAPI(title="kvchat", version=__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.state.engine = worker
+    app.state.runtime = runtime
+    app.state.server = ServerState(worker, sessions, Preparer(worker.backend, sessions, max_tokens))
+    add_error_handlers(app)
+    for api in (native, openai, cache_api):
+        app.include_router(api.router)
+    return app

@@ -1,0 +1,80 @@
+"""The OpenAI-compatible subset: POST /v1/chat/completions and GET /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from kvchat.batch import chat_completion, openai_finish_reason
+from kvchat.engine.backend import GenerationResult
+from kvchat.server.schemas import ChatCompletionBody
+from kvchat.server.sse import EventStream, error_event, sse, wait_result
+from kvchat.server.state import State
+from kvchat.server.worker import Handle
+
+router = APIRouter()
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """The chat.completion.chunk events of one streamed completion."""
+
+    completion_id: str
+    created: int
+    model: str
+    usage: bool  # stream_options.include_usage: every chunk carries "usage", the last one set
+
+    def delta(self, delta: dict[str, str], finish: str | None = None) -> bytes:
+        data: dict[str, Any] = {
+            "id": self.completion_id, "object": "chat.completion.chunk",
+            "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "finish_reason": finish}],
+        }
+        if self.usage:
+            data["usage"] = None
+        return sse(data)
+
+    def usage_chunk(self, result: GenerationResult) -> bytes:
+        return sse({"id": self.completion_id, "object": "chat.completion.chunk",
+                    "created": self.created, "model": self.model, "choices": [],
+                    "usage": chat_completion(result, self.completion_id)["usage"]})
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionBody, request: Request, state: State) -> Any:
+    """The OpenAI chat completions subset: messages, max_tokens, temperature, top_p, seed,
+    stop, stream (chat.completion.chunk events, then `data: [DONE]`)."""
+    handle = await state.start(state.preparer.chat, body)
+    completion_id = f"chatcmpl-kvchat-{next(state.completion_ids)}"
+    name = state.worker.info.model_id
+    if not body.stream:
+        return chat_completion(await wait_result(handle, request), completion_id, name)
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    chunks = Chunks(completion_id, int(time.time()), name, usage)
+    return EventStream(_events(handle, chunks), handle)
+
+
+async def _events(handle: Handle, chunks: Chunks) -> AsyncIterator[bytes]:
+    yield chunks.delta({"role": "assistant", "content": ""})
+    async for delta in handle.stream():
+        yield chunks.delta({"content": delta})
+    if handle.error is not None:
+        yield sse(error_event(handle.error))
+    elif handle.result is not None:
+        result = handle.result
+        yield chunks.delta({}, openai_finish_reason(result.finish_reason))
+        if chunks.usage:
+            yield chunks.usage_chunk(result)
+    yield b"data: [DONE]\n\n"
+
+
+@router.get("/v1/models")
+async def models(state: State) -> dict[str, Any]:
+    name = state.worker.info.model_id
+    return {"object": "list",
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvchat"}]}

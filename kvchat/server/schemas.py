@@ -1,0 +1,92 @@
+"""Request bodies, checked by pydantic before a handler runs (strict: "9" is not a number)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvchat.sessions import SessionError, validate_name
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class GenerateBody(BaseModel):
+    """POST /generate. Unknown fields are errors, so a misspelt option is not silently lost."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    system: str | None = None
+    session: str | None = None
+    create_session: bool = False
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+    @field_validator("session")
+    @classmethod
+    def _valid_name(cls, name: str | None) -> str | None:
+        if name is not None:
+            try:
+                validate_name(name)
+            except SessionError as exc:
+                raise ValueError(str(exc)) from None
+        return name
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('give exactly one of "prompt" or "messages"')
+        if self.session is not None and self.prompt is None:
+            raise ValueError('a session turn sends the new user message as "prompt"')
+        if self.create_session and self.session is None:
+            raise ValueError('"create_session" needs a "session" name')
+        return self
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # extra fields ("name", tool-call fields) are ignored, as OpenAI clients may send them
+    model_config = ConfigDict(strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionBody(BaseModel):
+    """POST /v1/chat/completions: the subset kvchat implements. Other OpenAI fields are
+    accepted and ignored, so an SDK's defaults never fail a request."""
+
+    model_config = ConfigDict(strict=True)
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None

@@ -1,0 +1,343 @@
+"""The engine thread, and the only server code that touches the scheduler, the runtime or the
+cache.
+
+One thread owns the Scheduler: it runs `step()` while there is work and sleeps on an Event when
+there is none. Everything that touches the scheduler or the cache - submitting, stepping,
+stats, the tree, integrity checks, the snapshot - runs on that thread between two steps (a
+handler posts a call and awaits its future), so no lock is ever held across a forward pass.
+Text deltas and results travel back to the event loop with `loop.call_soon_threadsafe`, into
+one asyncio queue per request (a `Handle`).
+
+A request whose client goes away is cancelled: the scheduler stops it at the next step and
+stores the K/V it computed, like any interrupted request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from kvchat.engine.backend import Backend, GenerationResult
+from kvchat.engine.backend import Request as EngineRequest
+from kvchat.engine.scheduler import RequestCancelled, Scheduler, Ticket
+from kvchat.errors import KvchatError
+from kvchat.runtime import Runtime, fingerprint, tokenizer_file
+from kvchat.sessions import INDEX, SessionStore, cache_dir
+from kvchat.ui import cache_view as cv
+
+__all__ = ["DEFAULT_BATCH_SIZE", "CacheTree", "EngineStopped", "EngineWorker", "Handle",
+           "ModelInfo", "RequestCancelled", "ServerCounters", "TurnRecord"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_BATCH_SIZE = 8
+
+
+class EngineStopped(KvchatError):
+    pass
+
+
+class TurnRecord(Protocol):
+    """A session turn to record once its request finishes; called on the engine thread."""
+
+    def record(self, prompt_ids: list[int], result: GenerationResult) -> None: ...
+
+
+class Handle:
+    """One request as the event loop sees it. The engine thread calls `text`, `finish` and
+    `fail`; the loop reads `deltas` (None ends them), then `result` or `error`."""
+
+    def __init__(self, request: EngineRequest, turn: TurnRecord | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.request = request
+        self.turn = turn
+        self.deltas: asyncio.Queue[str | None] = asyncio.Queue()
+        self.done = asyncio.Event()
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self.cancel_event = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []
+
+    # engine thread
+    def text(self, delta: str) -> None:
+        self._post(self.deltas.put_nowait, delta)
+
+    def finish(self, result: GenerationResult) -> None:
+        self._post(self._resolve, result, None)
+
+    def fail(self, error: BaseException) -> None:
+        self._post(self._resolve, None, error)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    # event loop
+    def _resolve(self, result: GenerationResult | None, error: BaseException | None) -> None:
+        self.result, self.error = result, error
+        self.deltas.put_nowait(None)
+        self.done.set()
+        for callback in self._callbacks:
+            callback()
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        if self.done.is_set():
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    async def stream(self) -> AsyncIterator[str]:
+        while (delta := await self.deltas.get()) is not None:
+            yield delta
+
+    # any thread
+    def cancel(self) -> None:
+        """Stop at the next step (or before it starts); a no-op once finished."""
+        self.cancel_event.set()
+
+
+@dataclass
+class ServerCounters:
+    requests: int = 0
+    completed: int = 0
+    cancelled: int = 0  # the client went away before the reply was complete
+    errors: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the endpoints report about the model; fixed for the server's life."""
+
+    label: str  # the runtime's model label, as the snapshot records it
+    model_id: str  # the name /v1 endpoints report
+    device: str
+    fingerprint: dict[str, Any]  # of the snapshot this server writes
+
+
+class CacheTree(NamedTuple):
+    """The live cache, read on the engine thread, in the views `kvchat inspect` renders."""
+
+    nodes: tuple[cv.NodeView, ...]
+    exact: tuple[cv.ExactView, ...]
+    summary: cv.CacheSummary
+
+
+def model_id(runtime: Runtime) -> str:
+    """The name /v1 endpoints report: the --model value (a path's last part), or the embedded
+    model's name."""
+    from kvchat.models import EMBEDDED_NAME
+
+    spec = runtime.options.model
+    if spec is None:
+        return EMBEDDED_NAME
+    return Path(spec).name if Path(spec).exists() else spec
+
+
+class EngineWorker:
+    """The Scheduler on its own thread, and the only code that touches it or the cache."""
+
+    def __init__(self, runtime: Runtime, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+        if runtime.cache is None:
+            raise KvchatError("kvchat serve needs the shared cache.")
+        self.runtime = runtime
+        self.scheduler = Scheduler(runtime.backend, batch_size, on_finish=self._finished)
+        self.counters = ServerCounters()
+        self.info = ModelInfo(runtime.model_label, model_id(runtime), str(runtime.backend.device),
+                              fingerprint(runtime.backend, runtime.model_label))
+        self.saved_to: Path | None = None
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._accepting = True
+        self._stopping = False
+        self._wake = threading.Event()
+        self._handles: dict[int, Handle] = {}
+        self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def backend(self) -> Backend:
+        """The model's tokenizer and chat template; request preparation uses it off-thread."""
+        return self.runtime.backend
+
+    @property
+    def store(self) -> SessionStore:
+        return self.runtime.store
+
+    def start(self) -> None:
+        self._thread.start()
+        runtime = self.runtime
+        if runtime.notice:
+            log.warning(runtime.notice)
+        log.info("kvchat: %s on %s, batch size %d, %s cached tokens restored.",
+                 runtime.model_label, self.info.device, self.scheduler.batch_size,
+                 f"{runtime.restored_tokens:,}")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- posting work (any thread) ----
+
+    def _post(self, job: Callable[[], None]) -> None:
+        with self._inbox_lock:
+            if not self._accepting:
+                raise EngineStopped("The server is shutting down.")
+            self._inbox.append(job)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run fn on the engine thread between two steps."""
+        future: Future[T] = Future()
+
+        def job() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # delivered to whoever awaits the future
+                    future.set_exception(exc)
+
+        self._post(job)
+        return future
+
+    def submit(self, handle: Handle) -> None:
+        self._post(lambda: self._admit(handle))
+
+    def interrupt(self) -> None:
+        """Stop every request in flight at the next step: each finishes as interrupted, with
+        what it computed cached."""
+
+        def cancel_all() -> None:
+            for handle in self._handles.values():
+                handle.cancel()
+
+        with contextlib.suppress(EngineStopped):
+            self._post(cancel_all)
+
+    # ---- reading the cache (any thread; the reads run on the engine thread) ----
+
+    def stats(self) -> Future[dict[str, Any]]:
+        """The cache's stats as a JSON object, with the server's counters under "server"."""
+
+        def read() -> dict[str, Any]:
+            stats: dict[str, Any] = self.runtime.cache.stats().as_dict()
+            sched = self.scheduler
+            stats["server"] = {
+                "model": self.runtime.model_label, "batch_size": sched.batch_size,
+                "running": len(sched.running), "pending": len(sched.pending),
+                "decode_steps": sched.steps, **vars(self.counters),
+            }
+            return stats
+
+        return self.call(read)
+
+    def tree(self) -> Future[CacheTree]:
+        def read() -> CacheTree:
+            cache = self.runtime.cache
+            return CacheTree(cv.nodes_from_cache(cache), cv.exact_from_cache(cache),
+                             cv.summary_from_stats(cache.stats()))
+
+        return self.call(read)
+
+    def snapshot_json(self, session: str | None) -> dict[str, Any]:
+        """Where the snapshot is saved, and when it was last, as `kvchat inspect --json` says."""
+        runtime = self.runtime
+        return {"path": str(cache_dir(runtime.options.sessions_dir) / INDEX),
+                "saved_at": runtime.last_save, "model_label": runtime.model_label,
+                "tokenizer_file": tokenizer_file(runtime.backend.tokenizer),
+                "session": session}
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain()
+                if self._stopping:
+                    break
+                if self.scheduler.idle:
+                    self._wake.wait()
+                    self._wake.clear()  # anything posted since is picked up by the next drain
+                    continue
+                try:
+                    self.scheduler.step()
+                except Exception as exc:
+                    log.exception("A scheduler step failed; failing the requests in flight.")
+                    self._abort(exc)
+        finally:
+            with self._inbox_lock:
+                self._accepting = False
+            self._drain()
+            self._abort(EngineStopped("The server is shutting down."))
+
+    def _drain(self) -> None:
+        while self._inbox:
+            self._inbox.popleft()()
+
+    def _admit(self, handle: Handle) -> None:
+        if not self._accepting:
+            handle.fail(EngineStopped("The server is shutting down."))
+            return
+        ticket = self.scheduler.submit(handle.request, on_text=lambda _t, d: handle.text(d))
+        ticket.cancel_event = handle.cancel_event  # so a cancel posted before admission counts
+        self._handles[ticket.request_id] = handle
+        self.counters.requests += 1
+
+    def _finished(self, ticket: Ticket) -> None:
+        handle = self._handles.pop(ticket.request_id, None)
+        if handle is None:
+            return
+        if ticket.cancel_event.is_set():
+            self.counters.cancelled += 1
+        if ticket.error is not None or ticket.result is None:
+            if not isinstance(ticket.error, RequestCancelled):
+                self.counters.errors += 1
+            handle.fail(ticket.error or RequestCancelled("no result"))
+            return
+        self.counters.completed += 1
+        if handle.turn is not None:
+            handle.turn.record(handle.request.prompt_ids, ticket.result)
+        handle.finish(ticket.result)
+
+    def _abort(self, error: BaseException) -> None:
+        """Running requests store their K/V and finish as interrupted; the others fail."""
+        try:
+            self.scheduler.abort()
+        except Exception:
+            log.exception("Stopping the scheduler failed.")
+        for handle in self._handles.values():
+            handle.fail(error)
+        self._handles.clear()
+
+    # ---- stopping ----
+
+    def close(self, save: bool = True) -> Path | None:
+        """Stop the thread (requests in flight keep what they computed) and save the cache
+        snapshot. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return self.saved_to
+            self._closed = True
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if save:
+            self.saved_to = self.runtime.save()
+        return self.saved_to
+
+    def close_and_report(self) -> None:
+        """`close`, then say where the snapshot went (the lifespan's last step)."""
+        path = self.close()
+        if path is not None:
+            tokens = self.runtime.cache.stats().tree_tokens
+            log.info("Saved the cache snapshot (%s tokens) to %s.", f"{tokens:,}", path)
