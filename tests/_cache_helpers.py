@@ -67,18 +67,15 @@ def store(
     tokens: Sequence[int],
     skip: int = 0,
     logits: torch.Tensor | None = None,
-    release: bool = True,
+    hold: bool = False,
     sid: str | None = None,
     logits_len: int | None = None,
 ) -> StoreResult:
-    """Store `tokens` with reference K/V for [skip, n); release the caller's blocks unless asked
-    to keep them; check integrity."""
+    """Store `tokens` with reference K/V for [skip, n) (the result's blocks held for the caller
+    only with hold=True); check integrity."""
     kv = ref_kv(tokens, skip)
-    res = cache.store(tokens, kv, skip, logits=logits, logits_len=logits_len, sid=sid)
+    res = cache.store(tokens, kv, skip, logits=logits, logits_len=logits_len, sid=sid, hold=hold)
     cache.check_integrity()
-    if release:
-        cache.release(res.blocks)
-        cache.check_integrity()
     return res
 
 

@@ -102,8 +102,9 @@ def test_counters_and_per_session_counters() -> None:
     assert (a.lookups, a.hits, a.prompt_tokens, a.hit_tokens) == (2, 1, 10, 5)
     assert (b.lookups, b.hits, b.prompt_tokens, b.hit_tokens) == (1, 1, 12, 10)
     assert a.hit_rate == pytest.approx(0.5)
-    d = s.as_dict()
+    d = s.to_json()
     assert d["hit_count"] == 3 and d["exact_hits"] == 1 and d["policy"] == "lru"
+    assert (d["hit_rate"], d["token_hit_rate"]) == (s.hit_rate, s.token_hit_rate)
     assert d["sessions"] == {
         "a": {"lookups": 2, "hits": 1, "prompt_tokens": 10, "hit_tokens": 5, "hit_rate": 0.5},
         "b": {
@@ -125,8 +126,9 @@ def test_pool_and_tree_stats() -> None:
     # stores without logits add no exact entries: only logits let a repeat skip the forward
     assert (s.tree_nodes, s.tree_tokens, s.exact_entries) == (3, 4 + 6 + 3, 0)
     assert s.stored_tokens == 10 + 2  # the copied shared head is not new K/V
-    d = s.as_dict()
-    assert (d["total_blocks"], d["used_blocks"], d["free_blocks"], d["block_size"]) == (10, 4, 6, 4)
+    pool = s.to_json()["pool"]
+    assert (pool["total_blocks"], pool["used_blocks"], pool["free_blocks"]) == (10, 4, 6)
+    assert (pool["block_size"], pool["cached_tokens"], pool["utilisation"]) == (4, 13, 0.4)
 
 
 def test_lookup_touches_stats_peek_does_not() -> None:
@@ -150,7 +152,7 @@ def test_store_with_skip_tokens_writes_only_the_tail() -> None:
     b = [*a, *seq(40, 6)]
     hit = cache.lookup(b)
     assert hit.matched == 10
-    res = cache.store(b, ref_kv(b, hit.matched), hit.matched)
+    res = cache.store(b, ref_kv(b, hit.matched), hit.matched, hold=True)
     cache.check_integrity()
     assert (res.stored, res.new_tokens, res.complete, res.evicted) == (16, 6, True, 0)
     assert len(res.blocks) == 4 and all(blk.ref_count == 2 for blk in res.blocks[:3])
@@ -171,13 +173,29 @@ def test_store_checks_the_kv_length() -> None:
 def test_store_of_a_cached_sequence_writes_nothing_and_hands_back_its_blocks() -> None:
     cache = make_cache()
     first = store(cache, seq(0, 10))
-    again = cache.store(seq(0, 10), ref_kv(seq(0, 10), 10), 10)
+    again = cache.store(seq(0, 10), ref_kv(seq(0, 10), 10), 10, hold=True)
     cache.check_integrity()
     assert (again.stored, again.new_tokens, again.complete) == (10, 0, True)
     assert [b.block_id for b in again.blocks] == [b.block_id for b in first.blocks]
     assert all(b.ref_count == 1 for b in again.blocks)
     cache.release(again.blocks)
     assert cache.stats().stored_tokens == 10
+
+
+def test_store_takes_no_reference_unless_asked_to_hold() -> None:
+    cache = make_cache(num_blocks=4)
+    res = cache.store(seq(0, 8), ref_kv(seq(0, 8)), 0)
+    cache.check_integrity()
+    assert res.stored == 8 and all(b.ref_count == 0 for b in res.blocks)
+    # the blocks are the tree's: the next mutation may evict them
+    assert cache.evict(4) == 2
+    cache.check_integrity()
+    held = cache.store(seq(0, 8), ref_kv(seq(0, 8)), 0, hold=True)
+    assert all(b.ref_count == 1 for b in held.blocks)
+    assert cache.evict(4) == 0  # held blocks are never evicted
+    cache.release(held.blocks)
+    cache.check_integrity()
+    assert cache.evict(4) == 2
 
 
 def test_store_when_the_prefix_it_skips_is_gone_stores_nothing() -> None:
@@ -256,7 +274,6 @@ def test_47_shared_tokens_with_block_size_64_hit_47() -> None:
     assert (res.stored, res.new_tokens) == (100, 53)
     assert res.blocks[0] is not hit.blocks[0]  # the shared 47 were copied into b's own block
     cache.release(hit.blocks)
-    cache.release(res.blocks)
     cache.check_integrity()
     for tokens in (a, b):
         full = fetch(cache, [*tokens, -1])
@@ -315,10 +332,12 @@ def test_sink_lru_never_evicts_a_first_block_even_the_oldest() -> None:
 def test_h2o_evicts_the_lowest_attention_mass_leaf_block() -> None:
     cache = make_cache(policy="h2o")
     s1, s2, s3 = seq(0, 8), seq(10, 8), seq(20, 8)
-    blocks = [store(cache, s).blocks for s in (s1, s2, s3)]
+    blocks = [store(cache, s, hold=True).blocks for s in (s1, s2, s3)]
     # s1's tail is the oldest, but it was attended to; s2's tail was not much
     cache.record_attention([blocks[0][1], blocks[1][1], blocks[2][1]], [0.8, 0.1, 0.5])
     cache.record_attention([b[0] for b in blocks], [0.0, 0.0, 0.0])  # first blocks: protected
+    for held in blocks:
+        cache.release(held)
     assert cache.evict(1) == 1
     cache.check_integrity()
     assert [cached(cache, s) for s in (s1, s2, s3)] == [8, 4, 8]
@@ -385,7 +404,7 @@ def test_blocks_held_by_a_caller_are_never_evicted() -> None:
     store(cache, a)
     store(cache, b)
     held = cache.lookup([*a, 1])  # holds both of a's blocks
-    kept = store(cache, seq(40, 4), release=False)  # a store result holds its blocks too
+    kept = store(cache, seq(40, 4), hold=True)  # a store with hold=True holds its blocks too
     assert cache.evict(100) == 2  # only b's
     cache.check_integrity()
     assert (cached(cache, a), cached(cache, b), cached(cache, seq(40, 4))) == (8, 0, 4)
@@ -480,7 +499,8 @@ def test_create_sizes_the_pool_from_the_budget() -> None:
     explicit = PagedKVCache.create(
         CacheConfig(block_size=8, num_blocks=5), 1, 1, 2, dtype=torch.bfloat16
     )
-    assert explicit.manager.num_blocks == 5 and explicit.manager.k_pool[0].dtype == torch.bfloat16
+    assert explicit.manager.num_blocks == 5
+    assert explicit.manager.block_tensors(0)[0][0].dtype == torch.bfloat16
     assert explicit.exact.max_entries == 256
 
 

@@ -97,8 +97,11 @@ class CacheMachine(RuleBasedStateMachine):
             # the logits of the prompt, which may be shorter than what is stored after it
             logits_len = data.draw(st.integers(max(skip, 1), n), label="logits_len")
             logits = logits_for(tokens[:logits_len])
-        res = self.cache.store(tokens, ref_kv(tokens, skip), skip, logits, logits_len)
+        hold = data.draw(st.booleans(), label="hold")
+        res = self.cache.store(tokens, ref_kv(tokens, skip), skip, logits, logits_len, hold=hold)
         self.cache.check_integrity()
+        if not hold:  # blocks are the tree's: a store takes no reference unless asked
+            self.ref_counts_are_the_outstanding_lookups()
         assert 0 <= res.stored <= n and res.complete == (res.stored == n)
         assert len(res.blocks) == -(-res.stored // self.cache.block_size)
         if res.stored:
@@ -110,7 +113,10 @@ class CacheMachine(RuleBasedStateMachine):
                 for (gk, gv), (wk, wv) in zip(got, want, strict=True)
             )
             assert self.cache.peek(tokens) >= res.stored
-        self.cache.release(res.blocks)
+        if hold:
+            holds = Counter(b.block_id for _, hit in self.outstanding for b in hit.blocks)
+            assert all(b.ref_count == holds[b.block_id] + 1 for b in res.blocks)
+            self.cache.release(res.blocks)
         if logits is not None and logits_len is not None and logits_len <= res.stored:
             hit = self._lookup(tokens[:logits_len])
             assert hit.source is HitSource.EXACT

@@ -8,10 +8,12 @@ only this module reads or writes the tensors.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+
+from kvchat.cache.stats import PoolStats
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (1, n_kv_heads, T, head_dim)
 
@@ -57,28 +59,17 @@ class Block:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    def record(self) -> dict[str, Any]:
+        """What a snapshot keeps of the block besides its K/V (the first-block flag follows
+        from the tree)."""
+        return {"tokens": list(self.token_ids), "last_accessed": self.last_accessed,
+                "attn_score": self.attn_score}
+
     def __repr__(self) -> str:
         return (
             f"Block(id={self.block_id}, tokens={len(self.token_ids)}/{self.block_size}, "
             f"ref={self.ref_count}, first={self.is_first_block})"
         )
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    total_blocks: int
-    used_blocks: int
-    free_blocks: int
-    block_size: int
-    bytes_per_block: int
-
-    @property
-    def utilisation(self) -> float:
-        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.total_blocks * self.block_size
 
 
 class BlockManager:
@@ -154,13 +145,18 @@ class BlockManager:
             self._is_free[block.block_id] = True
             self.free_ids.append(block.block_id)
 
+    def reset(self) -> None:
+        """Every block back to the free list, references or not (a cache being emptied)."""
+        for block in self.blocks:
+            block.clear()
+        self.free_ids = deque(range(self.num_blocks))
+        self._is_free = [True] * self.num_blocks
+
     def stats(self) -> PoolStats:
-        free = len(self.free_ids)
         return PoolStats(
-            total_blocks=self.num_blocks,
-            used_blocks=self.num_blocks - free,
-            free_blocks=free,
             block_size=self.block_size,
+            total_blocks=self.num_blocks,
+            used_blocks=self.num_blocks - len(self.free_ids),
             bytes_per_block=self.bytes_per_block,
         )
 
@@ -220,6 +216,47 @@ class BlockManager:
             v = self.v_pool[layer].transpose(0, 1)[:, ids].view(shape)[:, :, :n_tokens]
             out.append((k, v))
         return out
+
+    # ---- persistence -------------------------------------------------------------------------
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[KV]:
+        """K/V of whole blocks, packed densely in the given order, on the CPU: per layer (K, V),
+        each (len(block_ids), n_kv_heads, block_size, head_dim)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        out: list[KV] = []
+        for layer, dev in enumerate(self.devices):
+            on_dev = ids.to(dev)
+            out.append((self.k_pool[layer][on_dev].to("cpu").contiguous(),
+                        self.v_pool[layer][on_dev].to("cpu").contiguous()))
+        return out
+
+    def import_blocks(self, records: Sequence[Mapping[str, Any]], kv: Sequence[KV]) -> list[Block]:
+        """Allocate one block per record (as `Block.record` wrote it), restore its tokens and
+        policy metadata, and write its K/V (export_blocks' layout). The blocks come back
+        unreferenced: whoever registers them (the radix tree) owns them without a reference.
+        On any error the blocks allocated here are freed again."""
+        if len(kv) != self.n_layers:
+            raise ValueError(f"expected K/V for {self.n_layers} layers, got {len(kv)}")
+        blocks = self.allocate(len(records))
+        try:
+            for block, rec in zip(blocks, records, strict=True):
+                block.release()
+                block.token_ids = [int(t) for t in rec["tokens"]]
+                block.last_accessed = int(rec["last_accessed"])
+                block.attn_score = float(rec["attn_score"])
+                if len(block.token_ids) > self.block_size:
+                    raise ValueError(f"a block record holds {len(block.token_ids)} tokens")
+            ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
+            for layer, ((k, v), dev) in enumerate(zip(kv, self.devices, strict=True)):
+                on_dev = ids.to(dev)
+                self.k_pool[layer][on_dev] = k.to(dev, self.dtype)
+                self.v_pool[layer][on_dev] = v.to(dev, self.dtype)
+        except BaseException:
+            for block in blocks:
+                block.clear()  # drops the reference allocate took, if not released yet
+            self.free(blocks)
+            raise
+        return blocks
 
     def block_tensors(self, block_id: int) -> list[KV]:
         """Views of one block in every layer (snapshots and tests)."""

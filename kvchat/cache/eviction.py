@@ -6,8 +6,8 @@ cached after them), so no policy can orphan a longer cached prefix; the policy o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvchat.config import normalise_policy
 
@@ -31,6 +31,13 @@ class EvictionPolicy(Protocol):
     def record_attention(self, block: Block, score: float) -> None:
         """Attention mass the block received (used by H2O; others ignore it)."""
 
+    def state(self) -> dict[str, Any]:
+        """The policy's own state beyond the blocks' metadata, JSON-ready (for the snapshot)."""
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state()` saved earlier; keys it does not know are ignored, so a
+        snapshot written under another policy still loads."""
+
 
 class LRU:
     """Evict the least recently used block. Cheap and predictable; the baseline."""
@@ -53,6 +60,13 @@ class LRU:
 
     def record_attention(self, block: Block, score: float) -> None:
         pass
+
+    def state(self) -> dict[str, Any]:
+        return {"clock": self._clock}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        # never run the clock back: restored blocks must stay older than the next access
+        self._clock = max(self._clock, int(state.get("clock", 0)))
 
     def _may_evict(self, block: Block) -> bool:
         return block.ref_count == 0

@@ -3,24 +3,31 @@
 Lookup is two-layer: the exact index first (whole prompt, with its last logits: no forward pass
 needed), then the radix tree (longest cached prefix, token-granular). Store evicts leaf blocks
 through the policy when the pool is short, writes the new K/V, and registers the sequence in both
-layers. Blocks handed to a caller are acquired; the caller releases them when its request ends.
+layers. Blocks a lookup (or a store with hold=True) hands out are acquired; the caller releases
+them when its request ends. Blocks the tree owns carry no reference.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from enum import StrEnum
 from typing import NamedTuple
 
 import torch
 
-from kvchat.cache.blocks import KV, Block, BlockManager, PoolStats
+from kvchat.cache.blocks import KV, Block, BlockManager
 from kvchat.cache.eviction import EvictionPolicy, make_policy
 from kvchat.cache.exact import ExactIndex
 from kvchat.cache.radix import Node, RadixTree
+from kvchat.cache.stats import CacheStats, Counters, PoolStats, SessionCounters
 from kvchat.config import CacheConfig
+
+__all__ = [
+    "CacheIntegrityError", "CacheStats", "Counters", "HitSource", "Lookup", "PagedKVCache",
+    "PoolStats", "SessionCounters", "StoreResult",
+]
 
 
 class CacheIntegrityError(AssertionError):
@@ -34,103 +41,26 @@ class HitSource(StrEnum):
 
 
 class Lookup(NamedTuple):
+    """A lookup's hit. `blocks` are acquired for the caller, who releases them (`release`)
+    when its request ends; until then no eviction touches them."""
+
     matched: int  # prompt tokens whose K/V come from the cache
-    blocks: tuple[Block, ...]  # acquired for the caller; cover positions [0, matched)
+    blocks: tuple[Block, ...]  # cover positions [0, matched)
     source: HitSource
     logits: torch.Tensor | None  # last position's logits (exact hits only): no forward needed
     prompt_tokens: int
 
 
 class StoreResult(NamedTuple):
+    """What a store cached. `blocks` cover positions [0, stored). They are acquired for the
+    caller only when it passed hold=True (then it releases them); otherwise they are the
+    tree's, valid until the next call that mutates the cache (store, evict, clear, reset)."""
+
     stored: int  # leading tokens of the sequence now cached
     new_tokens: int  # of which this call wrote
-    blocks: tuple[Block, ...]  # acquired for the caller; cover positions [0, stored)
+    blocks: tuple[Block, ...]
     complete: bool  # False when the pool could not hold the whole sequence
     evicted: int  # blocks evicted to make room
-
-
-@dataclass
-class SessionCounters:
-    lookups: int = 0
-    hits: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass
-class Counters:
-    hit_count: int = 0
-    miss_count: int = 0
-    exact_hits: int = 0
-    hit_tokens: int = 0
-    lookup_tokens: int = 0
-    eviction_count: int = 0
-    stored_tokens: int = 0
-    sessions: dict[str, SessionCounters] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """A snapshot for views and /cache/stats."""
-
-    hit_count: int
-    miss_count: int
-    exact_hits: int
-    hit_tokens: int
-    lookup_tokens: int
-    eviction_count: int
-    stored_tokens: int
-    pool: PoolStats
-    policy: str
-    tree_nodes: int
-    tree_tokens: int
-    exact_entries: int
-    sessions: dict[str, SessionCounters]
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hit_count + self.miss_count
-        return self.hit_count / total if total else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "hit_count": self.hit_count,
-            "miss_count": self.miss_count,
-            "hit_rate": self.hit_rate,
-            "exact_hits": self.exact_hits,
-            "hit_tokens": self.hit_tokens,
-            "lookup_tokens": self.lookup_tokens,
-            "token_hit_rate": self.token_hit_rate,
-            "eviction_count": self.eviction_count,
-            "stored_tokens": self.stored_tokens,
-            "total_blocks": self.pool.total_blocks,
-            "used_blocks": self.pool.used_blocks,
-            "free_blocks": self.pool.free_blocks,
-            "utilisation": self.pool.utilisation,
-            "block_size": self.pool.block_size,
-            "policy": self.policy,
-            "tree_nodes": self.tree_nodes,
-            "tree_tokens": self.tree_tokens,
-            "exact_entries": self.exact_entries,
-            "sessions": {
-                sid: {
-                    "lookups": c.lookups,
-                    "hits": c.hits,
-                    "prompt_tokens": c.prompt_tokens,
-                    "hit_tokens": c.hit_tokens,
-                    "hit_rate": c.hit_rate,
-                }
-                for sid, c in self.sessions.items()
-            },
-        }
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -151,7 +81,8 @@ class PagedKVCache:
         )
         self.tree = RadixTree(manager.block_size)
         self.exact = ExactIndex(max_exact_entries)
-        self.counters = Counters()
+        self._sessions: dict[str, SessionCounters] = {}  # updated in place: one per session
+        self._counters = Counters(sessions=self._sessions)
 
     @classmethod
     def create(
@@ -196,21 +127,13 @@ class PagedKVCache:
         for block in blocks:
             self.policy.on_access(block)
             block.acquire()
-        c = self.counters
-        c.lookup_tokens += n
-        c.hit_tokens += matched
-        if matched:
-            c.hit_count += 1
-        else:
-            c.miss_count += 1
-        if source is HitSource.EXACT:
-            c.exact_hits += 1
+        self._counters = self._counters.plus(
+            lookup_tokens=n, hit_tokens=matched, hit_count=int(matched > 0),
+            miss_count=int(matched == 0), exact_hits=int(source is HitSource.EXACT),
+        )
         if sid is not None:
-            s = c.sessions.setdefault(sid, SessionCounters())
-            s.lookups += 1
-            s.hits += bool(matched)
-            s.prompt_tokens += n
-            s.hit_tokens += matched
+            before = self._sessions.get(sid, SessionCounters())
+            self._sessions[sid] = before.after_lookup(matched, n)
         return Lookup(matched, tuple(blocks), source, logits, n)
 
     def peek(self, tokens: Sequence[int]) -> int:
@@ -222,6 +145,7 @@ class PagedKVCache:
         return self.manager.gather([b.block_id for b in blocks], n_tokens)
 
     def release(self, blocks: Sequence[Block]) -> None:
+        """Give back blocks a lookup, or a store with hold=True, acquired for the caller."""
         for block in blocks:
             block.release()
 
@@ -239,13 +163,15 @@ class PagedKVCache:
         logits: torch.Tensor | None = None,
         logits_len: int | None = None,
         sid: str | None = None,
+        hold: bool = False,
     ) -> StoreResult:
         """Cache `tokens`, whose K/V for positions [skip_tokens, len(tokens)) are in
         kv_per_layer (each (1, H, len(tokens) - skip_tokens, D)). `logits`, if given, are the
         logits at position logits_len - 1 (default: the last), kept in the exact index.
 
         Evicts through the policy when the pool is short; when even that is not enough, stores
-        the longest prefix that fits (complete=False). Never raises for lack of room."""
+        the longest prefix that fits (complete=False). Never raises for lack of room.
+        The result's blocks are acquired for the caller only with hold=True (see StoreResult)."""
         bs = self.block_size
         n = len(tokens)
         have = kv_per_layer[0][0].shape[-2] if kv_per_layer else 0
@@ -260,9 +186,22 @@ class PagedKVCache:
         path = held
         stored = m
         try:
+            # Regions of `tokens`, by position (base = m // bs * bs, the start of m's block):
+            #
+            #   0                  skip_tokens    base          m               end            n
+            #   |-- no K/V given --|              |             |               |              |
+            #   |---------- cached: the tree's match -----------|--- written ---|-- no room ---|
+            #                                     |-- copied ---|
+            #                                     (branch only)   (new blocks)  (complete=False)
+            #
+            # K/V must cover [m, n), hence skip_tokens <= m; `need` new blocks are allocated.
+            # extend (the match ends a leaf edge inside a block): [m, end) fills that block's
+            #   `room` free slots first, then the new blocks; nothing is copied.
+            # branch (anything else): the new blocks start at base; the first one gets a copy
+            #   of [base, m), the head it shares with the matched block, then [m, end).
             if skip_tokens <= m < n:
                 extend = match.at_leaf_end and m % bs != 0
-                base = m // bs * bs  # where the blocks we write start
+                base = m // bs * bs
                 room = bs - m % bs if extend else 0
                 need = _ceil_div(max(n - m - room, 0), bs) if extend else _ceil_div(n - base, bs)
                 if need > self.manager.num_free:
@@ -280,16 +219,12 @@ class PagedKVCache:
                             block.release()
                         self.manager.free(new)
                         raise
-                    path = keep + new
-                    for block in keep:  # the caller's reference on the kept blocks
-                        block.acquire()
                     for block in new:
+                        block.release()  # the tree owns them; `hold` takes the caller's below
                         self.policy.on_access(block)
+                    path = keep + new
                     stored = end
-                    self.counters.stored_tokens += end - m
-            if stored == m:
-                for block in held:
-                    block.acquire()
+                    self._counters = self._counters.plus(stored_tokens=end - m)
             # Only entries with logits can answer a repeat without a forward pass; the radix
             # tree already serves every other whole-prompt match, so none are kept without.
             if logits is not None:
@@ -299,6 +234,9 @@ class PagedKVCache:
         finally:
             for block in held:
                 block.release()
+        if hold:
+            for block in path:
+                block.acquire()
         return StoreResult(stored, stored - m, tuple(path), stored == n, evicted)
 
     def _fill(
@@ -373,7 +311,7 @@ class PagedKVCache:
                 push(heap, owner, leaf)
             elif parent is not None and parent is not tree.root and parent.is_leaf:
                 push(heap, owner, parent)
-        self.counters.eviction_count += done
+        self._counters = self._counters.plus(eviction_count=done)
         return done
 
     def evict(self, n: int) -> int:
@@ -388,22 +326,32 @@ class PagedKVCache:
     # ---- views -------------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
-        c = self.counters
-        return CacheStats(
-            hit_count=c.hit_count,
-            miss_count=c.miss_count,
-            exact_hits=c.exact_hits,
-            hit_tokens=c.hit_tokens,
-            lookup_tokens=c.lookup_tokens,
-            eviction_count=c.eviction_count,
-            stored_tokens=c.stored_tokens,
-            pool=self.manager.stats(),
+        return CacheStats.build(
+            self._counters,
             policy=self.policy.name,
+            pool=self.manager.stats(),
             tree_nodes=sum(1 for _ in self.tree.nodes()),
             tree_tokens=self.tree.num_tokens,
             exact_entries=len(self.exact),
-            sessions={k: SessionCounters(**vars(v)) for k, v in c.sessions.items()},
         )
+
+    # ---- state (the snapshot) --------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Empty the cache: every block free, tree, exact index and counters new. Blocks that
+        callers still hold are freed too, so only call it when no request is running."""
+        self.tree = RadixTree(self.block_size)
+        self.exact.clear()
+        self._sessions = {}
+        self._counters = Counters(sessions=self._sessions)
+        self.manager.reset()
+
+    def restore(self, tree: RadixTree, counters: Counters) -> None:
+        """Adopt a tree rebuilt from a snapshot over blocks already imported into this cache's
+        manager (`BlockManager.import_blocks`), and the counters saved with it."""
+        self.tree = tree
+        self._sessions = dict(counters.sessions)
+        self._counters = replace(counters, sessions=self._sessions)
 
     def check_integrity(self) -> None:
         """Raise CacheIntegrityError if pool, tree and exact index disagree."""

@@ -14,9 +14,9 @@ block. Siblings may therefore share up to block_size - 1 leading tokens.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import pairwise
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from kvchat.cache.blocks import Block
@@ -84,6 +84,54 @@ class RadixTree:
         self.root = Node(None, 0, [], [])
         self._leaves: set[Node] = set()
         self.merges = 0  # node merges so far (eviction watches it: merges move blocks)
+
+    # ---- plain-data form (the snapshot) --------------------------------------------------------
+
+    def export(self) -> tuple[list[Block], list[dict[str, Any]]]:
+        """The tree as plain data: its blocks in depth-first order, and the root's children as
+        nested records {"start", "blocks" (indices into that list), "owners", "children"}."""
+        blocks: list[Block] = []
+        top: list[dict[str, Any]] = []
+        stack = [(c, top) for c in reversed(self.root.child_list())]
+        while stack:  # no recursion: a long chain of branch points must not hit the limit
+            node, siblings = stack.pop()
+            rec: dict[str, Any] = {
+                "start": node.start,
+                "blocks": list(range(len(blocks), len(blocks) + len(node.blocks))),
+                "owners": sorted(node.owners),
+                "children": [],
+            }
+            blocks.extend(node.blocks)
+            siblings.append(rec)
+            stack.extend((c, rec["children"]) for c in reversed(node.child_list()))
+        return blocks, top
+
+    @classmethod
+    def from_records(
+        cls, block_size: int, records: Sequence[Mapping[str, Any]], blocks: Sequence[Block]
+    ) -> RadixTree:
+        """Rebuild the tree `export` described over `blocks` (which already hold their tokens):
+        edges are read from the blocks, first-block flags set. Raises ValueError when the
+        records do not describe a valid tree over those blocks."""
+        tree = cls(block_size)
+        try:
+            stack = [(rec, tree.root) for rec in reversed(list(records))]
+            while stack:
+                rec, parent = stack.pop()
+                own = [blocks[int(i)] for i in rec["blocks"]]
+                node = Node(parent, int(rec["start"]), [t for b in own for t in b.token_ids], own)
+                node.owners = {str(o) for o in rec.get("owners", [])}
+                for i, block in enumerate(own):
+                    block.is_first_block = node.start == 0 and i == 0
+                parent.add_child(node)
+                children = list(rec["children"])
+                if not children:
+                    tree._leaves.add(node)
+                stack.extend((c, node) for c in reversed(children))
+            tree.check()
+        except (KeyError, IndexError, TypeError, AssertionError) as exc:
+            raise ValueError(f"not a radix tree ({type(exc).__name__}: {exc})") from exc
+        return tree
 
     # ---- queries -----------------------------------------------------------------------------
 

@@ -425,9 +425,8 @@ class SequenceState:
             return
         window = [(k[:, :, pre.matched : n], v[:, :, pre.matched : n]) for k, v in kv]
         logits = None if self.prompt_logits is None else self.prompt_logits.detach().clone()
-        res = cache.store(self.request.prompt_ids, window, pre.matched, logits=logits,
-                          sid=self.request.sid)
-        cache.release(res.blocks)
+        cache.store(self.request.prompt_ids, window, pre.matched, logits=logits,
+                    sid=self.request.sid)
 
     def add_mass(self, step: torch.Tensor | None) -> None:
         if self.mass is not None and step is not None:
@@ -497,11 +496,9 @@ class SequenceState:
             logits_len=len(req.prompt_ids),
             sid=req.sid,
         )
-        try:
-            if self.mass is not None and self.mass.numel():
-                _record_mass(cache, res.blocks, self.mass)
-        finally:
-            cache.release(res.blocks)
+        # res.blocks are valid until the next cache mutation: score them right away
+        if self.mass is not None and self.mass.numel():
+            _record_mass(cache, res.blocks, self.mass)
         return res.stored
 
     def _result(self, stored: int) -> GenerationResult:
