@@ -341,38 +341,30 @@ def inspect_snapshot(
         meta = info.meta
         nodes = cv.nodes_from_meta(meta)
         exact = cv.exact_from_meta(meta)
-        summary = cv.summary_from_meta(meta, nodes)
+        stats = cv.stats_from_meta(meta, nodes)
     except (OSError, ValueError) as exc:
         raise KvchatError(
             f"The cache snapshot {index} cannot be read ({exc}). The next `kvchat chat` sets "
             "it aside and starts with an empty cache."
         ) from None
-    if session is not None:
-        nodes = cv.owned_by(nodes, session)
-        exact = tuple(e for e in exact if cv.covers(nodes, e.tokens))
     decode = _snapshot_decoder(meta.get("tokenizer_file"))
     fingerprint = meta.get("fingerprint", {})
     if as_json:
-        doc = {
-            "fingerprint": fingerprint,
-            "snapshot": {"path": str(index), "saved_at": meta.get("saved_at"),
-                         "model_label": meta.get("model_label"),
-                         "tokenizer_file": meta.get("tokenizer_file"), "session": session},
-            "stats": cv.stats_json(summary),
-            "pool": cv.pool_json(summary),
-            "tree": cv.tree_json(nodes, decode, depth),
-            "exact": cv.exact_json(exact, decode),
-        }
+        where = {"path": str(index), "saved_at": meta.get("saved_at"),
+                 "model_label": meta.get("model_label"),
+                 "tokenizer_file": meta.get("tokenizer_file")}
+        doc = cv.inspect_document(fingerprint, where, stats, nodes, exact, decode, depth, session)
         # one line: token lists make an indented dump thousands of lines long
         typer.echo(json.dumps(doc, ensure_ascii=False))
         return
+    nodes, exact = cv.for_session(nodes, exact, session)
     facts = SnapshotFacts(
         path=str(index),
         model=str(meta.get("model_label") or fingerprint.get("model", "?")),
         dtype=str(fingerprint.get("dtype", "?")),
         saved_at=meta.get("saved_at"),
     )
-    _stdout().print(inspect_view(facts, summary, nodes, exact, decode, depth or 6, 8, session))
+    _stdout().print(inspect_view(facts, stats, nodes, exact, decode, depth or 6, 8, session))
 
 
 def _snapshot_decoder(tokenizer_file: str | None) -> Any:

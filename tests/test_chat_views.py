@@ -4,13 +4,16 @@ print in an 80-column terminal; and the plain-data adapters from a live cache an
 from __future__ import annotations
 
 import io
+import json
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
 
+from kvchat.cache.stats import CacheStats, PoolStats, SessionCounters
 from kvchat.ui import cache_view as cv
 from kvchat.ui import views
-from kvchat.ui.cache_view import CacheSummary, ExactView, NodeView, SessionView
+from kvchat.ui.cache_view import ExactView, NodeView
 from kvchat.ui.views import TurnView
 
 
@@ -28,11 +31,11 @@ TURN = TurnView(
     number=2, prompt_tokens=412, hit_tokens=398, source="radix", ttft_ms=38.2, prefill_ms=31.0,
     completion_tokens=48, decode_tokens_per_s=61.3, finish_reason="stop", saved_ms=240.0,
 )
-SUMMARY = CacheSummary(
-    policy="lru", block_size=16, total_blocks=4096, used_blocks=52, cached_tokens=830,
-    tree_nodes=5, exact_entries=3, hit_count=3, miss_count=1, exact_hits=1, hit_tokens=700,
-    lookup_tokens=760, eviction_count=0, stored_tokens=830,
-    sessions={"demo": SessionView(2, 1, 300, 250)},
+STATS = CacheStats(
+    policy="lru", pool=PoolStats(block_size=16, total_blocks=4096, used_blocks=52),
+    tree_tokens=830, tree_nodes=5, exact_entries=3, hit_count=3, miss_count=1, exact_hits=1,
+    hit_tokens=700, lookup_tokens=760, eviction_count=0, stored_tokens=830,
+    sessions={"demo": SessionCounters(2, 1, 300, 250)},
 )
 NODES = (
     NodeView(0, tuple(range(16)), 1, 0, ("demo", "other", "x"), (
@@ -69,7 +72,7 @@ def test_hit_panel_without_a_rate_says_so():
 
 
 def test_pool_panel_full_and_compact():
-    assert render(views.pool_panel(SUMMARY)) == "\n".join([
+    assert render(views.pool_panel(STATS)) == "\n".join([
         "╭─ block pool · lru ───────────────╮",
         "│ used 52 / 4,096 blocks · 1.3%    │",
         "│ █░░░░░░░░░░░░░░░░░░░░░░░         │",
@@ -78,15 +81,14 @@ def test_pool_panel_full_and_compact():
         "│ cached 830 tok in 5 nodes        │",
         "╰──────────────────────────────────╯",
     ])
-    assert render(views.pool_panel(SUMMARY, "compact")) == (
+    assert render(views.pool_panel(STATS, "compact")) == (
         "pool 52/4,096 blk 1.3% · 0 evicted · hit rate 75.0% · 830 tok cached"
     )
 
 
 def test_pool_panel_of_an_old_snapshot_without_pool_size():
-    from dataclasses import replace
-
-    text = render(views.pool_panel(replace(SUMMARY, total_blocks=None)))
+    old = replace(STATS, pool=replace(STATS.pool, total_blocks=None))
+    text = render(views.pool_panel(old))
     assert "used 52 blocks (pool size not recorded)" in text
     assert "free ? · evictions 0" in text
 
@@ -112,18 +114,18 @@ def test_tree_view_of_an_empty_cache():
 
 
 def test_turn_panels_fit_80_columns_and_modes():
-    full = render(views.turn_panels(TURN, SUMMARY, NODES, letters, "full", "demo"))
+    full = render(views.turn_panels(TURN, STATS, NODES, letters, "full", "demo"))
     assert max(len(line) for line in full.splitlines()) <= 80
     first = full.splitlines()[0]
     assert first.startswith("╭─ turn 2 · cache") and "╭─ block pool · lru" in first
     assert "radix tree · 6 nodes · 70 tok" in full
-    compact = render(views.turn_panels(TURN, SUMMARY, NODES, letters, "compact", "demo"))
+    compact = render(views.turn_panels(TURN, STATS, NODES, letters, "compact", "demo"))
     assert compact.splitlines() == [
         "turn 2 · 398/412 cached 96.6% radix · TTFT 38 ms · saved ≈ 240 ms est.",
         "pool 52/4,096 blk 1.3% · 0 evicted · hit rate 75.0% · 830 tok cached",
         "tree 6 nodes · 70 tok · demo: 36 tok in 2 nodes",
     ]
-    assert render(views.turn_panels(TURN, SUMMARY, NODES, letters, "off")) == ""
+    assert render(views.turn_panels(TURN, STATS, NODES, letters, "off")) == ""
 
 
 def test_previews_escape_control_characters_and_truncate():
@@ -196,8 +198,7 @@ def test_adapters_agree_between_a_live_cache_and_its_snapshot_meta():
     for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7, 8], [9])):
         tokens = shared + tail
         kv = [(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))]
-        res = cache.store(tokens, kv, 0, sid=f"s{i}")
-        cache.release(res.blocks)
+        cache.store(tokens, kv, 0, sid=f"s{i}")
     held = cache.lookup(shared + [1, 2, 3], sid="s0")
     reading = cv.nodes_from_cache(cache)
     assert [n.max_ref for n in cv.walk(reading)] == [1, 1, 0, 0]  # the lookup holds a path
@@ -207,11 +208,16 @@ def test_adapters_agree_between_a_live_cache_and_its_snapshot_meta():
     assert live == saved
     assert [n.owners for n in cv.walk(live)] == [("s0", "s1", "s2"), ("s0",), ("s1",), ("s2",)]
     assert cv.exact_from_cache(cache) == cv.exact_from_meta(meta)
-    from_stats = cv.summary_from_stats(cache.stats())
-    from_meta = cv.summary_from_meta(meta | {"pool": {"total_blocks": 64}}, saved)
-    assert from_stats == from_meta
-    assert from_meta.cached_tokens == cache.tree.num_tokens
-    assert from_meta.sessions["s0"] == SessionView(1, 1, 12, 11)
+    live_stats = cache.stats()
+    pool = {"total_blocks": 64, "bytes_per_block": live_stats.pool.bytes_per_block}
+    from_meta = cv.stats_from_meta(meta | {"pool": pool}, saved)
+    assert from_meta == live_stats
+    assert from_meta.tree_tokens == cache.tree.num_tokens
+    assert from_meta.sessions["s0"] == SessionCounters(1, 1, 12, 11)
+    # a snapshot from before the pool size was recorded: occupancy only
+    old = cv.stats_from_meta(meta, saved)
+    assert (old.pool.total_blocks, old.pool.free_blocks, old.pool.utilisation) == (None,) * 3
+    assert old.pool.used_blocks == live_stats.pool.used_blocks
 
 
 def test_meta_that_is_not_a_cache_is_a_format_error():
@@ -220,7 +226,7 @@ def test_meta_that_is_not_a_cache_is_a_format_error():
     with pytest.raises(cv.SnapshotFormatError):
         cv.nodes_from_meta({"tree": [{"start": 0, "blocks": [3], "children": []}], "blocks": []})
     with pytest.raises(cv.SnapshotFormatError):
-        cv.summary_from_meta({"tree": [], "blocks": "x"}, ())
+        cv.stats_from_meta({"tree": [], "blocks": 3, "block_size": 4}, ())
 
 
 def test_exact_table_lists_newest_first_and_counts_the_rest():
@@ -248,3 +254,36 @@ def test_previews_skip_what_a_sequence_shares_with_its_closest_sibling():
     assert [n["preview"] for n in cv.tree_json(siblings, letters)] == ["ef", "j"]
     exact = cv.exact_json([ExactView(a, 2, True), ExactView(b, 1, False)], letters)
     assert [(e["distinct_from"], e["preview"]) for e in exact] == [(3, "ef"), (3, "j")]
+
+
+def test_stats_json_round_trips_and_derives_the_rates_once():
+    doc = STATS.to_json()
+    assert CacheStats.from_json(doc) == STATS
+    assert CacheStats.from_json(json.loads(json.dumps(doc))) == STATS
+    assert (doc["hit_rate"], doc["token_hit_rate"]) == (0.75, 700 / 760)
+    assert doc["sessions"] == {"demo": {"lookups": 2, "hits": 1, "prompt_tokens": 300,
+                                        "hit_tokens": 250, "hit_rate": 250 / 300}}
+    assert doc["pool"] == {"block_size": 16, "total_blocks": 4096, "used_blocks": 52,
+                           "free_blocks": 4044, "utilisation": 52 / 4096,
+                           "bytes_per_block": None, "cached_tokens": 830}
+    old = replace(STATS, pool=PoolStats(block_size=16, total_blocks=None, used_blocks=52))
+    assert CacheStats.from_json(old.to_json()) == old
+    assert old.to_json()["pool"]["free_blocks"] is None
+    empty = CacheStats(policy="lru", pool=PoolStats(4, 8, 0), tree_nodes=0, tree_tokens=0,
+                       exact_entries=0)
+    assert (empty.hit_rate, empty.token_hit_rate, SessionCounters().hit_rate) == (0.0, 0.0, 0.0)
+
+
+def test_inspect_document_filters_the_tree_by_session_but_not_the_stats():
+    exact = (ExactView(tuple(range(20)), 2, True), ExactView((40, 41, 42), 1, False))
+    where = {"path": "p", "saved_at": 1.0, "model_label": "m", "tokenizer_file": None}
+    doc = cv.inspect_document({"model": "m"}, where, STATS, NODES, exact, letters, None, "demo")
+    assert set(doc) == {"fingerprint", "snapshot", "stats", "pool", "tree", "exact"}
+    assert doc["snapshot"] == {**where, "session": "demo"}
+    assert doc["stats"] == STATS.to_json() and doc["pool"] == doc["stats"]["pool"]
+    assert [n["n_tokens"] for n in doc["tree"]] == [16]
+    assert [c["n_tokens"] for c in doc["tree"][0]["children"]] == [20]
+    assert [e["n_tokens"] for e in doc["exact"]] == [20]
+    whole = cv.inspect_document({}, where, STATS, NODES, exact, None, 1)
+    assert whole["snapshot"]["session"] is None and len(whole["exact"]) == 2
+    assert whole["tree"][0]["children_omitted"] == 4

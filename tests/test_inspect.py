@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvchat import cli
-from kvchat.config import CacheConfig, SamplingParams
-from kvchat.runtime import Runtime, RuntimeOptions
-from kvchat.sessions import Session
-from kvchat.turns import record_turn
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.stats import CacheStats
+from kvchat.config import CacheConfig
+from kvchat.sessions import save_snapshot
 from kvchat.ui import cache_view as cv
 
 WIDE = {"COLUMNS": "200"}
@@ -25,44 +26,69 @@ def invoke(*args: str):
     return CliRunner().invoke(cli.app, list(args), env=WIDE)
 
 
+FINGERPRINT = {"model": "tiny", "config": "c0", "tokenizer": "t0", "dtype": "float32",
+               "block_size": 4}
+
+
 @pytest.fixture(scope="module")
-def saved(tiny_model_dir, tmp_path_factory) -> tuple[Path, Runtime]:
-    """A sessions dir whose snapshot holds two sessions that share the template's prefix."""
+def saved(tiny_model_dir, tiny_tokenizer, tmp_path_factory) -> tuple[Path, PagedKVCache]:
+    """A sessions dir whose snapshot holds two sessions that share the template's prefix: alpha
+    (two turns, the second extending the first) and beta, with an exact entry per prompt. The
+    cache is filled directly (no model), as a chat would leave it."""
     root = tmp_path_factory.mktemp("sessions")
-    rt = Runtime.open(RuntimeOptions(model=str(tiny_model_dir), cache=CacheConfig(4, cache_mb=8),
-                                     sessions_dir=root))
-    params = SamplingParams(max_new_tokens=5)
-    for name, texts in (("alpha", ["hello", "more"]), ("beta", ["something else"])):
-        session = Session(name)
-        for text in texts:
-            ids, generation = rt.start_turn(session, text, params)
-            record_turn(session, text, ids, generation.run())
-        rt.store.save(session)
-    rt.save()
-    return root, rt
+    cache = PagedKVCache.create(CacheConfig(4, cache_mb=1), n_layers=1, n_kv_heads=1, head_dim=2)
+
+    def chat(*texts: str) -> list[int]:
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                 for i, t in enumerate(texts)]
+        text = tiny_tokenizer.apply_chat_template(turns, add_generation_prompt=True,
+                                                  tokenize=False)
+        return list(tiny_tokenizer.encode(text, add_special_tokens=False))
+
+    def reply(text: str) -> list[int]:
+        return list(tiny_tokenizer.encode(text + "<|im_end|>\n", add_special_tokens=False))
+
+    turns = (("alpha", chat("hello"), "hi!"), ("alpha", chat("hello", "hi!", "more"), "ok"),
+             ("beta", chat("something else"), "sure"))
+    for sid, prompt, answer in turns:
+        hit = cache.lookup(prompt, sid=sid)
+        tokens = prompt + reply(answer)  # the next turn extends this history
+        zeros = torch.zeros(1, 1, len(tokens) - hit.matched, 2)
+        cache.store(tokens, [(zeros, zeros)], hit.matched, logits=torch.zeros(8),
+                    logits_len=len(prompt), sid=sid)
+        cache.release(hit.blocks)
+        cache.check_integrity()
+    pool = cache.manager.stats()
+    save_snapshot(root, cache, FINGERPRINT, {
+        "tokenizer_file": str(tiny_model_dir / "tokenizer.json"),
+        "model_label": "local folder tiny-model",
+        "pool": {"total_blocks": pool.total_blocks, "bytes_per_block": pool.bytes_per_block},
+    })
+    return root, cache
 
 
 def test_json_schema_matches_the_cache_that_was_saved(saved):
-    root, rt = saved
+    root, cache = saved
     result = invoke("inspect", "--sessions-dir", str(root), "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert set(doc) == {"fingerprint", "snapshot", "stats", "pool", "tree", "exact"}
-    assert doc["fingerprint"] == rt._fingerprint
+    assert doc["fingerprint"] == FINGERPRINT
     assert doc["snapshot"]["path"] == str(root / "cache" / "index.json")
     assert doc["snapshot"]["tokenizer_file"].endswith("tokenizer.json")
 
     decode = cli._snapshot_decoder(doc["snapshot"]["tokenizer_file"])
-    assert doc["tree"] == cv.tree_json(cv.nodes_from_cache(rt.cache), decode)
-    assert doc["exact"] == cv.exact_json(cv.exact_from_cache(rt.cache), decode)
-    stats = rt.cache.stats()
-    expected = cv.stats_json(cv.summary_from_stats(stats))
-    assert doc["stats"] == expected
+    assert doc["tree"] == cv.tree_json(cv.nodes_from_cache(cache), decode)
+    assert doc["exact"] == cv.exact_json(cv.exact_from_cache(cache), decode)
+    stats = cache.stats()
+    assert doc["stats"] == stats.to_json()  # the live cache's numbers, in /cache/stats' schema
+    assert CacheStats.from_json(doc["stats"]) == stats
     assert doc["stats"]["sessions"]["alpha"]["lookups"] == 2
-    assert doc["pool"] == {
+    assert doc["pool"] == doc["stats"]["pool"] == {
         "block_size": 4, "total_blocks": stats.pool.total_blocks,
         "used_blocks": stats.pool.used_blocks, "free_blocks": stats.pool.free_blocks,
-        "utilisation": stats.pool.utilisation, "cached_tokens": stats.tree_tokens,
+        "utilisation": stats.pool.utilisation, "bytes_per_block": stats.pool.bytes_per_block,
+        "cached_tokens": stats.tree_tokens,
     }
     root_node = doc["tree"][0]
     assert root_node["owners"] == ["alpha", "beta"]
@@ -91,13 +117,13 @@ def test_session_filter_and_depth(saved):
 
 
 def test_text_view_shows_tree_pool_sessions_and_exact_index(saved):
-    root, rt = saved
+    root, cache = saved
     result = invoke("inspect", "--sessions-dir", str(root))
     assert result.exit_code == 0, result.output
     out = result.output
     assert "snapshot " + str(root / "cache" / "index.json") in out
     assert "local folder tiny-model" in out and "float32 · block 4 tok" in out
-    stats = rt.cache.stats()
+    stats = cache.stats()
     assert f"used {stats.pool.used_blocks} / {stats.pool.total_blocks:,} blocks" in out
     assert f"radix tree · 3 nodes · {stats.tree_tokens} tok" in out
     assert '"<|im_start|…' in out and " alpha, beta" in out

@@ -11,9 +11,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvchat.cache.stats import ratio
+
 if TYPE_CHECKING:
     from kvchat.batch import BatchProgress, ItemResult
-    from kvchat.cache.kvcache import CacheStats
+    from kvchat.cache.stats import CacheStats
 
 
 def batch_progress(console: Console) -> Progress:
@@ -60,13 +62,14 @@ def summary_table(
     t.add_row("requests", f"{len(done)} done, {p.failed + parse_errors} failed")
     t.add_row("prompt tokens", f"{prompt:,}")
     t.add_row("hit tokens", f"{hits:,}")
-    t.add_row("hit rate", f"{hits / prompt:.1%}" if prompt else "–")
+    t.add_row("hit rate", f"{ratio(hits, prompt):.1%}" if prompt else "–")
     t.add_row("prefill computed / total", f"{computed:,} / {prompt:,}")
     t.add_row("completion tokens", f"{sum(r.completion_tokens for r in done):,}")
     t.add_row("prefill time saved (est.)", "–" if saved is None else f"{saved / 1000:,.1f} s")
     t.add_row("wall time", f"{wall_s:,.1f} s")
     if stats is not None:
         t.add_row("evictions", f"{stats.eviction_count:,}")
-        t.add_row("pool", f"{stats.pool.used_blocks:,}/{stats.pool.total_blocks:,} blocks "
-                          f"({stats.pool.utilisation:.0%})")
+        pool = stats.pool
+        t.add_row("pool", f"{pool.used_blocks:,}/{pool.total_blocks or 0:,} blocks "
+                          f"({pool.utilisation or 0.0:.0%})")
     return t

@@ -1,5 +1,7 @@
 """Plain-data views of the shared cache, built from a live PagedKVCache or from a snapshot's
-index.json, so that `kvchat chat`, `kvchat inspect` and the server describe it with one schema.
+index.json, so that `kvchat chat`, `kvchat inspect` and the server describe it with one schema:
+the tree as NodeViews, the exact index as ExactViews, the numbers as `CacheStats`, and the JSON
+document of `kvchat inspect --json` and `/cache/tree` from `inspect_document`.
 
 Nothing here imports torch or Rich: `kvchat inspect` reads a snapshot with this module alone.
 Adapters from a snapshot raise SnapshotFormatError (a ValueError) when index.json does not
@@ -10,11 +12,13 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvchat.cache.stats import CacheStats, Counters, PoolStats
+
 if TYPE_CHECKING:
-    from kvchat.cache.kvcache import CacheStats, PagedKVCache
+    from kvchat.cache.kvcache import PagedKVCache
 
 Decode = Callable[[Sequence[int]], str]
 PREVIEW_CHARS = 24
@@ -61,59 +65,6 @@ class ExactView:
     tokens: tuple[int, ...]
     blocks: int
     has_logits: bool
-
-
-@dataclass(frozen=True)
-class SessionView:
-    lookups: int
-    hits: int
-    prompt_tokens: int
-    hit_tokens: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class CacheSummary:
-    """Counters and pool occupancy. total_blocks is None for a snapshot written before kvchat
-    recorded the pool size."""
-
-    policy: str
-    block_size: int
-    total_blocks: int | None
-    used_blocks: int
-    cached_tokens: int
-    tree_nodes: int
-    exact_entries: int
-    hit_count: int
-    miss_count: int
-    exact_hits: int
-    hit_tokens: int
-    lookup_tokens: int
-    eviction_count: int
-    stored_tokens: int
-    sessions: Mapping[str, SessionView] = field(default_factory=dict)
-
-    @property
-    def free_blocks(self) -> int | None:
-        return None if self.total_blocks is None else self.total_blocks - self.used_blocks
-
-    @property
-    def utilisation(self) -> float | None:
-        if not self.total_blocks:
-            return None
-        return self.used_blocks / self.total_blocks
-
-    @property
-    def hit_rate(self) -> float:
-        lookups = self.hit_count + self.miss_count
-        return self.hit_count / lookups if lookups else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
 # ---- building the views --------------------------------------------------------------------
@@ -163,29 +114,6 @@ def exact_from_cache(cache: PagedKVCache) -> tuple[ExactView, ...]:
     )
 
 
-def summary_from_stats(stats: CacheStats) -> CacheSummary:
-    return CacheSummary(
-        policy=stats.policy,
-        block_size=stats.pool.block_size,
-        total_blocks=stats.pool.total_blocks,
-        used_blocks=stats.pool.used_blocks,
-        cached_tokens=stats.tree_tokens,
-        tree_nodes=stats.tree_nodes,
-        exact_entries=stats.exact_entries,
-        hit_count=stats.hit_count,
-        miss_count=stats.miss_count,
-        exact_hits=stats.exact_hits,
-        hit_tokens=stats.hit_tokens,
-        lookup_tokens=stats.lookup_tokens,
-        eviction_count=stats.eviction_count,
-        stored_tokens=stats.stored_tokens,
-        sessions={
-            sid: SessionView(c.lookups, c.hits, c.prompt_tokens, c.hit_tokens)
-            for sid, c in stats.sessions.items()
-        },
-    )
-
-
 def _damaged(exc: Exception) -> SnapshotFormatError:
     return SnapshotFormatError(
         f"index.json does not describe a cache ({type(exc).__name__}: {exc})"
@@ -219,33 +147,19 @@ def exact_from_meta(meta: Mapping[str, Any]) -> tuple[ExactView, ...]:
         raise _damaged(exc) from exc
 
 
-def summary_from_meta(meta: Mapping[str, Any], nodes: Sequence[NodeView]) -> CacheSummary:
+def stats_from_meta(meta: Mapping[str, Any], nodes: Sequence[NodeView]) -> CacheStats:
+    """The statistics a snapshot recorded, with its tree's size taken from `nodes`."""
     try:
-        counters = dict(meta.get("counters", {}))
-        sessions = {
-            str(sid): SessionView(
-                int(s["lookups"]), int(s["hits"]), int(s["prompt_tokens"]), int(s["hit_tokens"])
-            )
-            for sid, s in dict(counters.pop("sessions", {})).items()
-        }
-        pool = meta.get("pool") or {}
-        total = pool.get("total_blocks")
-        return CacheSummary(
+        pool = dict(meta.get("pool") or {})
+        return CacheStats.build(
+            Counters.counters_from_json(dict(meta.get("counters", {}))),
             policy=str(meta.get("policy", "?")),
-            block_size=int(meta["block_size"]),
-            total_blocks=None if total is None else int(total),
-            used_blocks=len(meta["blocks"]),
-            cached_tokens=sum(n.n_tokens for n in walk(nodes)),
+            pool=PoolStats.from_json(
+                pool | {"block_size": meta["block_size"], "used_blocks": len(meta["blocks"])}
+            ),
             tree_nodes=sum(1 for _ in walk(nodes)),
+            tree_tokens=sum(n.n_tokens for n in walk(nodes)),
             exact_entries=len(meta.get("exact", [])),
-            hit_count=int(counters.get("hit_count", 0)),
-            miss_count=int(counters.get("miss_count", 0)),
-            exact_hits=int(counters.get("exact_hits", 0)),
-            hit_tokens=int(counters.get("hit_tokens", 0)),
-            lookup_tokens=int(counters.get("lookup_tokens", 0)),
-            eviction_count=int(counters.get("eviction_count", 0)),
-            stored_tokens=int(counters.get("stored_tokens", 0)),
-            sessions=sessions,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _damaged(exc) from exc
@@ -271,6 +185,16 @@ def owned_by(nodes: Sequence[NodeView], session: str) -> tuple[NodeView, ...]:
         lambda n: [c for c in n.children if session in c.owners],
         lambda n, kids: NodeView(n.start, n.tokens, n.blocks, n.max_ref, n.owners, kids),
     )
+
+
+def for_session(
+    nodes: Sequence[NodeView], exact: Sequence[ExactView], session: str | None
+) -> tuple[tuple[NodeView, ...], tuple[ExactView, ...]]:
+    """The branches a session went through and the exact entries on them (all, for None)."""
+    if session is None:
+        return tuple(nodes), tuple(exact)
+    mine = owned_by(nodes, session)
+    return mine, tuple(e for e in exact if covers(mine, e.tokens))
 
 
 def covers(nodes: Sequence[NodeView], tokens: Sequence[int]) -> bool:
@@ -398,36 +322,27 @@ def exact_json(entries: Sequence[ExactView], decode: Decode | None = None) -> li
     ]
 
 
-def stats_json(summary: CacheSummary) -> dict[str, Any]:
-    s = summary
+def inspect_document(
+    fingerprint: Mapping[str, Any],
+    snapshot_info: Mapping[str, Any],
+    stats: CacheStats,
+    nodes: Sequence[NodeView],
+    exact: Sequence[ExactView],
+    decode: Decode | None = None,
+    depth: int | None = None,
+    session: str | None = None,
+) -> dict[str, Any]:
+    """The JSON document of `kvchat inspect --json` and the server's `/cache/tree` (schema in
+    the README). `snapshot_info` holds "path", "saved_at", "model_label" and "tokenizer_file";
+    with `session`, the tree and exact entries are that session's (`for_session`), while
+    "stats" and "pool" stay the whole cache's."""
+    nodes, exact = for_session(nodes, exact, session)
+    stats_doc = stats.to_json()
     return {
-        "policy": s.policy,
-        "hit_count": s.hit_count,
-        "miss_count": s.miss_count,
-        "hit_rate": s.hit_rate,
-        "exact_hits": s.exact_hits,
-        "hit_tokens": s.hit_tokens,
-        "lookup_tokens": s.lookup_tokens,
-        "token_hit_rate": s.token_hit_rate,
-        "eviction_count": s.eviction_count,
-        "stored_tokens": s.stored_tokens,
-        "tree_nodes": s.tree_nodes,
-        "tree_tokens": s.cached_tokens,
-        "exact_entries": s.exact_entries,
-        "sessions": {
-            sid: {"lookups": c.lookups, "hits": c.hits, "prompt_tokens": c.prompt_tokens,
-                  "hit_tokens": c.hit_tokens, "hit_rate": c.hit_rate}
-            for sid, c in sorted(s.sessions.items())
-        },
-    }
-
-
-def pool_json(summary: CacheSummary) -> dict[str, Any]:
-    return {
-        "block_size": summary.block_size,
-        "total_blocks": summary.total_blocks,
-        "used_blocks": summary.used_blocks,
-        "free_blocks": summary.free_blocks,
-        "utilisation": summary.utilisation,
-        "cached_tokens": summary.cached_tokens,
+        "fingerprint": dict(fingerprint),
+        "snapshot": {**snapshot_info, "session": session},
+        "stats": stats_doc,
+        "pool": stats_doc["pool"],
+        "tree": tree_json(nodes, decode, depth),
+        "exact": exact_json(exact, decode),
     }

@@ -21,8 +21,8 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from kvchat.cache.stats import CacheStats, ratio
 from kvchat.ui.cache_view import (
-    CacheSummary,
     Decode,
     ExactView,
     NodeView,
@@ -103,7 +103,7 @@ class TurnView:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return ratio(self.hit_tokens, self.prompt_tokens)
 
 
 def prefill_rate(samples: Iterable[tuple[int, float]]) -> float | None:
@@ -147,28 +147,29 @@ def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
     )
 
 
-def pool_panel(summary: CacheSummary, mode: str = "full") -> RenderableType:
+def pool_panel(stats: CacheStats, mode: str = "full") -> RenderableType:
     """Occupancy of the block pool and the cache's overall hit rate."""
-    s = summary
-    if s.total_blocks is None:
-        used = f"{s.used_blocks:,} blocks (pool size not recorded)"
+    s, pool = stats, stats.pool
+    if pool.total_blocks is None or pool.free_blocks is None:
+        used = f"{pool.used_blocks:,} blocks (pool size not recorded)"
         free = "free ?"
     else:
-        used = f"{s.used_blocks:,} / {s.total_blocks:,} blocks · {pct(s.utilisation or 0.0)}"
-        free = f"free {s.free_blocks:,}"
+        used = (f"{pool.used_blocks:,} / {pool.total_blocks:,} blocks · "
+                f"{pct(pool.utilisation or 0.0)}")
+        free = f"free {pool.free_blocks:,}"
     if mode == "compact":
-        util = "" if s.utilisation is None else f" {pct(s.utilisation)}"
-        total = "?" if s.total_blocks is None else f"{s.total_blocks:,}"
+        util = "" if pool.utilisation is None else f" {pct(pool.utilisation)}"
+        total = "?" if pool.total_blocks is None else f"{pool.total_blocks:,}"
         return Text(
-            f"pool {s.used_blocks:,}/{total} blk{util} · {s.eviction_count:,} evicted · "
-            f"hit rate {pct(s.hit_rate)} · {s.cached_tokens:,} tok cached"
+            f"pool {pool.used_blocks:,}/{total} blk{util} · {s.eviction_count:,} evicted · "
+            f"hit rate {pct(s.hit_rate)} · {s.tree_tokens:,} tok cached"
         )
     lines = [
         f"used {used}",
-        bar(s.utilisation or 0.0),
+        bar(pool.utilisation or 0.0),
         f"{free} · evictions {s.eviction_count:,}",
         f"hit rate {pct(s.hit_rate)} ({pct(s.token_hit_rate)} of tokens)",
-        f"cached {s.cached_tokens:,} tok in {plural(s.tree_nodes, 'node')}",
+        f"cached {s.tree_tokens:,} tok in {plural(s.tree_nodes, 'node')}",
     ]
     return Panel(
         Text("\n".join(lines)), title=f"block pool · {s.policy}", title_align="left",
@@ -263,7 +264,7 @@ def tree_panel(
 
 def turn_panels(
     turn: TurnView,
-    summary: CacheSummary,
+    stats: CacheStats,
     nodes: Sequence[NodeView],
     decode: Decode | None,
     mode: str = "full",
@@ -272,7 +273,7 @@ def turn_panels(
     """What the REPL prints after a reply."""
     if mode == "off":
         return Group()
-    hit, pool = hit_panel(turn, mode), pool_panel(summary, mode)
+    hit, pool = hit_panel(turn, mode), pool_panel(stats, mode)
     tree = tree_panel(nodes, decode, mode, highlight)
     if mode == "compact":
         return Group(hit, pool, tree)
@@ -312,18 +313,18 @@ def turns_table(turns: Sequence[Turn], last: int = 10) -> Table:
     return table
 
 
-def sessions_counters_table(summary: CacheSummary) -> Table:
+def sessions_counters_table(stats: CacheStats) -> Table:
     table = Table(box=box.SIMPLE_HEAD, title="per session (cache lookups)", title_justify="left")
     for name in ("session", "lookups", "hits", "prompt tok", "cached tok", "rate"):
         table.add_column(name, justify="left" if name == "session" else "right")
-    for sid, c in sorted(summary.sessions.items()):
+    for sid, c in sorted(stats.sessions.items()):
         table.add_row(sid, f"{c.lookups:,}", f"{c.hits:,}", f"{c.prompt_tokens:,}",
                       f"{c.hit_tokens:,}", pct(c.hit_rate))
     return table
 
 
-def stats_view(summary: CacheSummary, turns: Sequence[Turn], integrity: str) -> RenderableType:
-    s = summary
+def stats_view(stats: CacheStats, turns: Sequence[Turn], integrity: str) -> RenderableType:
+    s = stats
     facts = Text(
         f"exact index {s.exact_entries:,} entries · {s.exact_hits:,} exact hits · "
         f"{s.stored_tokens:,} tok stored · integrity {integrity}"
@@ -388,7 +389,7 @@ def exact_table(entries: Sequence[ExactView], decode: Decode | None, limit: int 
 
 def inspect_view(
     facts: SnapshotFacts,
-    summary: CacheSummary,
+    stats: CacheStats,
     nodes: Sequence[NodeView],
     exact: Sequence[ExactView],
     decode: Decode | None,
@@ -400,14 +401,14 @@ def inspect_view(
             if facts.saved_at else "unknown")
     head = Text(
         f"snapshot {facts.path}\nsaved {when} · {facts.model} · {facts.dtype} · "
-        f"block {summary.block_size} tok"
+        f"block {stats.pool.block_size} tok"
     )
     if decode is None:
         head.append("\n(no tokenizer file recorded: previews show token ids)", style="dim")
     title = "radix tree" if session is None else f"radix tree (session {session})"
-    parts: list[RenderableType] = [head, pool_panel(summary, "full")]
-    if summary.sessions:
-        parts.append(sessions_counters_table(summary))
+    parts: list[RenderableType] = [head, pool_panel(stats, "full")]
+    if stats.sessions:
+        parts.append(sessions_counters_table(stats))
     parts.append(tree_view(nodes, decode, depth, max_children, session, title))
     parts.append(exact_table(exact, decode))
     return Group(*parts)
