@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -69,9 +70,29 @@ class CacheConfig:
         return max(1, int(self.cache_mb * 1024 * 1024) // per_block)
 
 
+# Below this a temperature overflows the softmax (logits / 1e-40 are inf); 0 means greedy.
+MIN_TEMPERATURE = 1e-5
+SEED_LIMIT = 2**64  # manual_seed overflows above 2**64 - 1 (and wraps negative seeds silently)
+
+
+def _finite(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}.")
+    return value
+
+
+def _whole(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be a whole number, got {value!r}.")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature == 0 means greedy."""
+    """How to pick tokens. temperature == 0 means greedy.
+
+    Values come from CLI options, batch files and HTTP bodies alike, so each error names the
+    field as a request spells it and, where it differs, the CLI option."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -82,14 +103,20 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: always decode max_new_tokens
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"--max-tokens must be at least 1, got {self.max_new_tokens}.")
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise ConfigError(f"--top-k must be >= 0, got {self.top_k}.")
+        if _whole("max_tokens / --max-tokens", self.max_new_tokens) < 1:
+            raise ConfigError(
+                f"max_tokens / --max-tokens must be at least 1, got {self.max_new_tokens}."
+            )
+        temperature = _finite("temperature", self.temperature)
+        if temperature != 0 and not temperature >= MIN_TEMPERATURE:
+            raise ConfigError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                              f"got {temperature}.")
+        if not 0 < _finite("top_p / --top-p", self.top_p) <= 1:
+            raise ConfigError(f"top_p / --top-p must be in (0, 1], got {self.top_p}.")
+        if _whole("top_k / --top-k", self.top_k) < 0:
+            raise ConfigError(f"top_k / --top-k must be 0 (off) or more, got {self.top_k}.")
+        if self.seed is not None and not 0 <= _whole("seed", self.seed) < SEED_LIMIT:
+            raise ConfigError(f"seed must be from 0 to 2**64 - 1, got {self.seed}.")
 
     @property
     def greedy(self) -> bool:
