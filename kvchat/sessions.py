@@ -1,6 +1,7 @@
 """Sessions on disk: transcripts, the snapshot of the shared cache, and the lock.
 
-Layout of a sessions dir (default ./sessions):
+Layout of a sessions dir (default ./sessions), private to its owner (folders 0700, files 0600,
+whatever the umask: transcripts and the cache tree hold prompt text):
     <name>.json                 one session: messages, token history, per-turn stats
     cache/index.json            the cache snapshot's metadata (tree, blocks, exact entries, stats,
                                 fingerprint); readable without torch (`kvchat inspect`)
@@ -9,16 +10,20 @@ Layout of a sessions dir (default ./sessions):
     .history                    the REPL's input history
     .lock                       held by the process using this dir
 
-Every write is atomic (temp file, fsync, rename): an interrupted save leaves the previous state.
+Every write is atomic (temp file, fsync, rename): an interrupted save leaves the previous state,
+a failed one (read-only folder, full disk) raises SessionWriteError saying what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
+import stat
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,17 +33,30 @@ from typing import Any
 
 from kvchat.errors import KvchatError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always fullmatch: `$` lets "a\n" in
 RESERVED = {"cache", "set-aside"}
 INDEX = "index.json"
+DIR_MODE, FILE_MODE = 0o700, 0o600
+# Temp files of writes killed midway: ours (`.<name>.<pid>.tmp`, `.kv-<id>.safetensors.tmp`) and
+# the one safetensors renames from (`.tmp` + 6 characters, in cache/ only).
+_TEMP_RE = re.compile(r"\..+\.(\d+|safetensors)\.tmp")
+_SAFETENSORS_TEMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 class SessionError(KvchatError):
     pass
 
 
+class SessionNotFound(SessionError):
+    """A session asked for by name, without permission to create it, has no file."""
+
+
+class SessionWriteError(SessionError):
+    """A file in the sessions dir could not be written (read-only folder, full disk, ...)."""
+
+
 def validate_name(name: str) -> str:
-    if not NAME_RE.match(name) or name in RESERVED or name.endswith(".json"):
+    if not NAME_RE.fullmatch(name) or name in RESERVED or name.endswith(".json"):
         raise SessionError(
             f"Invalid session name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting "
             "with a letter or digit (no path separators)."
@@ -46,15 +64,66 @@ def validate_name(name: str) -> str:
     return name
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write data to path so that readers see the old file or the new one, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_error(what: str, path: Path, exc: Exception, atomic: bool = True) -> SessionWriteError:
+    """The user's paragraph for a failed write (`atomic`: one that left any old version)."""
+    found = re.search(r"os error (\d+)", str(exc))  # how safetensors reports the errno
+    code = exc.errno if isinstance(exc, OSError) else int(found.group(1)) if found else None
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        advice = "the disk is full. Free some space and try again"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        advice = (f"the folder is not writable. Make {path.parent} writable (chmod u+w), or "
+                  "point kvchat at another folder with --sessions-dir")
+    else:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        advice = f"{reason}. Check {path.parent}, or use another folder with --sessions-dir"
+    kept = " Any previous version of it is unchanged." if atomic else ""
+    return SessionWriteError(f"Could not write {what} ({path}): {advice}.{kept}")
+
+
+def private_dir(path: Path, what: str = "the sessions folder") -> Path:
+    """Create `path` (0700), or tighten it to its owner's bits if it exists. Parents are created
+    as usual and never changed: they are the user's folders, not kvchat's."""
+    try:
+        if not path.is_dir():
+            path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            os.chmod(path, DIR_MODE)  # mkdir's mode goes through the umask
+            return path
+    except OSError as exc:
+        raise write_error(what, path, exc, atomic=False) from exc
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:  # keep the owner's bits: a folder made read-only on purpose stays so
+        with contextlib.suppress(OSError):  # not ours to change: the writes then say why
+            os.chmod(path, mode & DIR_MODE)
+    return path
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """A file descriptor on `path`, created 0600 (existing files are tightened to 0600)."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+    with contextlib.suppress(OSError):  # only fails on another user's file: not ours to change
+        os.fchmod(fd, FILE_MODE)  # the umask may have cleared bits, or the file predates us
+    return fd
+
+
+def atomic_write(path: Path, data: bytes, what: str = "a file") -> None:
+    """Write data to path (0600, in a private folder) so that readers see the old file or the
+    new one, never a mix. On failure the temp file is removed and SessionWriteError raised."""
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        fd = _open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise write_error(what, path, exc) from exc
     with contextlib.suppress(OSError):  # make the rename itself durable
         dirfd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -100,42 +169,56 @@ class Session:
         self.turns.clear()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "system": self.system,
-            "messages": self.messages,
-            "tokens": self.tokens,
-            "turns": [asdict(t) for t in self.turns],
-            "created": self.created,
-            "updated": self.updated,
-        }
+        return {**vars(self), "turns": [asdict(t) for t in self.turns]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Session:
-        return cls(
-            name=str(data["name"]),
-            system=data.get("system"),
-            messages=[dict(m) for m in data.get("messages", [])],
-            tokens=[int(t) for t in data.get("tokens", [])],
-            turns=[Turn(**t) for t in data.get("turns", [])],
-            created=float(data.get("created", time.time())),
-            updated=float(data.get("updated", time.time())),
-        )
+        return cls(name=str(data["name"]), system=data.get("system"),
+                   messages=[dict(m) for m in data.get("messages", [])],
+                   tokens=[int(t) for t in data.get("tokens", [])],
+                   turns=[Turn(**t) for t in data.get("turns", [])],
+                   created=float(data.get("created", time.time())),
+                   updated=float(data.get("updated", time.time())))
 
 
 class SessionStore:
-    """Session files in one sessions dir."""
+    """Session files in one sessions dir, and the registry of the sessions open in this process:
+    `open` hands every caller (chat, batch, serve) the same Session object for a name, so turns
+    recorded through one are never lost by another's save."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._open: dict[str, Session] = {}
+        self._lock = threading.Lock()  # the server opens sessions from worker threads
 
     def path(self, name: str) -> Path:
         return self.root / f"{validate_name(name)}.json"
 
     def exists(self, name: str) -> bool:
-        return self.path(name).exists()
+        """The session has a file, or is open in this process (created, not yet saved)."""
+        return name in self._open or self.path(name).exists()
+
+    def open(self, name: str, create: bool = True) -> Session:
+        """The session named `name`, the same object on every call: loaded from its file the
+        first time, or created (not saved: `save` does that). Raises SessionNotFound when it
+        does not exist and `create` is False, SessionError when its file is unreadable."""
+        with self._lock:
+            session = self._open.get(name)
+            if session is None:
+                if self.path(name).exists():
+                    session = self.load(name)
+                elif create:
+                    session = Session(name)
+                else:
+                    saved = ", ".join(self.names()[:10]) or "none yet"
+                    raise SessionNotFound(f"No session {name!r} in {self.root} (saved sessions: "
+                                          f"{saved}). Ask for it to be created to start it.")
+                self._open[name] = session
+            return session
 
     def load(self, name: str) -> Session:
+        """The session as its file holds it now (a new object each call; a new Session if there
+        is no file). Front ends use `open`, which keeps one object per name."""
         path = self.path(name)
         try:
             return Session.from_json(json.loads(path.read_text()))
@@ -148,24 +231,38 @@ class SessionStore:
             ) from exc
 
     def save(self, session: Session) -> None:
+        """Write the session's file; a session saved before it was opened becomes the open one."""
+        path = self.path(session.name)
         session.updated = time.time()
-        atomic_write(self.path(session.name), json.dumps(session.to_json()).encode())
+        atomic_write(path, json.dumps(session.to_json()).encode(), f"session {session.name!r}")
+        with self._lock:
+            self._open.setdefault(session.name, session)
 
     def names(self) -> list[str]:
+        """Names of the saved sessions, sorted."""
         if not self.root.is_dir():
             return []
-        return sorted(p.stem for p in self.root.glob("*.json") if NAME_RE.match(p.stem))
+        return sorted(p.stem for p in self.root.glob("*.json")
+                      if NAME_RE.fullmatch(p.stem) and p.stem not in RESERVED)
 
     def history_file(self) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return self.root / ".history"
+        """The REPL's input history, created 0600 here (prompt-toolkit would follow the umask)."""
+        path = private_dir(self.root) / ".history"
+        try:
+            os.close(_open_private(path, os.O_WRONLY | os.O_APPEND))
+        except OSError as exc:
+            raise write_error("the input history", path, exc, atomic=False) from exc
+        return path
 
 
 def set_aside(path: Path, folder: Path) -> Path:
     """Move a file that cannot be used out of the way, keeping it for the user to inspect."""
-    folder.mkdir(parents=True, exist_ok=True)
+    private_dir(folder.parent)
+    private_dir(folder)
     target = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-{path.name}"
     os.replace(path, target)
+    with contextlib.suppress(OSError):  # it may predate private files, or not be the user's
+        os.chmod(target, FILE_MODE)
     return target
 
 
@@ -176,13 +273,33 @@ class SessionsLocked(KvchatError):
     pass
 
 
+def sweep_temp_files(root: Path) -> None:
+    """Remove temp files left by saves that were killed midway (some are snapshot-sized) from the
+    sessions dir and its cache/ folder, and make cache/ and cache/set-aside/ private.
+
+    Call it only while holding the lock: every kvchat process writing to this dir holds it, so no
+    temp file found then belongs to a write still in progress."""
+    for folder, extra in ((root, _TEMP_RE), (cache_dir(root), _SAFETENSORS_TEMP_RE)):
+        for item in folder.iterdir() if folder.is_dir() else ():
+            if item.name == "set-aside" and item.is_dir():
+                private_dir(item)
+            elif ((_TEMP_RE.fullmatch(item.name) or extra.fullmatch(item.name))
+                  and item.is_file() and not item.is_symlink()):
+                with contextlib.suppress(OSError):
+                    item.unlink()
+        if folder.is_dir():
+            private_dir(folder)
+
+
 @contextlib.contextmanager
 def sessions_lock(root: Path, what: str, wait_s: float = 3.0) -> Iterator[None]:
     """Hold the sessions dir for this process; a second process waits briefly, then is told
-    who holds it."""
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / ".lock"
-    fh = open(path, "a+")
+    who holds it. Taking it makes the dir private and sweeps orphan temp files."""
+    path = private_dir(root) / ".lock"
+    try:
+        fh = os.fdopen(_open_private(path, os.O_RDWR), "r+")
+    except OSError as exc:
+        raise write_error("the lock file", path, exc, atomic=False) from exc
     deadline = time.monotonic() + wait_s
     try:
         while True:
@@ -198,10 +315,12 @@ def sessions_lock(root: Path, what: str, wait_s: float = 3.0) -> Iterator[None]:
                         "point this one at another folder with --sessions-dir."
                     ) from None
                 time.sleep(0.1)
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()} ({what}, since {time.strftime('%H:%M:%S')})")
-        fh.flush()
+        sweep_temp_files(root)
+        with contextlib.suppress(OSError):  # who holds it is a courtesy; the flock is the lock
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"pid {os.getpid()} ({what}, since {time.strftime('%H:%M:%S')})")
+            fh.flush()
         yield
     finally:
         fh.close()  # closing drops the flock
@@ -245,7 +364,8 @@ def set_aside_snapshot(root: Path) -> Path:
     """Move the whole current snapshot (index and K/V files) into cache/set-aside/<stamp>/."""
     folder = cache_dir(root)
     target = folder / "set-aside" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    target.mkdir(parents=True, exist_ok=True)
+    for part in (folder / "set-aside", target):
+        private_dir(part)
     for item in folder.iterdir():
         if item.name != "set-aside" and item.is_file():
             os.replace(item, target / item.name)
@@ -259,28 +379,38 @@ class SnapshotLoad:
     cached_tokens: int = 0
 
 
-def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any], extra: dict[str, Any]) -> (
-    Path
-):
+def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
+                  extra: dict[str, Any]) -> Path:
     """Write the cache to <root>/cache atomically: the K/V file first under a fresh name, then
-    index.json pointing at it (the switch), then old K/V files go."""
+    index.json pointing at it (the switch), then old K/V files go. A failed write raises
+    SessionWriteError and leaves the previous snapshot as it was, with no new file beside it."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from kvchat.cache.snapshot import export_state
 
-    folder = cache_dir(root)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = private_dir(cache_dir(private_dir(Path(root))))
     meta, tensors = export_state(cache)
     snap_id = uuid.uuid4().hex[:12]
     kv_name = f"kv-{snap_id}.safetensors"
-    tmp = folder / f".{kv_name}.tmp"
-    save_file(tensors, str(tmp), metadata={"snapshot_id": snap_id})
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, folder / kv_name)
+    kv_path, tmp = folder / kv_name, folder / f".{kv_name}.tmp"
     meta.update(extra)
     meta.update(fingerprint=fingerprint, kv_file=kv_name, snapshot_id=snap_id, saved_at=time.time())
-    atomic_write(folder / INDEX, json.dumps(meta).encode())
+    try:
+        os.close(_open_private(tmp, os.O_WRONLY))  # 0600 from the start, whatever the umask
+        save_file(tensors, str(tmp), metadata={"snapshot_id": snap_id})
+        os.chmod(tmp, FILE_MODE)  # safetensors may have replaced the file with its own
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, kv_path)
+        atomic_write(folder / INDEX, json.dumps(meta).encode(), "the cache snapshot's index")
+    except (OSError, SafetensorError, SessionWriteError) as exc:
+        for orphan in (tmp, kv_path):  # the old index still names the old K/V file
+            with contextlib.suppress(OSError):
+                orphan.unlink()
+        if isinstance(exc, SessionWriteError):
+            raise
+        raise write_error("the cache snapshot's K/V", kv_path, exc) from exc
     for old in folder.glob("kv-*.safetensors"):
         if old.name != kv_name:
             with contextlib.suppress(OSError):
@@ -307,10 +437,8 @@ def load_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any]) -> Snapsh
         differ = sorted(k for k in fingerprint.keys() | info.fingerprint.keys()
                         if fingerprint.get(k) != info.fingerprint.get(k))
         where = set_aside_snapshot(root)
-        return SnapshotLoad(
-            False,
-            f"Cache snapshot was made with a different {', '.join(differ)}; set aside in {where}.",
-        )
+        return SnapshotLoad(False, f"Cache snapshot was made with a different "
+                                   f"{', '.join(differ)}; set aside in {where}.")
     kv_path = info.path.parent / str(info.meta["kv_file"])
     try:
         tensors = load_file(str(kv_path))
