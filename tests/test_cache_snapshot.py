@@ -68,6 +68,16 @@ def test_the_lru_clock_resumes_after_the_restored_stamps() -> None:
     assert (fresh.peek(A), fresh.peek(B), fresh.peek(C)) == (10, 8, 5)
 
 
+def test_index_json_keeps_its_keys_and_counts_only() -> None:
+    meta, _ = export_state(filled())
+    assert set(meta) == {"version", "block_size", "shape", "policy", "policy_state", "blocks",
+                         "tree", "exact", "counters"}
+    assert set(meta["blocks"][0]) == {"tokens", "last_accessed", "attn_score"}
+    assert meta["counters"]["sessions"]["b"] == {"lookups": 1, "hits": 1, "prompt_tokens": 9,
+                                                 "hit_tokens": 6}
+    assert meta["counters"]["exact_hits"] == 1 and "hit_rate" not in meta["counters"]
+
+
 def test_an_older_snapshot_without_policy_state_or_new_counters_loads() -> None:
     cache = filled()
     meta, tensors = export_state(cache)

@@ -8,7 +8,7 @@ it. Plain Python only: `kvchat inspect` builds one from index.json without impor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 
@@ -115,7 +115,8 @@ class Counters:
     def counters_json(self) -> dict[str, Any]:
         """The snapshot's "counters" object."""
         out: dict[str, Any] = {name: getattr(self, name) for name in _COUNTS}
-        out["sessions"] = {sid: s.to_json() for sid, s in sorted(self.sessions.items())}
+        # the counts alone, as index.json has always held them (rates are derived)
+        out["sessions"] = {sid: asdict(s) for sid, s in sorted(self.sessions.items())}
         return out
 
     @classmethod
@@ -149,7 +150,7 @@ class CacheStats(Counters):
     def to_json(self) -> dict[str, Any]:
         """The schema of `/cache/stats` and of "stats" in `kvchat inspect --json`."""
         counts = self.counters_json()
-        sessions = counts.pop("sessions")
+        del counts["sessions"]
         return {
             "policy": self.policy,
             **counts,
@@ -158,7 +159,7 @@ class CacheStats(Counters):
             "tree_nodes": self.tree_nodes,
             "tree_tokens": self.tree_tokens,
             "exact_entries": self.exact_entries,
-            "sessions": sessions,
+            "sessions": {sid: s.to_json() for sid, s in sorted(self.sessions.items())},
             "pool": {**self.pool.to_json(), "cached_tokens": self.tree_tokens},
         }
 
