@@ -9,18 +9,19 @@ import pytest
 import torch
 
 from kvchat.config import POLICY_NAMES, CacheConfig, SamplingParams
-from kvchat.engine.backend import Backend, Request
-from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.engine import Engine
+from kvchat.engine.sequence import Finished, Request, TextDelta
 from kvchat.engine.verify import compare, verify_prompt
+from kvchat.errors import KvchatError
 
 ATOL = 1e-4
 BLOCK = 4
 
 
-def make_backend(model, tokenizer, policy: str, num_blocks: int = 256, chunk: int = 512):
-    model.set_attn_implementation("sdpa")  # an h2o backend switches it; start each test clean
+def make_backend(model, tokenizer, policy: str, num_blocks: int = 256, chunk: int = 512,
+                 batch_size: int = 8) -> Engine:
     config = CacheConfig(BLOCK, num_blocks=num_blocks, policy=policy)
-    return Backend.create(model, tokenizer, config, prefill_chunk=chunk)
+    return Engine.create(model, tokenizer, config, batch_size=batch_size, prefill_chunk=chunk)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -28,7 +29,7 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(0, 250) for _ in range(n)]
 
 
-def run(backend: Backend, ids: list[int], max_new: int = 8):
+def run(backend: Engine, ids: list[int], max_new: int = 8):
     return backend.generate(
         Request(ids, SamplingParams(max_new_tokens=max_new), record_logits=True)
     )
@@ -63,9 +64,10 @@ def test_exact_repeat_needs_no_forward(tiny_model, tiny_tokenizer, policy):
     cold = run(b.without_cache(), ids)
     first = run(b, ids)
     assert first.hit_source == "miss"
-    calls = b.forward_calls
+    calls = b.runner.forward_calls
     one = b.generate(Request(ids, SamplingParams(max_new_tokens=1), record_logits=True))
-    assert b.forward_calls == calls, "an exact repeat samples its first token from stored logits"
+    assert b.runner.forward_calls == calls, "an exact repeat samples its first token from " \
+        "stored logits"
     assert one.hit_source == "exact" and one.cache_hit_tokens == len(ids)
     assert one.token_ids == cold.token_ids[:1]
     warm = run(b, ids)
@@ -125,26 +127,26 @@ def test_hit_after_interruption(tiny_model, tiny_tokenizer, policy, monkeypatch)
     b = make_backend(tiny_model, tiny_tokenizer, policy, chunk=8)
     ids = prompt(40, 45)
     # interrupted mid-prefill: a KeyboardInterrupt raised inside the third forward
-    real = b.forward
+    real = b.runner.forward
     calls = {"n": 0}
 
-    def flaky(chunk, past):
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real(chunk, past)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(b, "forward", flaky)
-    gen = b.start(Request(ids, SamplingParams(max_new_tokens=8)))
+    monkeypatch.setattr(b.runner, "forward", flaky)
+    gen = b.submit(Request(ids, SamplingParams(max_new_tokens=8)))
     with pytest.raises(KeyboardInterrupt):
         list(gen)
-    monkeypatch.setattr(b, "forward", real)
+    monkeypatch.setattr(b.runner, "forward", real)
     assert gen.result is not None and gen.result.finish_reason == "interrupted"
     assert gen.result.stored_tokens == 16  # the two chunks that completed
     b.cache.check_integrity()
     assert all(blk.ref_count == 0 for blk in b.cache.manager.blocks)
     # interrupted mid-decode: the consumer stops reading (Ctrl-C in the REPL closes the stream)
-    gen = b.start(Request(ids, SamplingParams(max_new_tokens=8)))
+    gen = b.submit(Request(ids, SamplingParams(max_new_tokens=8)))
     it = iter(gen)
     next(it)
     next(it)
@@ -160,7 +162,7 @@ def test_hit_after_interruption(tiny_model, tiny_tokenizer, policy, monkeypatch)
 def test_cancel_between_steps_keeps_cache_consistent(tiny_model, tiny_tokenizer):
     b = make_backend(tiny_model, tiny_tokenizer, "lru")
     ids = prompt(50, 20)
-    gen = b.start(Request(ids, SamplingParams(max_new_tokens=50)))
+    gen = b.submit(Request(ids, SamplingParams(max_new_tokens=50)))
     for i, _ in enumerate(gen):
         if i == 2:
             gen.cancel()
@@ -213,26 +215,58 @@ def test_h2o_victim_is_lowest_mass(tiny_model, tiny_tokenizer):
     assert cache.manager.is_free(expected.block_id)
 
 
-def test_scheduler_runs_in_order_and_reports_errors(tiny_model, tiny_tokenizer):
+def test_engine_streams_events_and_refuses_bad_requests(tiny_model, tiny_tokenizer):
     b = make_backend(tiny_model, tiny_tokenizer, "lru")
-    sched = Scheduler(b)
-    a = sched.submit(Request(prompt(80, 12), SamplingParams(max_new_tokens=3)))
-    bad = sched.submit(Request([], SamplingParams(max_new_tokens=3)))
-    c = sched.submit(Request(prompt(80, 12) + [1], SamplingParams(max_new_tokens=3)))
-    streamed: dict[int, str] = {}
-    a.on_text = lambda t, d: streamed.__setitem__(t.request_id, streamed.get(t.request_id, "") + d)
-    sched.run()
+    events: list[object] = []
+    a = b.submit(Request(prompt(80, 12), SamplingParams(max_new_tokens=3)), events.append)
+    with pytest.raises(KvchatError, match="empty"):
+        b.submit(Request([], SamplingParams(max_new_tokens=3)))
+    c = b.submit(Request(prompt(80, 12) + [1], SamplingParams(max_new_tokens=3)))
+    while not b.idle:
+        b.step()
     assert a.result is not None and c.result is not None
-    assert bad.error is not None and "empty" in str(bad.error)
     assert c.result.cache_hit_tokens == 12
-    assert streamed.get(a.request_id, "") == a.result.text
+    assert isinstance(events[-1], Finished) and events[-1].result is a.result
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert streamed == a.result.text
+    b.cache.check_integrity()
+
+
+def test_a_failing_row_fails_alone(tiny_model, tiny_tokenizer, monkeypatch):
+    """An exception while sampling one row fails that row; the others finish normally."""
+    import kvchat.engine.sequence as sequence_module
+
+    b = make_backend(tiny_model, tiny_tokenizer, "lru")
+    params = SamplingParams(max_new_tokens=5)
+    ids = [prompt(81 + i, 10 + i) for i in range(3)]
+    expected = [run(b.without_cache(), p, max_new=5).token_ids for p in ids]
+    real = sequence_module.sample
+    bad = SamplingParams(max_new_tokens=5, seed=3)
+
+    def sample(logits, p, gen):
+        if p is bad and len(p.stop) == 0 and sample.calls == 2:
+            raise RuntimeError("boom")
+        sample.calls += p is bad
+        return real(logits, p, gen)
+
+    sample.calls = 0
+    monkeypatch.setattr(sequence_module, "sample", sample)
+    handles = [b.submit(Request(ids[0], params)), b.submit(Request(ids[1], bad)),
+               b.submit(Request(ids[2], params))]
+    while not b.idle:
+        b.step()
+    assert isinstance(handles[1].error, RuntimeError)
+    assert handles[1].result is not None and handles[1].result.finish_reason == "error"
+    assert handles[0].result.token_ids == expected[0]
+    assert handles[2].result.token_ids == expected[2]
+    assert all(blk.ref_count == 0 for blk in b.cache.manager.blocks)
     b.cache.check_integrity()
 
 
 def test_prompt_longer_than_context_is_a_clear_error(tiny_model, tiny_tokenizer):
     b = make_backend(tiny_model, tiny_tokenizer, "lru")
     with pytest.raises(Exception, match="context"):
-        b.start(Request([5] * (b.max_context + 1)))
+        b.submit(Request([5] * (b.max_context + 1)))
 
 
 def test_sampling_is_seeded(tiny_model, tiny_tokenizer):
@@ -258,7 +292,7 @@ def test_transformers_calls_we_rely_on(tiny_model):
     this fails first."""
     from transformers import DynamicCache
 
-    from kvchat.engine.backend import build_past, past_kv, past_length, reserved_past, wrap_past
+    from kvchat.engine.past import build_past, past_kv, past_length, reserved_past, wrap_past
 
     ids = torch.tensor([prompt(92, 12)])
     with torch.inference_mode():
@@ -299,19 +333,30 @@ def test_transformers_calls_we_rely_on(tiny_model):
                            logits_to_keep=1)
         assert reserved.get_seq_length() == 12
         assert torch.equal(grown.logits, tail.logits)
-    # the H2O path: a registered attention function and mask, switched per model
+    # the H2O path: an attention function and mask registered once per model, which run the
+    # model's own kernel unless a forward asks for attention mass
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    from kvchat.engine.backend import H2O_ATTENTION
+    from kvchat.engine.attention import PREFIX, attention_mass, track_attention
 
-    assert H2O_ATTENTION in AttentionInterface._global_mapping
-    assert H2O_ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    tiny_model.set_attn_implementation(H2O_ATTENTION)
+    base = tiny_model.config._attn_implementation
+    track_attention(tiny_model)
+    name = f"{PREFIX}:{base}"
+    assert tiny_model.config._attn_implementation == name
+    assert name in AttentionInterface._global_mapping
+    assert name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
     with torch.inference_mode():
-        eager = tiny_model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    tiny_model.set_attn_implementation("sdpa")
+        plain = tiny_model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        with attention_mass(True) as rows:
+            eager = tiny_model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    tiny_model.set_attn_implementation(base)
+    assert torch.equal(plain.logits, out.logits), "without tracking, the model's own kernel"
     assert torch.allclose(eager.logits, out.logits, atol=1e-5)
+    assert rows is not None and len(rows) == tiny_model.config.num_hidden_layers
+    # each query's weights sum to 1: the mass over keys is the number of (head, query) pairs
+    heads = tiny_model.config.num_attention_heads
+    assert torch.allclose(rows[0].sum(), torch.tensor(float(heads * ids.shape[1])), atol=1e-3)
 
 
 def test_sliding_window_model_keeps_whole_prefixes(tiny_tokenizer):
@@ -332,14 +377,14 @@ def test_sliding_window_model_keeps_whole_prefixes(tiny_tokenizer):
         ref = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     expected = ref[0, len(ids):].tolist()
-    b = Backend.create(model, tok, CacheConfig(BLOCK, num_blocks=64))
+    b = Engine.create(model, tok, CacheConfig(BLOCK, num_blocks=64), batch_size=2)
     first = b.generate(Request(ids, SamplingParams(max_new_tokens=6)))
     assert first.token_ids == expected and first.stored_tokens == len(ids) + 5
     warm = b.generate(Request(ids + expected[:3], SamplingParams(max_new_tokens=3)))
     assert warm.cache_hit_tokens == len(ids) + 2
     assert warm.token_ids == expected[3:6]
-    sched = Scheduler(b, batch_size=2)
-    t = sched.submit(Request(ids, SamplingParams(max_new_tokens=6)))
-    sched.run()
-    assert t.result is not None and t.result.token_ids == expected
+    handles = [b.submit(Request(ids, SamplingParams(max_new_tokens=6))) for _ in range(2)]
+    while not b.idle:
+        b.step()
+    assert all(h.result is not None and h.result.token_ids == expected for h in handles)
     b.cache.check_integrity()

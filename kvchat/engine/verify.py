@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvchat.config import SamplingParams
-from kvchat.engine.backend import Backend, GenerationResult, Request
+from kvchat.engine.engine import Engine
+from kvchat.engine.sequence import GenerationResult, Request
 
 
 @dataclass(frozen=True)
@@ -42,20 +43,20 @@ def compare(cold: GenerationResult, warm: GenerationResult) -> tuple[bool, int |
     return first is None, first, max(diffs, default=0.0)
 
 
-def verify_prompt(backend: Backend, prompt_ids: Sequence[int], label: str, max_new_tokens: int) -> (
+def verify_prompt(engine: Engine, prompt_ids: Sequence[int], label: str, max_new_tokens: int) -> (
     list[VerifyRow]
 ):
-    if backend.cache is None:
-        raise ValueError("verify needs a backend with a cache")
+    if engine.cache is None:
+        raise ValueError("verify needs an engine with a cache")
     ids = list(prompt_ids)
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    cold = backend.without_cache().generate(Request(ids, greedy, record_logits=True))
+    cold = engine.without_cache().generate(Request(ids, greedy, record_logits=True))
     half = ids[: max(1, len(ids) // 2)]
     if len(half) < len(ids):
-        backend.generate(Request(half, SamplingParams(max_new_tokens=1)))
+        engine.generate(Request(half, SamplingParams(max_new_tokens=1)))
     rows = []
     for scenario in ("prefix hit", "exact repeat"):
-        warm = backend.generate(Request(ids, greedy, record_logits=True))
+        warm = engine.generate(Request(ids, greedy, record_logits=True))
         equal, first, diff = compare(cold, warm)
         rows.append(
             VerifyRow(

@@ -1,0 +1,103 @@
+"""Attention that can report where its weight went: what the H2O policy ranks blocks by.
+
+Fused kernels (SDPA, flash) never materialise the attention weights. `track_attention(model)`
+registers, once per model, an attention implementation that runs the model's own kernel unless
+the current forward asked for attention mass (`attention_mass()` below), and then runs an eager
+attention that also sums, per key position, the weight it received. So the choice is made per
+forward: a runner without H2O on the same model pays nothing, and nobody has to switch it back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+PREFIX = "kvchat_h2o"
+_sink = threading.local()  # .rows: list of (B, K) mass tensors while a forward tracks
+
+
+def _tracking() -> bool:
+    return getattr(_sink, "rows", None) is not None
+
+
+def _eager_with_mass(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Eager attention that adds, per key position, the mass it received (summed over heads
+    and queries) to the active sink."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)  # (B, H, K, D)
+    value = value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scale  # (B, H, Q, K)
+    if attention_mask is not None:
+        weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    rows: list[torch.Tensor] | None = getattr(_sink, "rows", None)
+    if rows is not None:
+        rows.append(weights.sum(dim=(1, 2)).float())  # (B, K)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, Q, H, D)
+    return out, None
+
+
+def _dispatch(base: Callable[..., Any] | None) -> Callable[..., Any]:
+    """The base kernel, or the eager one while a forward tracks attention mass. A model whose
+    base is plain eager (no registered kernel) always takes ours: it is eager too."""
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        if base is None or _tracking():
+            return _eager_with_mass(*args, **kwargs)
+        return base(*args, **kwargs)
+
+    return attention
+
+
+def _dispatch_mask(base: Callable[..., Any]) -> Callable[..., Any]:
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        return (eager_mask if _tracking() else base)(*args, **kwargs)
+
+    return mask
+
+
+def track_attention(model: Any) -> None:
+    """Let forwards of `model` report attention mass on request. Idempotent."""
+    current = str(model.config._attn_implementation or "eager")
+    if current.startswith(PREFIX):
+        return
+    name = f"{PREFIX}:{current}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        base = ALL_ATTENTION_FUNCTIONS[current] if current in ALL_ATTENTION_FUNCTIONS else None
+        AttentionInterface.register(name, _dispatch(base))
+        masks: dict[str, Any] = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+        base_mask = masks.get(current, eager_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _dispatch_mask(base_mask))
+    model.set_attn_implementation(name)
+
+
+@contextmanager
+def attention_mass(enabled: bool) -> Iterator[list[torch.Tensor] | None]:
+    """While active (and enabled), forwards of tracked models append (B, K) attention mass per
+    layer to the yielded list."""
+    if not enabled:
+        yield None
+        return
+    rows: list[torch.Tensor] = []
+    _sink.rows = rows
+    try:
+        yield rows
+    finally:
+        _sink.rows = None

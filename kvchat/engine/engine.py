@@ -1,0 +1,406 @@
+"""The Engine: every request, from every front end, goes through `step()`.
+
+    step():  plan = scheduler.schedule()      which waiting sequences join now
+             admit(plan)                       lookup -> prefill -> store prompt -> first token
+             decode()                          one batched forward -> sample -> finish the done
+
+A sequence's K/V is stored in one place (`_commit`) and its blocks are released in one place
+(`_finish`). Callers submit a `Request` and get a `RequestHandle`: iterate it to drive the engine
+from the calling thread (the REPL, batch, verify), or pass a listener and let another thread
+step (the server).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.config import CacheConfig
+from kvchat.engine.codec import ChatCodec
+from kvchat.engine.decode_batch import DecodeBatch
+from kvchat.engine.model_runner import ModelRunner
+from kvchat.engine.past import kv_shape, layer_devices, past_kv, past_length
+from kvchat.engine.scheduler_new import Scheduler
+from kvchat.engine.sequence import (
+    Event,
+    Finished,
+    GenerationResult,
+    Request,
+    Sequence,
+    Status,
+    TextDelta,
+)
+from kvchat.errors import KvchatError
+
+log = logging.getLogger("kvchat.engine")
+Listener = Callable[[Event], None]
+
+
+class PromptTooLongError(KvchatError):
+    pass
+
+
+class RequestCancelled(KvchatError):
+    """The request was cancelled (or the run stopped) before it started."""
+
+
+class RequestHandle:
+    """A submitted request. Events (text deltas, then one Finished) go to the listener if one
+    was given, else they queue here and iterating the handle yields the text while it drives
+    the engine from this thread."""
+
+    def __init__(self, engine: Engine, request: Request, listener: Listener | None) -> None:
+        self._engine = engine
+        self._listener = listener
+        self._events: deque[Event] = deque()
+        self.seq = Sequence(next(engine._ids), request, self._emit)
+
+    @property
+    def request_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def done(self) -> bool:
+        return self.seq.status is Status.FINISHED
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.seq.result
+
+    @property
+    def error(self) -> Exception | None:
+        return self.seq.error
+
+    def _emit(self, event: Event) -> None:
+        if self._listener is not None:
+            self._listener(event)
+        else:
+            self._events.append(event)
+
+    def cancel(self) -> None:
+        """Stop at the next step (from any thread); what was computed stays cached."""
+        self.seq.cancel()
+
+    def close(self) -> None:
+        """Stop now, from the thread that steps the engine (e.g. after a second Ctrl-C)."""
+        self._engine.interrupt(self.seq)
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            while self._events:
+                event = self._events.popleft()
+                if isinstance(event, TextDelta):
+                    yield event.text
+            if self.done:
+                return
+            self._engine.step()
+
+    def run(self) -> GenerationResult:
+        """Drive to the end; the result, or the error that kept the request from running."""
+        for _ in self:
+            pass
+        if self.result is None:
+            raise self.error or RequestCancelled("The request did not run.")
+        return self.result
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, codec: ChatCodec, cache: PagedKVCache | None,
+                 batch_size: int = 8) -> None:
+        self.runner = runner
+        self.codec = codec
+        self.cache = cache
+        peek = cache.peek if cache is not None else None
+        self.scheduler = Scheduler(batch_size, runner.prefill_chunk, peek,
+                                   cache.block_size if cache is not None else 0)
+        self.batch = DecodeBatch(runner)
+        self.steps = 0  # decode forwards run (one per step, whatever the batch size)
+        self._ids = itertools.count()
+        self._admitting: list[Sequence] = []  # looked up this step, not yet in the batch
+
+    @classmethod
+    def create(cls, model: Any, tokenizer: Any, cache_config: CacheConfig | None,
+               batch_size: int = 8, prefill_chunk: int = 512) -> Engine:
+        """An engine with a fresh pool sized by cache_config (None: no cache at all)."""
+        if prefill_chunk < 1:
+            raise KvchatError(f"--prefill-chunk must be at least 1, got {prefill_chunk}.")
+        cache = None
+        if cache_config is not None:
+            n_layers, kv_heads, head_dim = kv_shape(model.config)
+            dtype = next(model.parameters()).dtype
+            cache = PagedKVCache.create(cache_config, n_layers, kv_heads, head_dim, dtype,
+                                        layer_devices(model, n_layers))
+        track = cache is not None and cache.policy.name == "h2o"
+        runner = ModelRunner(model, prefill_chunk, track_mass=track)
+        return cls(runner, ChatCodec(tokenizer, model), cache, batch_size)
+
+    def without_cache(self) -> Engine:
+        """Same model, no cache: the cold reference for verify and benchmarks."""
+        runner = ModelRunner(self.runner.model, self.runner.prefill_chunk)
+        return Engine(runner, self.codec, None, self.batch_size)
+
+    # ---- facts ----
+
+    @property
+    def batch_size(self) -> int:
+        return self.scheduler.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if value < 1:
+            raise KvchatError(f"The batch size must be at least 1, got {value}.")
+        self.scheduler.batch_size = value
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.live) + len(self._admitting)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.waiting and not self.running
+
+    # ---- requests ----
+
+    def check_request(self, request: Request) -> None:
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise KvchatError("The prompt is empty.")
+        if n >= self.max_context:
+            raise PromptTooLongError(
+                f"The prompt has {n} tokens; the model's context is {self.max_context} tokens."
+            )
+
+    def submit(self, request: Request, listener: Listener | None = None) -> RequestHandle:
+        """Queue a request (raises KvchatError at once if it cannot run)."""
+        self.check_request(request)
+        handle = RequestHandle(self, request, listener)
+        self.scheduler.add(handle.seq)
+        return handle
+
+    def generate(self, request: Request) -> GenerationResult:
+        return self.submit(request).run()
+
+    def interrupt(self, seq: Sequence) -> None:
+        """Finish one sequence now: waiting ones never start, running ones keep their K/V."""
+        if self.scheduler.remove(seq):
+            self._fail(seq, RequestCancelled("The request was cancelled before it started."))
+        elif seq.status is Status.RUNNING:
+            seq.stop("interrupted")
+            self._finish(seq)
+
+    def abort(self) -> None:
+        """Stop everything: running sequences finish as interrupted (their K/V cached), waiting
+        ones finish with RequestCancelled."""
+        for seq in list(self.scheduler.waiting):
+            self.interrupt(seq)
+        self._stop_running("interrupted")
+
+    # ---- the step ----
+
+    def step(self) -> None:
+        """Admit what fits, then one decode step for every running sequence. A failure fails
+        the sequences it touched and nothing else; an interrupt (Ctrl-C) finishes the running
+        sequences as interrupted, with their K/V cached, and propagates."""
+        try:
+            plan = self.scheduler.schedule(self.running)
+            for seq in plan.cancelled:
+                self._fail(seq, RequestCancelled("The request was cancelled before it started."))
+            if plan.admit:
+                self._admit(plan.admit)
+            if self.batch.live:
+                self._decode()
+        except Exception as exc:
+            log.exception("An engine step failed; failing the sequences it was running.")
+            self._stop_running("error", exc)
+        except BaseException:
+            self._stop_running("interrupted")
+            raise
+
+    def _admit(self, wave: list[Sequence]) -> None:
+        cache = self.cache
+        for seq in wave:
+            seq.status, seq.t0 = Status.RUNNING, time.perf_counter()
+            self._admitting.append(seq)
+            if cache is not None:
+                seq.lookup = cache.lookup(seq.prompt_ids, seq.request.sid)
+                seq.stored = seq.kv_len = seq.lookup.matched
+            if self.runner.track_mass:
+                seq.mass = torch.zeros(0, device=self.device)
+        plan = self.scheduler.prefill_plan(wave, self.runner.track_mass)
+        with torch.inference_mode():
+            for seq in plan.alone:
+                with self._contained([seq]):
+                    self._prefill_alone(seq)
+            if plan.together:
+                with self._contained(plan.together):
+                    self._prefill_together(plan.together)
+
+    @contextmanager
+    def _contained(self, seqs: list[Sequence]) -> Iterator[None]:
+        """A failure in this unit of admission work fails its own sequences and no others."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("Admitting request(s) %s failed.", [s.seq_id for s in seqs])
+            for seq in seqs:
+                seq.stop("error")
+                self._finish(seq, exc)
+
+    def _gather(self, seq: Sequence) -> list[Any] | None:
+        if self.cache is None or seq.lookup is None or not seq.matched:
+            return None
+        return self.cache.gather(seq.lookup.blocks, seq.matched)
+
+    def _prefill_alone(self, seq: Sequence) -> None:
+        if seq.exact:  # a repeat: the first token comes from stored logits, K/V only if needed
+            assert seq.lookup is not None
+            seq.prompt_logits, seq.t_prefill = seq.lookup.logits, time.perf_counter()
+            self._first_token(seq)
+            return
+        past = self.runner.past(self._gather(seq))
+        try:
+            seq.prompt_logits = self.runner.prefill(
+                seq.prompt_ids, seq.matched, past, seq.check_cancel, seq.add_mass)
+        finally:  # whole chunks stay usable even if a chunk was interrupted
+            seq.kv_len = past_length(past)
+            seq.kv = past_kv(past, 0, seq.kv_len)
+        if seq.prompt_logits is None:
+            self._finish(seq)
+            return
+        seq.t_prefill = time.perf_counter()
+        self._first_token(seq)
+
+    def _prefill_together(self, group: list[Sequence]) -> None:
+        tails = [s.prompt_ids[s.matched :] for s in group]
+        pasts = [self._gather(s) for s in group]
+        done = self.runner.prefill_packed(tails, pasts, [s.matched for s in group])
+        for seq, pre in zip(group, done, strict=True):
+            seq.prompt_logits, seq.kv, seq.kv_len = pre.logits, pre.kv, pre.kv_len
+            seq.t_prefill = time.perf_counter()
+        for seq in group:
+            self._first_token(seq)
+
+    def _first_token(self, seq: Sequence) -> None:
+        """Store the prompt right away (so the next wave hits it), then sample from it."""
+        self._commit(seq)
+        assert seq.prompt_logits is not None
+        if not self._push(seq, seq.prompt_logits):
+            return
+        if seq.done or seq.check_cancel():
+            self._finish(seq)
+            return
+        if seq.kv is None:  # a deferred exact hit needs its K/V from the second token on
+            seq.kv = self._gather(seq)
+            seq.kv_len = seq.matched
+        self._admitting.remove(seq)
+        self.batch.join(seq)
+
+    def _decode(self) -> None:
+        with torch.inference_mode():
+            rows, logits, mass = self.batch.step()
+        self.steps += 1
+        for i, seq in enumerate(rows):
+            if seq.status is not Status.RUNNING:
+                continue
+            if mass is not None:
+                seq.add_mass(mass[i][self.batch.real_columns(i)])
+            if self._push(seq, logits[i]) and (seq.done or seq.check_cancel()):
+                self._finish(seq)
+
+    def _push(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """Sample one token and emit its text; a failure here fails only this sequence."""
+        try:
+            delta = seq.push(logits, self.codec.decode, self.codec.eos_ids, self.max_context)
+            if delta:
+                seq.emit(TextDelta(delta))
+        except Exception as exc:
+            seq.stop("error")
+            self._finish(seq, exc)
+            return False
+        return True
+
+    # ---- the end of a sequence ----
+
+    def _commit(self, seq: Sequence, final: bool = False) -> None:
+        """Cache every position of `seq` whose K/V exists and is not cached yet: the one place
+        a sequence's tokens are stored (after its prefill, and when it finishes)."""
+        cache = self.cache
+        if cache is None or seq.lookup is None or seq.kv_len <= seq.stored:
+            return
+        n = len(seq.prompt_ids)
+        logits = seq.prompt_logits
+        res = cache.store(
+            seq.tokens()[: seq.kv_len],
+            self.batch.kv_of(seq, seq.matched, seq.kv_len),
+            seq.matched,
+            logits=None if logits is None or seq.kv_len < n else logits.detach().clone(),
+            logits_len=n,
+            sid=seq.request.sid,
+        )
+        seq.stored = max(seq.stored, res.stored)
+        if final and seq.mass is not None and seq.mass.numel():
+            _record_mass(cache, res.blocks, seq.mass)
+
+    def _finish(self, seq: Sequence, error: Exception | None = None) -> None:
+        """Store what the sequence computed, release its blocks, report its result. Runs once;
+        the result is set even if an interrupt lands in the store (which then keeps nothing)."""
+        if seq.status is Status.FINISHED:
+            return
+        was_waiting = seq.status is Status.WAITING
+        seq.status = Status.FINISHED  # first: an interrupt below must not finish it twice
+        try:
+            if not was_waiting:
+                self._commit(seq, final=True)
+        finally:
+            if self.cache is not None and seq.lookup is not None:
+                self.cache.release(seq.lookup.blocks)
+            if seq in self._admitting:
+                self._admitting.remove(seq)
+            self.batch.leave(seq)
+            seq.kv = None
+            seq.error = error
+            seq.result = None if was_waiting else seq.result_of(self.codec.decode, seq.stored)
+            seq.emit(Finished(seq.result, error))
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        self._finish(seq, error)
+
+    def _stop_running(self, reason: str, error: Exception | None = None) -> None:
+        errors: list[BaseException] = []
+        for seq in self._admitting + self.batch.live:
+            seq.stop(reason)
+            try:
+                self._finish(seq, error)
+            except BaseException as exc:  # finish the others first, then report
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+def _record_mass(cache: PagedKVCache, blocks: Any, mass: torch.Tensor) -> None:
+    """Sum per-position attention mass per block, for H2O."""
+    bs = cache.block_size
+    n = min(mass.numel(), len(blocks) * bs)
+    padded = torch.zeros(len(blocks) * bs, device=mass.device)
+    padded[:n] = mass[:n]
+    cache.record_attention(blocks, padded.view(len(blocks), bs).sum(-1).tolist())

@@ -1,0 +1,134 @@
+"""ModelRunner: every forward pass kvchat makes, and the K/V each one leaves behind.
+
+It prefills a prompt's uncached tail (in chunks, after the gathered past), prefills several short
+tails in one left-padded forward, and runs a decode step over a batch it is given. It holds no
+request state beyond what a call is handed; the engine decides what runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from transformers import DynamicCache
+
+from kvchat.cache.blocks import KV
+from kvchat.engine.attention import attention_mass, track_attention
+from kvchat.engine.past import (
+    empty_past,
+    pack_right_aligned,
+    past_kv,
+    reserved_past,
+    wrap_past,
+)
+
+
+class Prefilled(NamedTuple):
+    logits: torch.Tensor  # (vocab,) at the prompt's last position
+    kv: list[KV]  # per layer (1, H, L, D) for positions [0, L)
+    kv_len: int
+
+
+class ModelRunner:
+    def __init__(self, model: Any, prefill_chunk: int = 512, track_mass: bool = False) -> None:
+        self.model = model
+        self.config = model.config
+        self.prefill_chunk = prefill_chunk
+        self.device = next(model.parameters()).device
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.track_mass = track_mass  # H2O: report attention mass per key position
+        if track_mass:
+            track_attention(model)
+        self.forward_calls = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        past: DynamicCache,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        columns: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run (B, q) ids after a (B, ...) past, which grows in place. Padded rows need the 2D
+        attention_mask over past + q and explicit position_ids. Returns the last column's logits
+        (B, vocab) - or, given `columns`, those columns' (B, len(columns), vocab) - and, when
+        tracking, attention mass per key column (B, K) summed over layers."""
+        keep: int | torch.Tensor = 1
+        if columns is not None:
+            keep = torch.tensor(list(columns), dtype=torch.long, device=input_ids.device)
+        with attention_mass(self.track_mass) as rows:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+        self.forward_calls += 1
+        mass = torch.stack([r.to(self.device) for r in rows]).sum(0) if rows else None
+        return (out.logits if columns is not None else out.logits[:, -1]), mass
+
+    def past(self, kv: Sequence[KV] | None = None) -> DynamicCache:
+        """A cache object over gathered (1, H, T, D) K/V, wrapped without a copy, or empty."""
+        return wrap_past(kv, self.config) if kv else empty_past(self.config)
+
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        past: DynamicCache,
+        cancelled: Callable[[], bool],
+        on_mass: Callable[[torch.Tensor | None], None],
+    ) -> torch.Tensor | None:
+        """Run positions [start, len(tokens)) after `past` (positions [0, start)) in chunks;
+        `past` grows in place, so a caller interrupted midway still has every whole chunk.
+        Returns the last position's logits (vocab,), or None if `cancelled()` stopped it."""
+        logits = None
+        for lo in range(start, len(tokens), self.prefill_chunk):
+            if cancelled():
+                return None
+            ids = torch.tensor([list(tokens[lo : lo + self.prefill_chunk])],
+                               dtype=torch.long, device=self.device)
+            out, mass = self.forward(ids, past)
+            on_mass(None if mass is None else mass[0])
+            logits = out[0]
+        return logits
+
+    def prefill_packed(
+        self, tails: Sequence[Sequence[int]], pasts: Sequence[Sequence[KV] | None],
+        matched: Sequence[int],
+    ) -> list[Prefilled]:
+        """One forward for the uncached tails of several prompts: pasts right-aligned in a
+        left-padded block, tails left-aligned after it (pad queries then still see real keys,
+        so no attention row is fully masked)."""
+        n_rows = len(tails)
+        p_len, t_len = max(matched), max(len(t) for t in tails)
+        ref = next((p for p in pasts if p is not None), None)
+        past = empty_past(self.config)
+        if ref is not None:  # room for the tails too: the forward writes them in place
+            kv = pack_right_aligned(pasts, matched, p_len, p_len + t_len, like=ref)
+            past = reserved_past(kv, p_len, self.config)
+        dev = self.device
+        mask = torch.zeros(n_rows, p_len + t_len, dtype=torch.long, device=dev)
+        ids = torch.zeros(n_rows, t_len, dtype=torch.long, device=dev)
+        pos = torch.zeros(n_rows, t_len, dtype=torch.long, device=dev)
+        for i, tail in enumerate(tails):
+            mask[i, p_len - matched[i] : p_len + len(tail)] = 1
+            ids[i, : len(tail)] = torch.tensor(list(tail), device=dev)
+            pos[i] = torch.arange(matched[i], matched[i] + t_len, device=dev)
+        last_cols = sorted({len(t) - 1 for t in tails})
+        logits, _ = self.forward(ids, past, mask, pos, columns=last_cols)
+        full = past_kv(past, 0, p_len + t_len)
+        out = []
+        for i, tail in enumerate(tails):
+            # a row's real positions are one run: its past right-aligned, its tail after it
+            lo, hi = p_len - matched[i], p_len + len(tail)
+            row = [(k[i : i + 1, :, lo:hi], v[i : i + 1, :, lo:hi]) for k, v in full]
+            out.append(Prefilled(logits[i, last_cols.index(len(tail) - 1)], row, hi - lo))
+        return out

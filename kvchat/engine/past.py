@@ -1,0 +1,138 @@
+"""The transformers cache objects kvchat hands to a forward, and the K/V it reads back.
+
+Gathered K/V from the pool is wrapped, not copied; decode buffers are reserved ahead so each step
+writes its column in place; left-padded batches are packed by one function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvchat.cache.blocks import KV
+
+
+def _full_cache(config: Any) -> DynamicCache:
+    """An empty DynamicCache whose layers all keep every position. Sliding-window layers would
+    drop positions outside the window, and kvchat stores and reuses whole prefixes; the window
+    itself is still applied by the attention mask the model builds from its config."""
+    past = DynamicCache(config=config)
+    past.layers = [DynamicLayer() for _ in past.layers]
+    return past
+
+
+def empty_past(config: Any) -> DynamicCache:
+    return _full_cache(config)
+
+
+def build_past(kv: Sequence[KV], config: Any) -> DynamicCache:
+    """A DynamicCache holding copies of the given per-layer (1, H, T, D) K/V."""
+    past = _full_cache(config)
+    layers: list[Any] = list(past.layers)
+    for layer, (k, v) in zip(layers, kv, strict=True):
+        layer.update(k, v)
+    return past
+
+
+def wrap_past(kv: Sequence[KV], config: Any) -> DynamicCache:
+    """A DynamicCache over the given per-layer (B, H, T, D) tensors, without copying them."""
+    past = _full_cache(config)
+    layers: list[Any] = list(past.layers)
+    if len(layers) != len(kv):
+        raise ValueError(f"model has {len(layers)} cache layers, got K/V for {len(kv)}")
+    for layer, (k, v) in zip(layers, kv, strict=True):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return past
+
+
+class _ReservedLayer(DynamicLayer):
+    """A cache layer whose K/V are the front of a larger buffer: each decode step writes the
+    new column in place instead of concatenating, which copies the whole batch's K/V for that
+    layer (a third of a padded 32-row decode step on CPU)."""
+
+    def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.lazy_initialization(k_buf, v_buf)
+        self._k, self._v = k_buf, v_buf
+        self._len = length
+        self.keys, self.values = k_buf[:, :, :length], v_buf[:, :, :length]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self._len
+        end = start + key_states.shape[-2]
+        if end > self._k.shape[-2]:  # out of room: double, amortised like a list
+            grow = max(end, 2 * self._k.shape[-2]) - self._k.shape[-2]
+            pad = self._k.new_zeros(*self._k.shape[:2], grow, self._k.shape[-1])
+            self._k = torch.cat([self._k, pad], dim=-2)
+            self._v = torch.cat([self._v, pad], dim=-2)
+        self._k[:, :, start:end] = key_states
+        self._v[:, :, start:end] = value_states
+        self._len = end
+        keys, values = self._k[:, :, :end], self._v[:, :, :end]
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+def reserved_past(buffers: Sequence[KV], length: int, config: Any) -> DynamicCache:
+    """A DynamicCache over the first `length` positions of per-layer (B, H, capacity, D)
+    buffers; later positions are written in place as the batch runs."""
+    past = DynamicCache(config=config)
+    if len(past.layers) != len(buffers):
+        raise ValueError(f"model has {len(past.layers)} cache layers, got {len(buffers)}")
+    past.layers = [_ReservedLayer(k, v, length) for k, v in buffers]
+    return past
+
+
+def past_length(past: DynamicCache) -> int:
+    """Positions present in every layer (an interrupted forward can leave layers uneven)."""
+    layers: list[Any] = list(past.layers)
+    lengths = [layer.get_seq_length() for layer in layers]
+    return min(lengths) if lengths else 0
+
+
+def past_kv(past: DynamicCache, start: int, end: int) -> list[KV]:
+    layers: list[Any] = list(past.layers)
+    return [(layer.keys[:, :, start:end], layer.values[:, :, start:end]) for layer in layers]
+
+
+def pack_right_aligned(rows: Sequence[Sequence[KV] | None], lengths: Sequence[int], width: int,
+                       capacity: int, like: Sequence[KV]) -> list[KV]:
+    """Per-layer (B, H, capacity, D) buffers holding row i's first lengths[i] positions in
+    columns [width - lengths[i], width): left padding, so every row's next position is column
+    `width`. Rows given as None (or of length 0) stay all padding."""
+    out: list[KV] = []
+    for layer, (k0, _) in enumerate(like):
+        shape = (len(rows), k0.shape[1], capacity, k0.shape[3])
+        keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            if row is not None and n:
+                keys[i, :, width - n : width] = row[layer][0][0, :, :n]
+                values[i, :, width - n : width] = row[layer][1][0, :, :n]
+        out.append((keys, values))
+    return out
+
+
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a decoder config."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def layer_devices(model: Any, n_layers: int) -> list[torch.device]:
+    """The device of each decoder layer, so the pool for layer i lives where layer i runs."""
+    fallback = next(model.parameters()).device
+    decoder: Any = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers: Any = getattr(decoder, "layers", None)
+    if layers is None or len(layers) != n_layers:
+        return [fallback] * n_layers
+    return [next(layer.parameters()).device for layer in layers]

@@ -1,0 +1,215 @@
+"""One request inside the engine: what it asked for, where it is, what it has produced.
+
+A `Sequence` owns its status (one enum: the only place "finished" lives), its cancel flag, its
+token ids, the cache blocks its lookup acquired, and its timings. The engine moves it through
+WAITING -> RUNNING -> FINISHED; `push()` samples a token and turns it into text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from kvchat.cache.kvcache import Lookup
+from kvchat.config import SamplingParams
+from kvchat.engine.sampling import make_generator, sample
+
+
+class Status(StrEnum):
+    WAITING = "waiting"  # submitted, not admitted yet
+    RUNNING = "running"  # looked up; prefilling or decoding
+    FINISHED = "finished"  # result (or error) set, blocks released
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    sid: str | None = None  # session name, for per-session cache counters
+    record_logits: bool = False  # keep every step's logits row (kvchat verify)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens (EOS included when the model emitted it)
+    prompt_tokens: int
+    cache_hit_tokens: int
+    hit_source: str  # exact | radix | miss | off
+    computed_tokens: int  # prompt tokens this request ran through the model
+    prefill_ms: float
+    ttft_ms: float
+    decode_tokens_per_s: float
+    total_ms: float
+    finish_reason: str  # stop | length | interrupted | error
+    stored_tokens: int  # tokens of prompt + reply now cached
+    step_logits: list[torch.Tensor] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a request: its result, or the error that kept it from running."""
+
+    result: GenerationResult | None
+    error: Exception | None = None
+
+
+Event = TextDelta | Finished
+Decode = Callable[[list[int]], str]
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: Request, emit: Callable[[Event], None]) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.params = request.params
+        self.emit = emit
+        self.status = Status.WAITING
+        self.cancel_event = threading.Event()
+        self.generated: list[int] = []
+        self.text = ""
+        self.finish_reason = "length"
+        self.result: GenerationResult | None = None
+        self.error: Exception | None = None
+        self.lookup: Lookup | None = None  # its blocks stay acquired until the sequence ends
+        self.prompt_logits: torch.Tensor | None = None
+        self.mass: torch.Tensor | None = None  # attention mass per position (H2O only)
+        self.step_logits: list[torch.Tensor] | None = [] if request.record_logits else None
+        self.kv: list[Any] | None = None  # its own (1, H, L, D) K/V until it joins the batch
+        self.kv_len = 0  # positions whose K/V exist
+        self.stored = 0  # leading positions known to be cached
+        self.t_submit = time.perf_counter()
+        self.t0 = 0.0  # admission: time to first token counts the lookup and gather too
+        self.t_prefill = 0.0
+        self.t_first = 0.0
+        self._gen: torch.Generator | None = None
+        self._cut_at_stop = False
+        self._stopped = False  # a stop, a limit or a cancel: finishes at the end of this step
+
+    # ---- facts ----
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def matched(self) -> int:
+        return self.lookup.matched if self.lookup is not None else 0
+
+    @property
+    def exact(self) -> bool:
+        return self.lookup is not None and self.lookup.logits is not None
+
+    @property
+    def length(self) -> int:
+        """Tokens fed to the model so far, once the last sampled token is fed too."""
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def done(self) -> bool:
+        """No more tokens: finished, or about to be (a stop, a limit, a cancel)."""
+        return self.status is Status.FINISHED or self._stopped
+
+    def tokens(self) -> list[int]:
+        return list(self.prompt_ids) + self.generated
+
+    # ---- control ----
+
+    def cancel(self) -> None:
+        """Stop at the next step (any thread); what it computed is still cached."""
+        self.cancel_event.set()
+
+    def stop(self, reason: str) -> None:
+        self.finish_reason, self._stopped = reason, True
+
+    def check_cancel(self) -> bool:
+        if not self._stopped and self.cancel_event.is_set():
+            self.stop("interrupted")
+        return self._stopped
+
+    # ---- tokens ----
+
+    def add_mass(self, step: torch.Tensor | None) -> None:
+        """Accumulate per-position attention mass; positions are appended as it grows."""
+        if self.mass is None or step is None:
+            return
+        if step.numel() > self.mass.numel():
+            grow = self.mass.new_zeros(step.numel() - self.mass.numel())
+            self.mass = torch.cat([self.mass, grow])
+        self.mass[: step.numel()] += step
+
+    def push(self, logits: torch.Tensor, decode: Decode, eos_ids: frozenset[int],
+             max_context: int) -> str:
+        """Sample the next token from a (vocab,) row; returns the new text (may be empty) and
+        stops the sequence at EOS, a stop string or a limit."""
+        params = self.params
+        if self.step_logits is not None:
+            self.step_logits.append(logits.float().cpu())
+        if self._gen is None and not params.greedy:
+            self._gen = make_generator(params, logits.device)
+        tok = sample(logits, params, self._gen)
+        self.generated.append(tok)
+        if len(self.generated) == 1:
+            self.t_first = time.perf_counter()
+        new_text = decode(self.generated)  # special tokens (EOS) decode to nothing
+        hits = [new_text.index(s) for s in params.stop if s in new_text]
+        if hits:
+            cut = min(hits)
+            delta, self.text = new_text[len(self.text) : cut], new_text[:cut]
+            self._cut_at_stop = True
+            self.stop("stop")
+            return delta
+        if tok in eos_ids and not params.ignore_eos:
+            self.stop("stop")
+        elif len(self.generated) >= params.max_new_tokens or self.length >= max_context:
+            self.stop("length")
+        # hold back half a UTF-8 character until the next token completes it (or we stop)
+        if self._stopped or not new_text.endswith("\ufffd"):
+            delta, self.text = new_text[len(self.text) :], new_text
+            return delta
+        return ""
+
+    # ---- the end ----
+
+    def result_of(self, decode: Decode, stored: int) -> GenerationResult:
+        n = len(self.prompt_ids)
+        if not self._cut_at_stop:
+            self.text = decode(self.generated)
+        t_end = time.perf_counter()
+        t0 = self.t0 or self.t_submit
+        decode_s = t_end - self.t_first if self.t_first else 0.0
+        source = self.lookup.source.value if self.lookup is not None else "off"
+        return GenerationResult(
+            text=self.text,
+            token_ids=list(self.generated),
+            prompt_tokens=n,
+            cache_hit_tokens=self.matched,
+            hit_source=source,
+            computed_tokens=n - self.matched,
+            prefill_ms=(self.t_prefill - t0) * 1000 if self.t_prefill else 0.0,
+            ttft_ms=(self.t_first - t0) * 1000 if self.t_first else 0.0,
+            decode_tokens_per_s=(len(self.generated) - 1) / decode_s if decode_s > 0 else 0.0,
+            total_ms=(t_end - t0) * 1000,
+            finish_reason=self.finish_reason,
+            stored_tokens=stored,
+            step_logits=self.step_logits,
+        )
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.value}, prompt={len(self.prompt_ids)}, "
+                f"generated={len(self.generated)})")
