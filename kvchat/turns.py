@@ -1,17 +1,50 @@
-"""Chat turns over a session's own token history.
+"""A turn, the same for every front end: what was asked -> prompt ids and sampling parameters;
+then the result commits to the session's history, or the turn is aborted and changes nothing.
 
-Turn N+1's prompt is the exact tokens the model saw in turn N (prompt + reply) plus the chat
-template's text for the new user message, so the whole history is a cache hit. Re-tokenising
-the transcript instead could split differently and silently break reuse.
+Turn N+1's prompt in a session is the exact tokens the model saw in turn N (prompt + reply) plus
+the chat template's text for the new user message, so the whole history is a cache hit.
+Re-tokenising the transcript instead could split differently and silently break reuse.
 """
 
 from __future__ import annotations
 
-from kvchat.engine.backend import Backend, GenerationResult
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from kvchat.config import SamplingParams
+from kvchat.engine.codec import ChatCodec
+from kvchat.engine.sequence import GenerationResult, Request
+from kvchat.errors import KvchatError
 from kvchat.sessions import Session, Turn
 
+Message = dict[str, str]
 
-def conversation(session: Session, user_text: str | None = None) -> list[dict[str, str]]:
+
+class TurnError(KvchatError):
+    """A request whose messages cannot make a turn (e.g. a session turn not ending with the
+    user's message)."""
+
+
+def merge_params(
+    defaults: SamplingParams,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+) -> SamplingParams:
+    """The defaults with what a request set (None: not set). Validated on creation."""
+    given: dict[str, object] = {
+        "max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+        "top_k": top_k, "seed": seed,
+    }
+    if stop is not None:
+        given["stop"] = (stop,) if isinstance(stop, str) else tuple(s for s in stop if s)
+    return replace(defaults, **{k: v for k, v in given.items() if v is not None})
+
+
+def conversation(session: Session, user_text: str | None = None) -> list[Message]:
     messages = [{"role": "system", "content": session.system}] if session.system else []
     messages += session.messages
     if user_text is not None:
@@ -19,18 +52,80 @@ def conversation(session: Session, user_text: str | None = None) -> list[dict[st
     return messages
 
 
-def next_prompt(backend: Backend, session: Session, user_text: str) -> list[int]:
+def next_prompt(codec: ChatCodec, session: Session, user_text: str) -> list[int]:
     """Token ids for the next turn: the session's history extended by the new user message."""
     messages = conversation(session, user_text)
     if not session.tokens:
-        return backend.encode_chat(messages)
-    full = backend.render_chat(messages, add_generation_prompt=True)
-    seen = backend.decode(session.tokens, skip_special_tokens=False)
+        return codec.encode_chat(messages)
+    full = codec.render_chat(messages, add_generation_prompt=True)
+    seen = codec.decode(session.tokens, skip_special_tokens=False)
     if full.startswith(seen):
-        return session.tokens + backend.encode(full[len(seen) :])
+        return session.tokens + codec.encode(full[len(seen) :])
     # the template rewrote earlier turns (e.g. trimmed a reply): start from the transcript; the
     # cache still serves whatever prefix is unchanged
-    return backend.encode_chat(messages)
+    return codec.encode_chat(messages)
+
+
+@dataclass
+class PreparedTurn:
+    prompt_ids: list[int]
+    params: SamplingParams
+    session: Session | None = None
+    user_text: str | None = None
+    _saved: tuple[str | None, list[Message], list[int]] | None = field(default=None, repr=False)
+
+    def request(self) -> Request:
+        sid = self.session.name if self.session is not None else None
+        return Request(self.prompt_ids, self.params, sid=sid)
+
+    def commit(self, result: GenerationResult) -> Turn | None:
+        """Record the turn in its session (an interrupted reply too: its K/V is cached, so the
+        next turn extends exactly what the model saw)."""
+        if self.session is None or self.user_text is None:
+            return None
+        return record_turn(self.session, self.user_text, self.prompt_ids, result)
+
+    def abort(self) -> None:
+        """The turn never ran: the session is as it was before `prepare_turn`."""
+        if self.session is not None and self._saved is not None:
+            system, messages, tokens = self._saved
+            self.session.system = system
+            self.session.messages[:] = messages
+            self.session.tokens[:] = tokens
+
+
+def prepare_turn(
+    codec: ChatCodec,
+    messages: Sequence[Message],
+    params: SamplingParams,
+    session: Session | None = None,
+    system: str | None = None,
+) -> PreparedTurn:
+    """Template and tokenise a turn. Without a session, `messages` is the whole conversation
+    (`system` is put first unless it has a system message). In a session, the last message is
+    the new user message; earlier ones (and `system`) may only start a new session."""
+    if session is None:
+        msgs = [dict(m) for m in messages]
+        if system is not None and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": system})
+        return PreparedTurn(codec.encode_chat(msgs), params)
+    if not messages or messages[-1]["role"] != "user":
+        raise TurnError("the last message of a session turn must be the user's")
+    *earlier, last = messages
+    saved = (session.system, list(session.messages), list(session.tokens))
+    if earlier:
+        if session.messages or session.tokens:
+            raise TurnError("a later turn of a session gives only its new user message")
+        session.system = next((m["content"] for m in earlier if m["role"] == "system"), None)
+        session.messages = [dict(m) for m in earlier if m["role"] != "system"]
+    if system is not None:
+        session.system = system
+    if not session.tokens and session.messages:
+        # history given as text: template it once, later turns extend its tokens
+        text = codec.render_chat(conversation(session), add_generation_prompt=False)
+        session.tokens = codec.encode(text)
+    prompt = next_prompt(codec, session, last["content"])
+    return PreparedTurn(prompt, params, session, last["content"], saved)
 
 
 def record_turn(

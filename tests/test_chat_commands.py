@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.backend import Backend
+from kvchat.engine.engine import Engine
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.sessions import Session, read_snapshot_meta
 from kvchat.ui.repl import (
@@ -47,10 +47,9 @@ class Script:
 
 
 def make_runtime(model, tokenizer, root: Path) -> Runtime:
-    model.set_attn_implementation("sdpa")
     cfg = CacheConfig(4, num_blocks=400)
     options = RuntimeOptions(cache=cfg, sessions_dir=root)
-    rt = Runtime(Backend.create(model, tokenizer, cfg), options, "tiny")
+    rt = Runtime(Engine.create(model, tokenizer, cfg), options, "tiny")
     rt.restore()
     return rt
 
@@ -191,17 +190,17 @@ def test_first_ctrl_c_stops_the_reply_and_the_loop_goes_on(
     tiny_model, tiny_tokenizer, tmp_path, monkeypatch
 ):
     rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
-    backend = rt.backend
-    forward = backend.forward
+    runner = rt.engine.runner
+    forward = runner.forward
     calls = {"n": 0}
 
-    def press_ctrl_c_on_third_decode(ids, past):
+    def press_ctrl_c_on_third_decode(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 4:  # one prefill, then decode steps
             signal.raise_signal(signal.SIGINT)
-        return forward(ids, past)
+        return forward(*args, **kwargs)
 
-    monkeypatch.setattr(backend, "forward", press_ctrl_c_on_third_decode)
+    monkeypatch.setattr(runner, "forward", press_ctrl_c_on_third_decode)
     before = signal.getsignal(signal.SIGINT)
     out, chat = run_chat(rt, "tell me a long story", "and then?", max_tokens=200)
     assert signal.getsignal(signal.SIGINT) is before  # the REPL's handler was removed
@@ -217,17 +216,17 @@ def test_keyboard_interrupt_inside_a_forward_keeps_cache_and_loop(
 ):
     """A second Ctrl-C raises KeyboardInterrupt wherever the reply is; nothing leaks."""
     rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
-    backend = rt.backend
-    forward = backend.forward
+    runner = rt.engine.runner
+    forward = runner.forward
     calls = {"n": 0}
 
-    def interrupted_forward(ids, past):
+    def interrupted_forward(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return forward(ids, past)
+        return forward(*args, **kwargs)
 
-    monkeypatch.setattr(backend, "forward", interrupted_forward)
+    monkeypatch.setattr(runner, "forward", interrupted_forward)
     out, chat = run_chat(rt, "story please", "more", max_tokens=50)
     first, second = chat.session.turns
     assert first.finish_reason == "interrupted"

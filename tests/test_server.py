@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from kvchat.cli import app as cli_app
 from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.backend import Request
+from kvchat.engine.sequence import Request
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.server import bind_warning, create_app, serving
 from kvchat.sessions import SessionsLocked, read_snapshot_meta, sessions_lock
@@ -46,9 +46,9 @@ class Served:
         return self.app.state.engine.call(fn).result(timeout=60)
 
     def wait_idle(self, timeout: float = 60.0) -> None:
-        sched = self.app.state.engine.scheduler
+        engine = self.app.state.engine.engine
         deadline = time.monotonic() + timeout
-        while not self.on_engine(lambda: sched.idle):
+        while not self.on_engine(lambda: engine.idle):
             assert time.monotonic() < deadline, "the engine never went idle"
             time.sleep(0.02)
 
@@ -59,12 +59,12 @@ class Served:
 
     def cold(self, messages: list[dict[str, str]], max_new: int = MAX_NEW) -> list[int]:
         """Greedy tokens of the same model without any cache: the reference output."""
-        b = self.runtime.backend
-        request = Request(b.encode_chat(messages), SamplingParams(max_new_tokens=max_new))
+        b = self.runtime.engine
+        request = Request(b.codec.encode_chat(messages), SamplingParams(max_new_tokens=max_new))
         return self.on_engine(lambda: b.without_cache().generate(request).token_ids)
 
     def decode(self, ids: list[int]) -> str:
-        return self.runtime.backend.decode(ids)
+        return self.runtime.engine.codec.decode(ids)
 
 
 def open_runtime(model_dir: Path, sessions: Path) -> Runtime:
@@ -123,7 +123,7 @@ def test_generate_returns_the_cold_output_and_the_cache_hit(served: Served) -> N
     cold = served.cold(user("What is 2 plus 2?"))
     assert a["text"] == b["text"] == served.decode(cold)
     assert a["completion_tokens"] == len(cold) and a["finish_reason"] == "length"
-    assert a["prompt_tokens"] == len(served.runtime.backend.encode_chat(user("What is 2 plus 2?")))
+    assert a["prompt_tokens"] == len(served.runtime.engine.codec.encode_chat(user("What is 2 plus 2?")))
     # the template's default system prompt was new the first time; the repeat is an exact hit
     assert (a["hit_source"], a["cache_hit_tokens"]) == ("miss", 0)
     assert (b["hit_source"], b["cache_hit_tokens"]) == ("exact", b["prompt_tokens"])
@@ -181,9 +181,10 @@ def test_cache_stats(served: Served) -> None:
     stats = served.client.get("/cache/stats").json()
     assert (stats["hit_count"], stats["miss_count"], stats["hit_rate"]) == (1, 1, 0.5)
     assert stats["hit_tokens"] == stats["lookup_tokens"] / 2 > 0
-    assert stats["total_blocks"] == 4000
-    assert stats["used_blocks"] + stats["free_blocks"] == 4000 and stats["used_blocks"] > 0
-    assert stats["utilisation"] == stats["used_blocks"] / 4000
+    pool = stats["pool"]  # the same "stats" object as in /cache/tree and `kvchat inspect --json`
+    assert pool["total_blocks"] == 4000
+    assert pool["used_blocks"] + pool["free_blocks"] == 4000 and pool["used_blocks"] > 0
+    assert pool["utilisation"] == pool["used_blocks"] / 4000
     assert (stats["policy"], stats["eviction_count"], stats["sessions"]) == ("lru", 0, {})
     server = stats["server"]
     assert (server["requests"], server["completed"], server["errors"]) == (2, 2, 0)
@@ -391,7 +392,7 @@ def test_disconnect_mid_stream_cancels_and_keeps_the_kv(served: Served) -> None:
     served.wait_idle()
     served.check_cache()
     stats = served.client.get("/cache/stats").json()
-    prompt_tokens = len(served.runtime.backend.encode_chat(user("Tell me a long story.")))
+    prompt_tokens = len(served.runtime.engine.codec.encode_chat(user("Tell me a long story.")))
     assert stats["server"]["decode_steps"] < long - 1
     # prompt and the tokens generated before the cancel are stored
     assert prompt_tokens <= stats["tree_tokens"] < prompt_tokens + long

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.backend import Backend, Request
+from kvchat.engine.engine import Engine
+from kvchat.engine.sequence import Request
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.sessions import (
     Session,
@@ -23,14 +24,13 @@ from kvchat.sessions import (
     sessions_lock,
     validate_name,
 )
-from kvchat.turns import next_prompt, record_turn
+from kvchat.turns import next_prompt, prepare_turn
 
 
 def runtime(model, tokenizer, root: Path, block_size: int = 4, policy: str = "lru") -> Runtime:
-    model.set_attn_implementation("sdpa")
     cfg = CacheConfig(block_size, num_blocks=200, policy=policy)
-    backend = Backend.create(model, tokenizer, cfg)
-    rt = Runtime(backend, RuntimeOptions(cache=cfg, sessions_dir=root), "tiny")
+    engine = Engine.create(model, tokenizer, cfg)
+    rt = Runtime(engine, RuntimeOptions(cache=cfg, sessions_dir=root), "tiny")
     rt.restore()
     return rt
 
@@ -40,7 +40,7 @@ def fill(rt: Runtime, n: int = 3) -> list[list[int]]:
     shared = [rng.randrange(250) for _ in range(13)]
     prompts = [shared + [rng.randrange(250) for _ in range(5 + i)] for i in range(n)]
     for p in prompts:
-        rt.backend.generate(Request(p, SamplingParams(max_new_tokens=4)))
+        rt.engine.generate(Request(p, SamplingParams(max_new_tokens=4)))
     return prompts
 
 
@@ -64,7 +64,7 @@ def test_snapshot_round_trip_is_bitwise(tiny_model, tiny_tokenizer, tmp_path):
         b.cache.release(lb.blocks)
     assert b.cache.stats().hit_count == a.cache.stats().hit_count
     # the restored cache keeps working: a new request hits and stores on top of it
-    res = b.backend.generate(Request(prompts[0] + [7, 7], SamplingParams(max_new_tokens=3)))
+    res = b.engine.generate(Request(prompts[0] + [7, 7], SamplingParams(max_new_tokens=3)))
     assert res.cache_hit_tokens == len(prompts[0])
     b.cache.check_integrity()
 
@@ -165,9 +165,10 @@ def test_chat_turns_extend_the_history(tiny_model, tiny_tokenizer, tmp_path):
     rates, before = [], []
     for text in ["hello there", "and again", "one more"]:
         before.append(len(session.tokens))
-        prompt, gen = rt.start_turn(session, text, params)
-        result = gen.run()
-        turn = record_turn(session, text, prompt, result)
+        prepared = prepare_turn(rt.engine.codec, [{"role": "user", "content": text}], params,
+                                session)
+        turn = prepared.commit(rt.engine.generate(prepared.request()))
+        assert turn is not None
         rates.append(turn.hit_rate)
         rt.cache.check_integrity()
     assert rates[0] < 0.5
@@ -176,7 +177,7 @@ def test_chat_turns_extend_the_history(tiny_model, tiny_tokenizer, tmp_path):
     # the whole previous history hits, except the last sampled token (never fed, so no K/V)
     assert [t.hit_tokens for t in session.turns[1:]] == [n - 1 for n in before[1:]]
     # the next prompt is the previous tokens plus the template's text for the new message
-    nxt = next_prompt(rt.backend, session, "last")
+    nxt = next_prompt(rt.engine.codec, session, "last")
     assert nxt[: len(session.tokens)] == session.tokens
-    tail = rt.backend.decode(nxt[len(session.tokens):], skip_special_tokens=False)
+    tail = rt.engine.codec.decode(nxt[len(session.tokens):], skip_special_tokens=False)
     assert "last" in tail and tail.endswith("<|im_start|>assistant\n")

@@ -43,7 +43,7 @@ def create_app(
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     app.state.engine = worker
     app.state.runtime = runtime
-    app.state.server = ServerState(worker, sessions, Preparer(worker.backend, sessions, max_tokens))
+    app.state.server = ServerState(worker, sessions, Preparer(worker.engine, sessions, max_tokens))
     add_error_handlers(app)
     for api in (native, openai, cache_api):
         app.include_router(api.router)

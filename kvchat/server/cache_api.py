@@ -43,20 +43,10 @@ async def cache_tree(
 
 def tree_json(worker: EngineWorker, tree: CacheTree, session: str | None,
               depth: int | None) -> dict[str, Any]:
-    backend = worker.backend
+    codec = worker.codec
 
     def decode(tokens: Any) -> str:
-        return backend.decode(list(tokens), skip_special_tokens=False)
+        return codec.decode(list(tokens), skip_special_tokens=False)
 
-    shown, entries = tree.nodes, tree.exact
-    if session is not None:
-        shown = cv.owned_by(tree.nodes, session)
-        entries = tuple(e for e in tree.exact if cv.covers(shown, e.tokens))
-    return {
-        "fingerprint": worker.info.fingerprint,
-        "snapshot": worker.snapshot_json(session),
-        "stats": cv.stats_json(tree.summary),
-        "pool": cv.pool_json(tree.summary),
-        "tree": cv.tree_json(shown, decode, depth),
-        "exact": cv.exact_json(entries, decode),
-    }
+    return cv.inspect_document(worker.info.fingerprint, worker.snapshot_info(), tree.stats,
+                               tree.nodes, tree.exact, decode, depth, session)

@@ -12,7 +12,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvchat.engine.backend import GenerationResult
+from kvchat.engine.sequence import GenerationResult
 from kvchat.server.errors import ApiError, api_error
 from kvchat.server.worker import Handle
 

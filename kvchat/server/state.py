@@ -14,8 +14,9 @@ from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from kvchat.server.errors import api_error
-from kvchat.server.prepare import Prepared, Preparer, Sessions
+from kvchat.server.prepare import Preparer, Sessions
 from kvchat.server.worker import EngineStopped, EngineWorker, Handle
+from kvchat.turns import PreparedTurn
 
 T = TypeVar("T")
 B = TypeVar("B")
@@ -28,11 +29,11 @@ class ServerState:
     preparer: Preparer
     completion_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
-    async def start(self, prepare: Callable[[B], Prepared], body: B) -> Handle:
+    async def start(self, prepare: Callable[[B], PreparedTurn], body: B) -> Handle:
         """Prepare the request in a worker thread and hand it to the engine; any failure
         becomes the HTTP error the client sees."""
         try:
-            handle = Handle(*await run_in_threadpool(prepare, body))
+            handle = Handle(await run_in_threadpool(prepare, body), self.sessions.store)
             self.worker.submit(handle)
         except Exception as exc:
             raise api_error(exc) from exc

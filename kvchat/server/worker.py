@@ -1,15 +1,15 @@
-"""The engine thread, and the only server code that touches the scheduler, the runtime or the
+"""The engine thread, and the only server code that touches the engine, the runtime or the
 cache.
 
-One thread owns the Scheduler: it runs `step()` while there is work and sleeps on an Event when
-there is none. Everything that touches the scheduler or the cache - submitting, stepping,
-stats, the tree, integrity checks, the snapshot - runs on that thread between two steps (a
-handler posts a call and awaits its future), so no lock is ever held across a forward pass.
-Text deltas and results travel back to the event loop with `loop.call_soon_threadsafe`, into
-one asyncio queue per request (a `Handle`).
+One thread owns the Engine: it runs `step()` while there is work and sleeps on an Event when
+there is none. Everything that touches the engine or the cache - submitting, stepping, stats,
+the tree, integrity checks, the snapshot - runs on that thread between two steps (a handler
+posts a call and awaits its future), so no lock is ever held across a forward pass. The
+engine's events (text deltas, then the result) travel back to the event loop with
+`loop.call_soon_threadsafe`, into one asyncio queue per request (a `Handle`).
 
-A request whose client goes away is cancelled: the scheduler stops it at the next step and
-stores the K/V it computed, like any interrupted request.
+A request whose client goes away is cancelled: the engine stops it at the next step and stores
+the K/V it computed, like any interrupted request.
 """
 
 from __future__ import annotations
@@ -23,18 +23,20 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from kvchat.engine.backend import Backend, GenerationResult
-from kvchat.engine.backend import Request as EngineRequest
-from kvchat.engine.scheduler import RequestCancelled, Scheduler, Ticket
+from kvchat.cache.stats import CacheStats
+from kvchat.engine.codec import ChatCodec
+from kvchat.engine.engine import Engine, RequestCancelled, RequestHandle
+from kvchat.engine.sequence import Event, Finished, GenerationResult, TextDelta
 from kvchat.errors import KvchatError
 from kvchat.runtime import Runtime, fingerprint, tokenizer_file
 from kvchat.sessions import INDEX, SessionStore, cache_dir
+from kvchat.turns import PreparedTurn
 from kvchat.ui import cache_view as cv
 
 __all__ = ["DEFAULT_BATCH_SIZE", "CacheTree", "EngineStopped", "EngineWorker", "Handle",
-           "ModelInfo", "RequestCancelled", "ServerCounters", "TurnRecord"]
+           "ModelInfo", "RequestCancelled", "ServerCounters"]
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +48,21 @@ class EngineStopped(KvchatError):
     pass
 
 
-class TurnRecord(Protocol):
-    """A session turn to record once its request finishes; called on the engine thread."""
-
-    def record(self, prompt_ids: list[int], result: GenerationResult) -> None: ...
-
-
 class Handle:
     """One request as the event loop sees it. The engine thread calls `text`, `finish` and
     `fail`; the loop reads `deltas` (None ends them), then `result` or `error`."""
 
-    def __init__(self, request: EngineRequest, turn: TurnRecord | None = None) -> None:
+    def __init__(self, turn: PreparedTurn, store: SessionStore | None = None) -> None:
         self.loop = asyncio.get_running_loop()
-        self.request = request
         self.turn = turn
+        self.store = store  # where a session turn's transcript is saved
         self.deltas: asyncio.Queue[str | None] = asyncio.Queue()
         self.done = asyncio.Event()
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
         self.cancel_event = threading.Event()
         self._callbacks: list[Callable[[], None]] = []
+        self._engine_handle: RequestHandle | None = None
 
     # engine thread
     def text(self, delta: str) -> None:
@@ -99,10 +96,18 @@ class Handle:
         while (delta := await self.deltas.get()) is not None:
             yield delta
 
+    def attach(self, engine_handle: RequestHandle) -> None:
+        """The request is in the engine (engine thread); a cancel that came first still counts."""
+        self._engine_handle = engine_handle
+        if self.cancel_event.is_set():
+            engine_handle.cancel()
+
     # any thread
     def cancel(self) -> None:
         """Stop at the next step (or before it starts); a no-op once finished."""
         self.cancel_event.set()
+        if self._engine_handle is not None:
+            self._engine_handle.cancel()
 
 
 @dataclass
@@ -128,7 +133,7 @@ class CacheTree(NamedTuple):
 
     nodes: tuple[cv.NodeView, ...]
     exact: tuple[cv.ExactView, ...]
-    summary: cv.CacheSummary
+    stats: CacheStats
 
 
 def model_id(runtime: Runtime) -> str:
@@ -143,16 +148,17 @@ def model_id(runtime: Runtime) -> str:
 
 
 class EngineWorker:
-    """The Scheduler on its own thread, and the only code that touches it or the cache."""
+    """The Engine on its own thread, and the only code that touches it or the cache."""
 
     def __init__(self, runtime: Runtime, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
         if runtime.cache is None:
             raise KvchatError("kvchat serve needs the shared cache.")
         self.runtime = runtime
-        self.scheduler = Scheduler(runtime.backend, batch_size, on_finish=self._finished)
+        self.engine: Engine = runtime.engine
+        self.engine.batch_size = batch_size
         self.counters = ServerCounters()
-        self.info = ModelInfo(runtime.model_label, model_id(runtime), str(runtime.backend.device),
-                              fingerprint(runtime.backend, runtime.model_label))
+        self.info = ModelInfo(runtime.model_label, model_id(runtime), str(self.engine.device),
+                              fingerprint(self.engine, runtime.model_label))
         self.saved_to: Path | None = None
         self._inbox: deque[Callable[[], None]] = deque()
         self._inbox_lock = threading.Lock()
@@ -165,9 +171,9 @@ class EngineWorker:
         self._closed = False
 
     @property
-    def backend(self) -> Backend:
+    def codec(self) -> ChatCodec:
         """The model's tokenizer and chat template; request preparation uses it off-thread."""
-        return self.runtime.backend
+        return self.engine.codec
 
     @property
     def store(self) -> SessionStore:
@@ -179,7 +185,7 @@ class EngineWorker:
         if runtime.notice:
             log.warning(runtime.notice)
         log.info("kvchat: %s on %s, batch size %d, %s cached tokens restored.",
-                 runtime.model_label, self.info.device, self.scheduler.batch_size,
+                 runtime.model_label, self.info.device, self.engine.batch_size,
                  f"{runtime.restored_tokens:,}")
 
     @property
@@ -229,12 +235,12 @@ class EngineWorker:
         """The cache's stats as a JSON object, with the server's counters under "server"."""
 
         def read() -> dict[str, Any]:
-            stats: dict[str, Any] = self.runtime.cache.stats().as_dict()
-            sched = self.scheduler
+            stats: dict[str, Any] = self.runtime.cache.stats().to_json()
+            engine = self.engine
             stats["server"] = {
-                "model": self.runtime.model_label, "batch_size": sched.batch_size,
-                "running": len(sched.running), "pending": len(sched.pending),
-                "decode_steps": sched.steps, **vars(self.counters),
+                "model": self.runtime.model_label, "batch_size": engine.batch_size,
+                "running": engine.running, "pending": engine.waiting,
+                "decode_steps": engine.steps, **vars(self.counters),
             }
             return stats
 
@@ -244,17 +250,16 @@ class EngineWorker:
         def read() -> CacheTree:
             cache = self.runtime.cache
             return CacheTree(cv.nodes_from_cache(cache), cv.exact_from_cache(cache),
-                             cv.summary_from_stats(cache.stats()))
+                             cache.stats())
 
         return self.call(read)
 
-    def snapshot_json(self, session: str | None) -> dict[str, Any]:
+    def snapshot_info(self) -> dict[str, Any]:
         """Where the snapshot is saved, and when it was last, as `kvchat inspect --json` says."""
         runtime = self.runtime
         return {"path": str(cache_dir(runtime.options.sessions_dir) / INDEX),
                 "saved_at": runtime.last_save, "model_label": runtime.model_label,
-                "tokenizer_file": tokenizer_file(runtime.backend.tokenizer),
-                "session": session}
+                "tokenizer_file": tokenizer_file(self.codec.tokenizer)}
 
     # ---- the engine thread ----
 
@@ -264,15 +269,11 @@ class EngineWorker:
                 self._drain()
                 if self._stopping:
                     break
-                if self.scheduler.idle:
+                if self.engine.idle:
                     self._wake.wait()
                     self._wake.clear()  # anything posted since is picked up by the next drain
                     continue
-                try:
-                    self.scheduler.step()
-                except Exception as exc:
-                    log.exception("A scheduler step failed; failing the requests in flight.")
-                    self._abort(exc)
+                self.engine.step()  # a failure fails only the requests it touched
         finally:
             with self._inbox_lock:
                 self._accepting = False
@@ -287,34 +288,56 @@ class EngineWorker:
         if not self._accepting:
             handle.fail(EngineStopped("The server is shutting down."))
             return
-        ticket = self.scheduler.submit(handle.request, on_text=lambda _t, d: handle.text(d))
-        ticket.cancel_event = handle.cancel_event  # so a cancel posted before admission counts
-        self._handles[ticket.request_id] = handle
+        try:
+            engine_handle = self.engine.submit(handle.turn.request(),
+                                               lambda event: self._event(handle, event))
+        except KvchatError as exc:
+            handle.turn.abort()
+            handle.fail(exc)
+            return
+        handle.attach(engine_handle)
+        self._handles[engine_handle.request_id] = handle
         self.counters.requests += 1
 
-    def _finished(self, ticket: Ticket) -> None:
-        handle = self._handles.pop(ticket.request_id, None)
-        if handle is None:
-            return
-        if ticket.cancel_event.is_set():
+    def _event(self, handle: Handle, event: Event) -> None:
+        if isinstance(event, TextDelta):
+            handle.text(event.text)
+        elif isinstance(event, Finished):
+            self._finished(handle, event)
+
+    def _finished(self, handle: Handle, event: Finished) -> None:
+        if handle._engine_handle is not None:
+            self._handles.pop(handle._engine_handle.request_id, None)
+        if handle.cancel_event.is_set():
             self.counters.cancelled += 1
-        if ticket.error is not None or ticket.result is None:
-            if not isinstance(ticket.error, RequestCancelled):
+        if event.error is not None or event.result is None:
+            if not isinstance(event.error, RequestCancelled):
                 self.counters.errors += 1
-            handle.fail(ticket.error or RequestCancelled("no result"))
+            handle.turn.abort()
+            handle.fail(event.error or RequestCancelled("The request did not run."))
             return
         self.counters.completed += 1
-        if handle.turn is not None:
-            handle.turn.record(handle.request.prompt_ids, ticket.result)
-        handle.finish(ticket.result)
+        self._record(handle, event.result)
+        handle.finish(event.result)
+
+    def _record(self, handle: Handle, result: GenerationResult) -> None:
+        # As in the REPL, an interrupted reply is recorded too: its K/V is cached, so the next
+        # turn extends exactly what the model saw.
+        session = handle.turn.session
+        if handle.turn.commit(result) is None or session is None or handle.store is None:
+            return
+        try:
+            handle.store.save(session)
+        except (OSError, KvchatError):
+            log.exception("Could not save session %s.", session.name)
 
     def _abort(self, error: BaseException) -> None:
         """Running requests store their K/V and finish as interrupted; the others fail."""
         try:
-            self.scheduler.abort()
+            self.engine.abort()
         except Exception:
-            log.exception("Stopping the scheduler failed.")
-        for handle in self._handles.values():
+            log.exception("Stopping the engine failed.")
+        for handle in list(self._handles.values()):
             handle.fail(error)
         self._handles.clear()
 

@@ -9,16 +9,10 @@ Ctrl-C while a reply streams stops that reply at the next step and keeps the REP
 from __future__ import annotations
 
 import difflib
-import signal
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.text import Text
@@ -26,12 +20,16 @@ from rich.text import Text
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionError, validate_name
 from kvchat.ui import views
-from kvchat.ui.cache_view import nodes_from_cache, preview, summary_from_stats
+from kvchat.ui.cache_view import nodes_from_cache, preview
+from kvchat.ui.terminal import LineReader, cancel_on_sigint, typeahead_hidden
 
 if TYPE_CHECKING:
+    from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
-    from kvchat.engine.backend import Generation
+    from kvchat.engine.engine import RequestHandle
+    from kvchat.engine.sequence import GenerationResult
     from kvchat.runtime import Runtime
+    from kvchat.sessions import Turn
 
 # The snapshot holds every cached block's K/V, so it is written every few turns rather than
 # after each one; the session file (small) is written after every turn.
@@ -92,93 +90,6 @@ def unknown_command_hint(name: str) -> str:
     guess = f" Did you mean /{close[0]}?" if close else ""
     shown = f"/{name}" if name else "/"
     return f"Unknown command {shown}.{guess} Type /help for the list."
-
-
-# ---- reading lines -------------------------------------------------------------------------
-
-
-class LineReader(Protocol):
-    def read(self, prompt: str) -> str:
-        """One message; raises EOFError at the end of input, KeyboardInterrupt on Ctrl-C."""
-
-
-class TerminalReader:
-    """prompt-toolkit line editing with persistent history; Esc then Enter inserts a newline."""
-
-    def __init__(self, history_file: Path) -> None:
-        from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory
-        from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
-
-        bindings = KeyBindings()
-
-        @bindings.add("escape", "enter")
-        def _newline(event: KeyPressEvent) -> None:
-            event.current_buffer.insert_text("\n")
-
-        self._session: PromptSession[str] = PromptSession(
-            history=FileHistory(str(history_file)),
-            key_bindings=bindings,
-            multiline=False,
-            prompt_continuation=lambda width, line, soft: "." * (width - 1) + " ",
-        )
-
-    def read(self, prompt: str) -> str:
-        return self._session.prompt(prompt)
-
-
-class PipeReader:
-    """For input that is not a terminal (a pipe, a file): one line per message."""
-
-    def read(self, prompt: str) -> str:
-        return input(prompt)
-
-
-def make_reader(history_file: Path) -> LineReader:
-    if sys.stdin.isatty() and sys.stdout.isatty():
-        return TerminalReader(history_file)
-    return PipeReader()
-
-
-@contextmanager
-def cancel_on_sigint(cancel: threading.Event) -> Iterator[None]:
-    """While a reply streams: the first Ctrl-C sets `cancel` (the generation stops at its next
-    step), a second one raises KeyboardInterrupt as usual. The previous handler comes back after."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if cancel.is_set():
-            raise KeyboardInterrupt
-        cancel.set()
-
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextmanager
-def typeahead_hidden() -> Iterator[None]:
-    """While a reply streams, keys typed ahead are not echoed into it: they stay queued, and the
-    next prompt shows them. Ctrl-C still raises SIGINT (only ECHO is turned off)."""
-    import termios
-
-    try:
-        fd = sys.stdin.fileno()
-        saved = termios.tcgetattr(fd)
-    except (termios.error, OSError, ValueError):
-        yield  # not a terminal (a pipe, a test runner's stream)
-        return
-    quiet = termios.tcgetattr(fd)
-    quiet[3] &= ~termios.ECHO  # lflag
-    termios.tcsetattr(fd, termios.TCSANOW, quiet)
-    try:
-        yield
-    finally:
-        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 # ---- the loop ------------------------------------------------------------------------------
@@ -271,10 +182,10 @@ class Chat:
     def banner_lines(self) -> list[str]:
         rt, s = self.rt, self.session
         pool = rt.cache.manager.stats()
-        dtype = str(next(rt.backend.model.parameters()).dtype).replace("torch.", "")
+        dtype = str(rt.engine.runner.dtype).replace("torch.", "")
         lines = [
             f"model    {rt.model_label}",
-            f"device   {rt.backend.device} · {dtype}",
+            f"device   {rt.engine.device} · {dtype}",
             f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
             f"policy {rt.cache.policy.name}",
             f"sessions {rt.options.sessions_dir}",
@@ -300,29 +211,43 @@ class Chat:
     # ---- a turn ----
 
     def turn(self, text: str) -> None:
-        from kvchat.engine.backend import PromptTooLongError
-        from kvchat.turns import record_turn
+        from kvchat.engine.engine import PromptTooLongError
+        from kvchat.turns import prepare_turn
 
-        cancel = threading.Event()
         out = self.console.file
-        with cancel_on_sigint(cancel), typeahead_hidden():
-            try:
-                prompt_ids, generation = self.rt.start_turn(self.session, text, self.params, cancel)
-            except PromptTooLongError as error:
-                self._say(f"{error} Start over with /reset or /new.", "red")
-                return
-            except KvchatError as error:
-                self._say(str(error), "red")
-                return
+        engine = self.rt.engine
+        message = [{"role": "user", "content": text}]
+        try:
+            turn = prepare_turn(engine.codec, message, self.params, self.session)
+        except KvchatError as error:
+            self._say(str(error), "red")
+            return
+        try:
+            handle = engine.submit(turn.request())
+        except PromptTooLongError as error:
+            turn.abort()
+            self._say(f"{error} Start over with /reset or /new.", "red")
+            return
+        except KvchatError as error:
+            turn.abort()
+            self._say(str(error), "red")
+            return
+        with cancel_on_sigint(handle.seq.cancel_event), typeahead_hidden():
             out.write(REPLY_PREFIX)
             out.flush()
-            self._stream(generation)
-        result = generation.result
-        assert result is not None  # set whenever the generation's iterator ends
+            self._stream(handle)
+        result = handle.result
+        if result is None:  # it failed before it ran
+            turn.abort()
+            self._say(str(handle.error or "The reply could not be generated."), "red")
+            return
         if result.finish_reason == "interrupted":
             self.console.print(Text(" [stopped]", style="yellow"), end="")
         self.console.print()
-        turn = record_turn(self.session, text, prompt_ids, result)
+        self._after_turn(result, turn.commit(result))
+
+    def _after_turn(self, result: GenerationResult, turn: Turn | None) -> None:
+        assert turn is not None
         self.store.save(self.session)
         self._turns_since_snapshot += 1
         if self._turns_since_snapshot >= self.save_every:
@@ -348,16 +273,16 @@ class Chat:
                                   self._decode, self.panels, self.session.name)
             )
 
-    def _stream(self, generation: Generation) -> None:
+    def _stream(self, handle: RequestHandle) -> None:
         out = self.console.file
         try:
-            for delta in generation:
+            for delta in handle:
                 out.write(views.printable(delta))
                 out.flush()
         except KeyboardInterrupt:
-            # A second Ctrl-C: the generation may be suspended mid-iteration; closing it stores
-            # what it computed and sets its result.
-            generation.close()
+            # A second Ctrl-C: the engine may be between steps; finishing the request now
+            # stores what it computed and sets its result.
+            handle.close()
 
     # ---- helpers ----
 
@@ -365,10 +290,10 @@ class Chat:
         self.console.print(Text(text, style=style or ""))
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.rt.backend.decode(list(ids), skip_special_tokens=False)
+        return self.rt.engine.codec.decode(list(ids), skip_special_tokens=False)
 
-    def _summary(self) -> views.CacheSummary:
-        return summary_from_stats(self.rt.cache.stats())
+    def _summary(self) -> CacheStats:
+        return self.rt.cache.stats()
 
     def save_snapshot(self) -> None:
         self.rt.save()
