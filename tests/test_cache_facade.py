@@ -551,3 +551,23 @@ def test_check_integrity_catches_an_exact_entry_on_a_block_outside_the_tree() ->
     cache.exact.put([9], [stray])
     with pytest.raises(CacheIntegrityError):
         cache.check_integrity()
+
+
+@pytest.mark.parametrize("where", ["write", "insert"])
+def test_an_interrupted_store_gives_its_new_blocks_back(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(num_blocks=8)
+    store(cache, seq(0, 6))
+    target = cache.manager if where == "write" else cache.tree
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.store(seq(0, 14), ref_kv(seq(0, 14), 6), 6)
+    monkeypatch.undo()
+    cache.check_integrity()
+    assert cache.manager.num_free == 6 and cache.peek(seq(0, 14)) == 6
+    assert all(b.ref_count == 0 for b in cache.manager.blocks)

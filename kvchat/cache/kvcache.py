@@ -215,13 +215,10 @@ class PagedKVCache:
                         self._fill(new, held, extend, base, m, end, skip_tokens, kv_per_layer)
                         self.tree.insert(tokens[:end], keep + new, owner=sid)
                     except BaseException:  # e.g. Ctrl-C: the new blocks go back, unowned
-                        for block in new:
-                            block.release()
+                        self.release(new)
                         self.manager.free(new)
                         raise
-                    for block in new:
-                        block.release()  # the tree owns them; `hold` takes the caller's below
-                        self.policy.on_access(block)
+                    self._adopt(new)
                     path = keep + new
                     stored = end
                     self._counters = self._counters.plus(stored_tokens=end - m)
@@ -238,6 +235,13 @@ class PagedKVCache:
             for block in path:
                 block.acquire()
         return StoreResult(stored, stored - m, tuple(path), stored == n, evicted)
+
+    def _adopt(self, new: list[Block]) -> None:
+        """The tree now owns these fresh blocks: without a reference (`hold` takes the
+        caller's later), and as just used."""
+        for block in new:
+            block.release()
+            self.policy.on_access(block)
 
     def _fill(
         self,
