@@ -81,8 +81,7 @@ def write_error(what: str, path: Path, exc: Exception, atomic: bool = True) -> S
 
 
 def private_dir(path: Path, what: str = "the sessions folder") -> Path:
-    """Create `path` (0700), or tighten it to its owner's bits if it exists. Parents are created
-    as usual and never changed: they are the user's folders, not kvchat's."""
+    """Create `path` 0700, or drop its group and other bits; its parents are the user's, as is."""
     try:
         if not path.is_dir():
             path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
@@ -260,9 +259,14 @@ def set_aside(path: Path, folder: Path) -> Path:
     private_dir(folder.parent)
     private_dir(folder)
     target = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-{path.name}"
-    os.replace(path, target)
-    with contextlib.suppress(OSError):  # it may predate private files, or not be the user's
-        os.chmod(target, FILE_MODE)
+    return _move(path, target)
+
+
+def _move(path: Path, target: Path) -> Path:
+    try:
+        os.replace(path, target)
+    except OSError as exc:
+        raise write_error(f"{path.name} into {target.parent}", path, exc, atomic=False) from exc
     return target
 
 
@@ -276,19 +280,16 @@ class SessionsLocked(KvchatError):
 def sweep_temp_files(root: Path) -> None:
     """Remove temp files left by saves that were killed midway (some are snapshot-sized) from the
     sessions dir and its cache/ folder, and make cache/ and cache/set-aside/ private.
-
     Call it only while holding the lock: every kvchat process writing to this dir holds it, so no
     temp file found then belongs to a write still in progress."""
     for folder, extra in ((root, _TEMP_RE), (cache_dir(root), _SAFETENSORS_TEMP_RE)):
         for item in folder.iterdir() if folder.is_dir() else ():
-            if item.name == "set-aside" and item.is_dir():
+            if item.name in RESERVED and item.is_dir():  # cache/, cache/set-aside/
                 private_dir(item)
             elif ((_TEMP_RE.fullmatch(item.name) or extra.fullmatch(item.name))
                   and item.is_file() and not item.is_symlink()):
                 with contextlib.suppress(OSError):
                     item.unlink()
-        if folder.is_dir():
-            private_dir(folder)
 
 
 @contextlib.contextmanager
@@ -368,7 +369,7 @@ def set_aside_snapshot(root: Path) -> Path:
         private_dir(part)
     for item in folder.iterdir():
         if item.name != "set-aside" and item.is_file():
-            os.replace(item, target / item.name)
+            _move(item, target / item.name)
     return target
 
 

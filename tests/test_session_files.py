@@ -30,7 +30,7 @@ from kvchat.sessions import (
     validate_name,
 )
 
-REAL_OPEN, REAL_MKDIR, REAL_WRITE = os.open, os.mkdir, os.write
+REAL_OPEN, REAL_MKDIR, REAL_WRITE, REAL_REPLACE = os.open, os.mkdir, os.write, os.replace
 REAL_SAVE_FILE = importlib.import_module("safetensors.torch").save_file
 
 
@@ -94,6 +94,7 @@ def test_everything_kvchat_writes_is_private_whatever_the_umask(umask, tmp_path)
         save(root, cache.fill())  # a second save replaces the K/V file and index.json
         assert read_snapshot_meta(root).meta["version"] == 2
         (root / "beta.json").write_text("{not json")
+        os.chmod(root / "beta.json", 0o600)  # as kvchat wrote it, before it was damaged
         with pytest.raises(SessionError, match="moved"):
             store.load("beta")  # creates cache/set-aside/ and moves the file there
     from prompt_toolkit.history import FileHistory
@@ -182,9 +183,15 @@ def read_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
             raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
         return REAL_MKDIR(path, *args, **kwargs)
 
+    def fake_replace(src, dst, *args, **kwargs):
+        if refused(src) or refused(dst):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(src))
+        return REAL_REPLACE(src, dst, *args, **kwargs)
+
     if os.geteuid() == 0:
         monkeypatch.setattr(os, "open", fake_open)
         monkeypatch.setattr(os, "mkdir", fake_mkdir)
+        monkeypatch.setattr(os, "replace", fake_replace)
     yield folders
     for f in folders:
         if f.exists():
@@ -250,6 +257,17 @@ def test_a_snapshot_in_a_read_only_dir_says_what_to_do_and_keeps_the_old_one(
         save(tmp_path, cache.fill())
     assert_clear(exc, "the cache snapshot's K/V", str(tmp_path / "cache"), "not writable")
     assert snapshot_files(tmp_path) == before
+
+
+def test_a_damaged_session_in_a_read_only_dir_says_what_to_do(read_only, tmp_path):
+    (tmp_path / "cache" / "set-aside").mkdir(parents=True)
+    (tmp_path / "beta.json").write_text("{not json")
+    make_read_only(read_only, tmp_path)
+    with pytest.raises(SessionWriteError) as exc:
+        SessionStore(tmp_path).open("beta")
+    assert_clear(exc, "beta.json into", str(tmp_path / "cache" / "set-aside"),
+                 f"Make {tmp_path} writable")
+    assert (tmp_path / "beta.json").read_text() == "{not json"
 
 
 def fail_after(limit: int):
