@@ -37,9 +37,9 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always fullmatch: `$
 RESERVED = {"cache", "set-aside"}
 INDEX = "index.json"
 DIR_MODE, FILE_MODE = 0o700, 0o600
-# Temp files of writes killed midway: ours (`.<name>.<pid>.tmp`, `.kv-<id>.safetensors.tmp`) and
-# the one safetensors renames from (`.tmp` + 6 characters, in cache/ only).
-_TEMP_RE = re.compile(r"\..+\.(\d+|safetensors)\.tmp")
+# Temp files of writes killed midway: ours (`.<name>.<pid>-<thread>.tmp`,
+# `.kv-<id>.safetensors.tmp`) and the one safetensors renames from (`.tmp` + 6 characters).
+_TEMP_RE = re.compile(r"\..+\.(\d+(-\d+)?|safetensors)\.tmp")
 _SAFETENSORS_TEMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
@@ -108,7 +108,7 @@ def atomic_write(path: Path, data: bytes, what: str = "a file") -> None:
     """Write data to path (0600, in a private folder) so that readers see the old file or the
     new one, never a mix. On failure the temp file is removed and SessionWriteError raised."""
     private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         fd = _open_private(tmp, os.O_WRONLY | os.O_TRUNC)
         try:
@@ -256,8 +256,8 @@ class SessionStore:
 
 def set_aside(path: Path, folder: Path) -> Path:
     """Move a file that cannot be used out of the way, keeping it for the user to inspect."""
-    private_dir(folder.parent)
-    private_dir(folder)
+    private_dir(folder.parent, "the cache folder")
+    private_dir(folder, "the set-aside folder")
     target = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-{path.name}"
     return _move(path, target)
 
@@ -366,7 +366,7 @@ def set_aside_snapshot(root: Path) -> Path:
     folder = cache_dir(root)
     target = folder / "set-aside" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     for part in (folder / "set-aside", target):
-        private_dir(part)
+        private_dir(part, "the set-aside folder")
     for item in folder.iterdir():
         if item.name != "set-aside" and item.is_file():
             _move(item, target / item.name)

@@ -306,6 +306,27 @@ def test_atomic_write_writes_everything_when_the_os_writes_in_pieces(monkeypatch
     assert (tmp_path / "f").read_bytes() == b"x" * 100 + b"end"
 
 
+def test_threads_writing_one_file_each_leave_a_whole_version(tmp_path):
+    datas = [bytes([i]) * 200_000 for i in range(6)]
+    errors: list[BaseException] = []
+
+    def worker(data: bytes) -> None:
+        try:
+            for _ in range(5):
+                atomic_write(tmp_path / "index.json", data)
+        except Exception as exc:  # reported by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(d,)) for d in datas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert (tmp_path / "index.json").read_bytes() in datas
+    assert [p.name for p in tmp_path.iterdir()] == ["index.json"]
+
+
 def partial_save_file(error: Exception):
     """safetensors' save_file that writes a few bytes, then fails."""
 
@@ -358,7 +379,8 @@ def test_a_full_disk_while_writing_the_index_removes_the_new_kv_file(monkeypatch
 def test_taking_the_lock_sweeps_orphan_temp_files_only(tmp_path):
     cache = tmp_path / "cache"
     (cache / "set-aside").mkdir(parents=True)
-    orphans = [tmp_path / ".alpha.json.4242.tmp", cache / ".kv-0123abcd4567.safetensors.tmp",
+    orphans = [tmp_path / ".alpha.json.4242.tmp", tmp_path / ".beta.json.4242-1402.tmp",
+               cache / ".kv-0123abcd4567.safetensors.tmp",
                cache / ".index.json.77.tmp", cache / ".tmpAb12Cd"]
     kept = [tmp_path / "alpha.json", tmp_path / "notes.tmp", tmp_path / ".history",
             tmp_path / ".tmpAb12Cd", cache / "index.json", cache / "kv-0123abcd4567.safetensors",
