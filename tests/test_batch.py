@@ -12,20 +12,20 @@ import torch
 from kvchat.batch import (
     BatchRun,
     LineError,
-    output_line,
+    RowWriter,
     parse_line,
     read_batch,
-    write_jsonl,
+    result_row,
 )
 from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.backend import Backend
+from kvchat.engine.engine import Engine
+from kvchat.sessions import SessionStore
 
 SYSTEM = "You answer in one short sentence and never more."
 
 
-def backend(model, tokenizer, blocks: int = 600) -> Backend:
-    model.set_attn_implementation("sdpa")
-    return Backend.create(model, tokenizer, CacheConfig(4, num_blocks=blocks))
+def backend(model, tokenizer, blocks: int = 600) -> Engine:
+    return Engine.create(model, tokenizer, CacheConfig(4, num_blocks=blocks))
 
 
 def write_file(tmp_path, rows: list[object]) -> object:
@@ -76,13 +76,24 @@ def test_read_batch_skips_blank_and_reports_bad_lines(tmp_path):
     path = write_file(tmp_path, [{"prompt": "a"}, "", "{oops", {"prompt": "b"}])
     items, errors = read_batch(path)
     assert [i.line for i in items] == [1, 4]
-    assert errors == [(3, errors[0][1])] and "invalid JSON" in errors[0][1]
+    assert [e.line for e in errors] == [3] and "invalid JSON" in errors[0].message
+    assert items[0].digest and items[0].digest != items[1].digest
 
 
-def run_file(b: Backend, path, batch_size: int = 4, max_new: int = 6, **kw) -> BatchRun:
+def test_a_line_that_is_not_utf8_fails_alone(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n{"prompt": "b"}\n')
+    items, errors = read_batch(path)
+    assert [i.line for i in items] == [1, 3]
+    assert [e.line for e in errors] == [2] and "not UTF-8" in errors[0].message
+
+
+def run_file(b: Engine, path, batch_size: int = 4, max_new: int = 6, **kw) -> BatchRun:
     items, errors = read_batch(path)
     assert not errors
-    run = BatchRun(b, items, SamplingParams(max_new_tokens=max_new), batch_size=batch_size, **kw)
+    b.batch_size = batch_size
+    store = SessionStore(path.parent / "sessions")
+    run = BatchRun(b, items, SamplingParams(max_new_tokens=max_new), store, **kw)
     run.run()
     return run
 
@@ -108,7 +119,7 @@ def test_batched_equals_sequential_equals_generate(tiny_model, tiny_tokenizer, t
     eos = tiny_tokenizer.eos_token_id
     items, _ = read_batch(path)
     for item, res in zip(items, batched, strict=True):
-        prompt = b.encode_chat(item.messages if item.openai else
+        prompt = b.codec.encode_chat(item.messages if item.openai else
                                [{"role": "system", "content": SYSTEM}, *item.messages])
         assert res.result.prompt_tokens == len(prompt)
         with torch.inference_mode():
@@ -124,8 +135,13 @@ def test_batched_equals_sequential_equals_generate(tiny_model, tiny_tokenizer, t
 def test_output_formats_keep_input_order(tiny_model, tiny_tokenizer, tmp_path):
     run = run_file(backend(tiny_model, tiny_tokenizer), sample_file(tmp_path), batch_size=3)
     buf = io.StringIO()
-    write_jsonl((output_line(r) for r in run.ordered()), buf)
+    results = run.ordered()
+    writer = RowWriter([r.item.line for r in results], None, buf)
+    for r in reversed(results):  # finishing in any order, printed in input order
+        writer.write(r.item.line, result_row(r))
+    writer.close()
     rows = [json.loads(x) for x in buf.getvalue().splitlines()]
+    assert [r["line"] for r in rows] == sorted(r.item.line for r in results)
     assert [r.get("id") for r in rows[:7]] == [f"q{k}" for k in range(6)] + ["rep"]
     plain = rows[0]
     assert set(plain) >= {"id", "text", "prompt_tokens", "completion_tokens", "cache_hit_tokens",
@@ -150,14 +166,16 @@ def test_sessions_chain_lines_like_a_repl(tiny_model, tiny_tokenizer, tmp_path):
     ]
     run = run_file(backend(tiny_model, tiny_tokenizer), write_file(tmp_path, rows), batch_size=4)
     res = {r.item.id: r.result for r in run.ordered()}
-    alice = run.sessions["alice"]
+    alice = run.sessions.open("alice")
     assert [m["content"] for m in alice.messages if m["role"] == "user"] == [
         "Hello.", "And then?", "Last one."]
     # each later turn extends the previous turn's prompt + reply, all of it cached
     assert res["a2"].cache_hit_tokens == res["a1"].prompt_tokens + len(res["a1"].token_ids) - 1
     assert res["a3"].cache_hit_tokens == res["a2"].prompt_tokens + len(res["a2"].token_ids) - 1
     assert len(alice.tokens) == res["a3"].prompt_tokens + len(res["a3"].token_ids)
-    assert len(run.sessions["bob"].turns) == 1
+    assert len(run.sessions.open("bob").turns) == 1
+    # sessions are saved like chat sessions: a new store (a later run) continues them
+    assert len(SessionStore(tmp_path / "sessions").open("alice").turns) == 3
 
 
 def test_failed_lines_do_not_stop_the_rest(tiny_model, tiny_tokenizer, tmp_path):
@@ -168,7 +186,7 @@ def test_failed_lines_do_not_stop_the_rest(tiny_model, tiny_tokenizer, tmp_path)
     run = run_file(b, write_file(tmp_path, rows))
     out = run.ordered()
     assert [r.error is None for r in out] == [True, False, False, True]
-    assert "context" in (out[1].error or "") and "max-tokens" in (out[2].error or "")
+    assert "context" in (out[1].error or "") and "max_tokens" in (out[2].error or "")
     assert run.progress.failed == 2
     b.cache.check_integrity()
 

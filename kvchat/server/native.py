@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from kvchat.batch import result_fields
+from kvchat.responses import result_fields
 from kvchat.server.errors import error_response
 from kvchat.server.schemas import GenerateBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result

@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from kvchat.batch import chat_completion, openai_finish_reason
 from kvchat.engine.sequence import GenerationResult
+from kvchat.responses import chat_completion, openai_finish_reason
 from kvchat.server.schemas import ChatCompletionBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result
 from kvchat.server.state import State

@@ -1,0 +1,29 @@
+"""`kvchat batch`: JSONL request files through the shared cache and the engine.
+
+requests.py parses lines (prompt / messages / OpenAI batch lines), run.py runs them (independent
+lines together, session lines in turn), output.py writes one row per line as each finishes.
+"""
+
+from kvchat.batch.output import (
+    OutputError,
+    RowWriter,
+    bad_line_row,
+    is_complete,
+    previous_rows,
+    result_row,
+)
+from kvchat.batch.requests import (
+    BadLine,
+    BatchItem,
+    LineError,
+    duplicate_ids,
+    parse_line,
+    read_batch,
+)
+from kvchat.batch.run import BatchProgress, BatchRun, ItemResult
+
+__all__ = [
+    "BadLine", "BatchItem", "BatchProgress", "BatchRun", "ItemResult", "LineError",
+    "OutputError", "RowWriter", "bad_line_row", "duplicate_ids", "is_complete", "parse_line",
+    "previous_rows", "read_batch", "result_row",
+]

@@ -1,0 +1,160 @@
+"""Running a request file through the engine: independent lines at once, session lines one
+after another, each result reported as soon as it is in."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvchat.batch.requests import BatchItem
+from kvchat.cache.stats import ratio
+from kvchat.config import SamplingParams
+from kvchat.engine.engine import Engine, RequestCancelled
+from kvchat.engine.sequence import Event, Finished, GenerationResult
+from kvchat.errors import KvchatError
+from kvchat.sessions import SessionStore
+from kvchat.turns import PreparedTurn, merge_params, prepare_turn
+
+
+@dataclass
+class ItemResult:
+    item: BatchItem
+    result: GenerationResult | None = None
+    error: str | None = None
+    not_started: bool = False  # the run stopped before this line started
+
+
+@dataclass
+class BatchProgress:
+    done: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def hit_rate(self) -> float:
+        return ratio(self.hit_tokens, self.prompt_tokens)
+
+
+class BatchRun:
+    """Feeds items to the engine: independent items at once, session items one after another.
+    A session line extends that session's history as a chat turn does, and the session is
+    saved after it (so `kvchat chat --session NAME` or a later file continues it)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        items: list[BatchItem],
+        defaults: SamplingParams,
+        sessions: SessionStore,
+        fail_fast: bool = False,
+        on_update: Callable[[ItemResult], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.items = items
+        self.defaults = defaults
+        self.sessions = sessions
+        self.fail_fast = fail_fast
+        self.on_update = on_update
+        self.results: dict[int, ItemResult] = {}
+        self.progress = BatchProgress()
+        self._waiting: dict[str, list[BatchItem]] = {}
+        self.save_errors: list[str] = []
+        self.stopped = False
+
+    def _submit(self, item: BatchItem) -> None:
+        try:
+            params = merge_params(self.defaults, item.max_tokens, item.temperature,
+                                  seed=item.seed)
+            session = self.sessions.open(item.session) if item.session else None
+            turn = prepare_turn(self.engine.codec, item.messages, params, session, item.system)
+        except (KvchatError, ValueError) as exc:
+            self._record(ItemResult(item, error=str(exc)))
+            self._advance_session(item)
+            return
+        try:
+            self.engine.submit(turn.request(), lambda event: self._event(item, turn, event))
+        except KvchatError as exc:
+            turn.abort()
+            self._record(ItemResult(item, error=str(exc)))
+            self._advance_session(item)
+
+    def _event(self, item: BatchItem, turn: PreparedTurn, event: Event) -> None:
+        if not isinstance(event, Finished):
+            return
+        if event.result is None or event.error is not None:
+            turn.abort()
+            not_started = isinstance(event.error, RequestCancelled)
+            message = "not run: the batch stopped before this line started" if not_started \
+                else str(event.error or "the request did not run")
+            self._record(ItemResult(item, error=message, not_started=not_started))
+        else:
+            self._commit(turn, event.result)
+            self._record(ItemResult(item, result=event.result))
+        self._advance_session(item)
+
+    def _commit(self, turn: PreparedTurn, result: GenerationResult) -> None:
+        if turn.commit(result) is None or turn.session is None:
+            return
+        try:
+            self.sessions.save(turn.session)
+        except KvchatError as exc:  # the reply is still written; only the transcript is not
+            self.save_errors.append(str(exc))
+
+    def _advance_session(self, item: BatchItem) -> None:
+        if item.session is None or self.stopped:
+            return
+        queue = self._waiting.get(item.session)
+        if queue:
+            self._submit(queue.pop(0))
+
+    def _record(self, res: ItemResult) -> None:
+        self.results[res.item.line] = res
+        p = self.progress
+        p.done += 1
+        if res.error is not None:
+            p.failed += 1
+            if self.fail_fast:
+                self.stop()
+        elif res.result is not None:
+            p.prompt_tokens += res.result.prompt_tokens
+            p.hit_tokens += res.result.cache_hit_tokens
+            p.completion_tokens += res.result.completion_tokens
+        if self.on_update is not None:
+            self.on_update(res)
+
+    def stop(self) -> None:
+        """Stop admitting; running requests finish as interrupted and keep their K/V."""
+        if not self.stopped:
+            self.stopped = True
+            self.engine.abort()
+
+    def run(self) -> None:
+        for item in self.items:
+            if item.session is None:
+                self._submit(item)
+            elif item.session in self._waiting:
+                self._waiting[item.session].append(item)
+            else:
+                self._waiting[item.session] = []
+                self._submit(item)
+            if self.stopped:
+                return
+        try:
+            while not self.stopped and not self.engine.idle:
+                self.engine.step()
+        except BaseException:
+            self.stop()
+            raise
+
+    def ordered(self) -> list[ItemResult]:
+        return [self.results[i.line] for i in self.items if i.line in self.results]
+
+    def not_started(self) -> list[ItemResult]:
+        """A result for every line that never ran (the run stopped first); not recorded."""
+        message = "not run: the batch stopped before this line started"
+        return [ItemResult(i, error=message, not_started=True) for i in self.items
+                if i.line not in self.results]

@@ -1,0 +1,49 @@
+"""How kvchat reports one finished request, in its own shape and in OpenAI's: the server's
+replies and `kvchat batch`'s output rows use these."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvchat.engine.sequence import GenerationResult
+
+
+def result_fields(r: GenerationResult) -> dict[str, Any]:
+    """What kvchat reports about one request: a batch output line, the server's /generate."""
+    return {
+        "text": r.text,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cache_hit_tokens": r.cache_hit_tokens,
+        "hit_source": r.hit_source,
+        "finish_reason": r.finish_reason,
+        "ttft_ms": round(r.ttft_ms, 2),
+        "total_ms": round(r.total_ms, 2),
+    }
+
+
+def openai_finish_reason(reason: str) -> str:
+    # OpenAI has no "interrupted": the reply simply ends where it was stopped
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def chat_completion(r: GenerationResult, completion_id: str, model: str = "kvchat") -> (
+    dict[str, Any]
+):
+    """An OpenAI `chat.completion` object; `usage.prompt_tokens_details.cached_tokens` carries
+    the cache hit."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                     "finish_reason": openai_finish_reason(r.finish_reason)}],
+        "usage": {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cache_hit_tokens},
+        },
+    }
