@@ -1,13 +1,17 @@
 """The `kvchat` command line: parse options, call the library, render the result.
 
-Each command is one function below. Options every model-loading command shares are the
-`ModelOption`, `DtypeOption` and `DeviceOption` aliases, so commands spell them identically.
+Each command is one function below. The options that say which model to load and how to size
+its cache are one family, added to every command that opens a runtime by `@runtime_options()`,
+which hands the command one `RuntimeOptions`; each option is declared once, as an alias below.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -24,7 +28,8 @@ from kvchat.errors import KvchatError
 from kvchat.models import ModelReport, describe_model
 
 if TYPE_CHECKING:
-    from kvchat.config import CacheConfig, SamplingParams
+    from kvchat.config import SamplingParams
+    from kvchat.runtime import RuntimeOptions
 
 ERROR_EXIT_CODE = 2
 INTERRUPT_EXIT_CODE = 130
@@ -82,6 +87,92 @@ SessionsDirOption = Annotated[
 MaxTokensOption = Annotated[
     int, typer.Option("--max-tokens", help="Most tokens to generate per reply.", min=1)
 ]
+
+Command = Callable[..., None]
+
+
+def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+    )
+
+
+_MODEL_FAMILY = (
+    _option("model", ModelOption, None),
+    _option("dtype", DtypeOption, None),
+    _option("device", DeviceOption, "auto"),
+)
+_CACHE_FAMILY = (
+    _option("policy", PolicyOption, None),
+    _option("block_size", BlockSizeOption, 16),
+    _option("cache_mb", CacheMbOption, 1024.0),
+    _option("prefill_chunk", PrefillChunkOption, 512),
+)
+_SESSIONS_FAMILY = (_option("sessions_dir", SessionsDirOption, Path("sessions")),)
+
+
+def runtime_options(*, persist: bool = True) -> Callable[[Command], Command]:
+    """Add --model, --dtype, --device, --policy, --block-size, --cache-mb, --prefill-chunk and,
+    when the command loads and saves the cache snapshot (`persist`), --sessions-dir to a
+    command, which receives them as one keyword argument `options: RuntimeOptions`."""
+    family = _MODEL_FAMILY + _CACHE_FAMILY + (_SESSIONS_FAMILY if persist else ())
+    return _option_family("options", family, functools.partial(_runtime_options, persist=persist))
+
+
+def _runtime_options(
+    *,
+    model: str | None,
+    dtype: str | None,
+    device: str,
+    policy: str | None,
+    block_size: int,
+    cache_mb: float,
+    prefill_chunk: int,
+    sessions_dir: Path = Path("sessions"),
+    persist: bool,
+) -> RuntimeOptions:
+    """The one place these options become a RuntimeOptions. A bad value (an unknown policy, a
+    zero budget) raises a KvchatError naming the option, before anything is loaded."""
+    from kvchat.config import CacheConfig
+    from kvchat.runtime import RuntimeOptions
+
+    cache = CacheConfig(block_size=block_size, cache_mb=cache_mb, policy=policy)
+    return RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
+                          prefill_chunk=prefill_chunk, sessions_dir=sessions_dir,
+                          persist=persist)
+
+
+def _option_family(
+    target: str, family: tuple[inspect.Parameter, ...], build: Callable[..., Any]
+) -> Callable[[Command], Command]:
+    """A decorator adding `family`'s options to a command's signature, where Typer reads them;
+    the command is called with one argument `target`, built from their values by `build`."""
+    names = [p.name for p in family]
+
+    def decorate(command: Command) -> Command:
+        own = [p for p in inspect.signature(command).parameters.values() if p.name != target]
+
+        @functools.wraps(command)
+        def with_family(**values: Any) -> None:
+            built = build(**{name: values.pop(name) for name in names})
+            command(**values, **{target: built})
+
+        signature = inspect.Signature([*(_evaluated(p, command) for p in own), *family])
+        with_family.__signature__ = signature  # type: ignore[attr-defined]
+        # Typer resolves annotations from here too: the target's type must not appear in them.
+        with_family.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+        return with_family
+
+    return decorate
+
+
+def _evaluated(parameter: inspect.Parameter, command: Command) -> inspect.Parameter:
+    """`parameter` with its annotation evaluated, as Typer needs it: this module's `from
+    __future__ import annotations` leaves annotations as strings."""
+    if not isinstance(parameter.annotation, str):
+        return parameter
+    namespace = getattr(command, "__globals__", {})
+    return parameter.replace(annotation=eval(parameter.annotation, namespace))  # noqa: S307
 
 
 def _stdout() -> Console:
@@ -210,16 +301,11 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _cache_config(policy: str | None, block_size: int, cache_mb: float) -> CacheConfig:
-    from kvchat.config import CacheConfig, normalise_policy
-
-    return CacheConfig(block_size=block_size, cache_mb=cache_mb, policy=normalise_policy(policy))
-
-
 # ---- chat ----------------------------------------------------------------------------------
 
 
 @app.command()
+@runtime_options()
 def chat(
     session: Annotated[
         str | None,
@@ -230,10 +316,6 @@ def chat(
         str | None,
         typer.Option("--system", help="System prompt for this session.", show_default=False),
     ] = None,
-    policy: PolicyOption = None,
-    model: ModelOption = None,
-    dtype: DtypeOption = None,
-    device: DeviceOption = "auto",
     max_tokens: MaxTokensOption = 256,
     temperature: Annotated[
         float, typer.Option("--temperature", help="0 is greedy decoding.", min=0.0)
@@ -243,13 +325,11 @@ def chat(
     seed: Annotated[
         int | None, typer.Option("--seed", help="Sampling seed.", show_default=False)
     ] = None,
-    block_size: BlockSizeOption = 16,
-    cache_mb: CacheMbOption = 1024.0,
-    prefill_chunk: PrefillChunkOption = 512,
-    sessions_dir: SessionsDirOption = Path("sessions"),
     panels: Annotated[
         str, typer.Option("--panels", help="What to show after each reply: off, compact, full.")
     ] = "full",
+    *,
+    options: RuntimeOptions,
 ) -> None:
     """Chat in a REPL; after each reply, panels show what the cache served."""
     from kvchat.config import SamplingParams
@@ -262,13 +342,11 @@ def chat(
     params = SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
-    cache = _cache_config(policy, block_size, cache_mb)
     # The lock comes first: a second chat on the same folder fails before loading a model.
-    with sessions_lock(sessions_dir, "kvchat chat"):
-        store = SessionStore(sessions_dir)
+    with sessions_lock(options.sessions_dir, "kvchat chat"):
+        store = SessionStore(options.sessions_dir)
         name = name or _new_session_name(store.names())
-        _run_chat(model, dtype, device, cache, prefill_chunk, sessions_dir, name, system, params,
-                  panels)
+        _run_chat(options, name, system, params, panels)
 
 
 def _new_session_name(existing: list[str]) -> str:
@@ -278,22 +356,16 @@ def _new_session_name(existing: list[str]) -> str:
 
 
 def _run_chat(
-    model: str | None,
-    dtype: str | None,
-    device: str,
-    cache: CacheConfig,
-    prefill_chunk: int,
-    sessions_dir: Path,
+    options: RuntimeOptions,
     name: str,
     system: str | None,
     params: SamplingParams,
     panels: str,
 ) -> None:
-    from kvchat.runtime import Runtime, RuntimeOptions
-    from kvchat.ui.repl import Chat, make_reader
+    from kvchat.runtime import Runtime
+    from kvchat.ui.repl import Chat
+    from kvchat.ui.terminal import make_reader
 
-    options = RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
-                             prefill_chunk=prefill_chunk, sessions_dir=sessions_dir)
     runtime = Runtime.open(options)
     session = runtime.store.load(name)
     if system is not None:
@@ -432,6 +504,7 @@ def _read_prompt_file(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
 
 
 @app.command()
+@runtime_options(persist=False)
 def verify(
     prompt: Annotated[
         str | None,
@@ -445,13 +518,8 @@ def verify(
                      show_default=False),
     ] = None,
     max_tokens: MaxTokensOption = 32,
-    model: ModelOption = None,
-    dtype: DtypeOption = None,
-    device: DeviceOption = "auto",
-    policy: PolicyOption = None,
-    block_size: BlockSizeOption = 16,
-    cache_mb: CacheMbOption = 1024.0,
-    prefill_chunk: PrefillChunkOption = 512,
+    *,
+    options: RuntimeOptions,
 ) -> None:
     """Check that cached generation equals cold generation: per prompt, the first divergent
     token and the largest logit difference. Exit code 1 if any greedy output differs."""
@@ -465,21 +533,18 @@ def verify(
     else:
         texts = [prompt] if prompt is not None else list(VERIFY_PROMPTS)
         prompts = [(preview(t, 18), [{"role": "user", "content": t}]) for t in texts]
-    cache = _cache_config(policy, block_size, cache_mb)
 
     from kvchat.engine.verify import verify_prompt
-    from kvchat.runtime import Runtime, RuntimeOptions
+    from kvchat.runtime import Runtime
 
-    runtime = Runtime.open(RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
-                                          prefill_chunk=prefill_chunk, persist=False))
-    backend = runtime.backend
+    engine = Runtime.open(options).engine
     rows = []
     console = _stdout()
     started = time.perf_counter()
     with console.status("verifying…") as status:
         for i, (label, messages) in enumerate(prompts, 1):
             status.update(f"verifying prompt {i}/{len(prompts)}: {escape(label)}")
-            rows += verify_prompt(backend, backend.encode_chat(messages), label, max_tokens)
+            rows += verify_prompt(engine, engine.codec.encode_chat(messages), label, max_tokens)
     console.print(verify_table(rows))
     console.print(verify_summary(rows))
     elapsed = time.perf_counter() - started
@@ -492,6 +557,7 @@ def verify(
 
 
 @app.command()
+@runtime_options()
 def serve(
     host: Annotated[
         str, typer.Option("--host", help="Address to bind. Anything but loopback lets every "
@@ -506,31 +572,22 @@ def serve(
         int, typer.Option("--max-tokens", help="Reply length for requests that do not set "
                           "max_tokens.", min=1)
     ] = 256,
-    policy: PolicyOption = None,
-    model: ModelOption = None,
-    dtype: DtypeOption = None,
-    device: DeviceOption = "auto",
-    block_size: BlockSizeOption = 16,
-    cache_mb: CacheMbOption = 1024.0,
-    prefill_chunk: PrefillChunkOption = 512,
-    sessions_dir: SessionsDirOption = Path("sessions"),
+    *,
+    options: RuntimeOptions,
 ) -> None:
     """Serve the model over HTTP: /generate, /v1/chat/completions (OpenAI), /cache/stats,
     /cache/tree, /healthz. Stop with Ctrl-C or SIGTERM; the cache snapshot is saved then."""
     import uvicorn
 
-    from kvchat.runtime import Runtime, RuntimeOptions
+    from kvchat.runtime import Runtime
     from kvchat.server import Server, bind_warning, create_app, log_to_stderr
     from kvchat.sessions import sessions_lock
 
-    cache = _cache_config(policy, block_size, cache_mb)
     warning = bind_warning(host)
     if warning:
         _stderr().print(f"[bold yellow]Warning:[/bold yellow] [yellow]{escape(warning)}[/yellow]")
-    with sessions_lock(sessions_dir, "kvchat serve"):
-        runtime = Runtime.open(RuntimeOptions(model=model, dtype=dtype, device=device,
-                                              cache=cache, prefill_chunk=prefill_chunk,
-                                              sessions_dir=sessions_dir))
+    with sessions_lock(options.sessions_dir, "kvchat serve"):
+        runtime = Runtime.open(options)
         web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens)
         log_to_stderr()
         try:
@@ -546,6 +603,7 @@ def serve(
 
 
 @app.command()
+@runtime_options()
 def batch(
     file: Annotated[
         Path, typer.Argument(help="JSONL requests: prompt / messages / OpenAI batch lines.",
@@ -570,14 +628,8 @@ def batch(
     fail_fast: Annotated[
         bool, typer.Option("--fail-fast", help="Stop at the first line that fails.")
     ] = False,
-    policy: PolicyOption = None,
-    model: ModelOption = None,
-    dtype: DtypeOption = None,
-    device: DeviceOption = "auto",
-    block_size: BlockSizeOption = 16,
-    cache_mb: CacheMbOption = 1024.0,
-    prefill_chunk: PrefillChunkOption = 512,
-    sessions_dir: SessionsDirOption = Path("sessions"),
+    *,
+    options: RuntimeOptions,
 ) -> None:
     """Run a file of requests through the shared cache with batched decoding.
 
@@ -595,7 +647,7 @@ def batch(
         write_jsonl,
     )
     from kvchat.config import SamplingParams
-    from kvchat.runtime import Runtime, RuntimeOptions
+    from kvchat.runtime import Runtime
     from kvchat.sessions import sessions_lock
     from kvchat.ui.batch_view import batch_progress, progress_rate, summary_table
 
@@ -608,13 +660,10 @@ def batch(
     if errors and fail_fast:
         raise typer.Exit(1)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
-    cache = _cache_config(policy, block_size, cache_mb)
     to_stdout = output is None or output == "-"
     ui = err if to_stdout else _stdout()
     interrupted = False
-    with sessions_lock(sessions_dir, "kvchat batch"):
-        options = RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
-                                 prefill_chunk=prefill_chunk, sessions_dir=sessions_dir)
+    with sessions_lock(options.sessions_dir, "kvchat batch"):
         runtime = Runtime.open(options)
         if runtime.notice:
             ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
@@ -666,7 +715,23 @@ def _add_bench() -> None:
     app.add_typer(bench_app, name="bench")
 
 
+def reflow(text: str) -> str:
+    """Each paragraph of a docstring on one line, for Rich to wrap to the terminal's width;
+    blank lines stay paragraph breaks. (Typer's rich mode keeps a docstring's hard breaks.)"""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
+
+
+def _reflow_help(commands: typer.Typer) -> None:
+    for info in commands.registered_commands:
+        info.help = reflow(info.help or inspect.getdoc(info.callback) or "")
+    for group in commands.registered_groups:
+        if group.typer_instance is not None:
+            _reflow_help(group.typer_instance)
+
+
 _add_bench()
+_reflow_help(app)
 
 
 def main() -> None:

@@ -248,3 +248,90 @@ def test_chat_from_a_pipe_runs_turns_and_names_a_new_session(tiny_model_dir, tmp
     assert (root / "chat-1.json").exists() and (root / "cache" / "index.json").exists()
     assert "(kvchat chat, since" in (root / ".lock").read_text()  # it names the last holder
 
+
+
+# ---- option families and help text ----------------------------------------------------------
+
+
+def one_line(output: str) -> list[str]:
+    """Help lines with the panel borders and padding stripped."""
+    return [" ".join(line.replace("│", " ").split()) for line in output.splitlines()]
+
+
+def test_help_paragraphs_reflow_to_the_terminal_and_keep_their_breaks():
+    lines = one_line(invoke("batch", "--help").output)
+    first = lines.index("Run a file of requests through the shared cache with batched decoding.")
+    assert lines[first + 1] == ""  # the paragraph break stays
+    assert lines[first + 2].startswith('Lines sharing a "session" chain into one conversation.')
+    assert "reported with their line numbers and skipped" in lines[first + 2]
+    assert lines[first + 2].endswith("Ctrl-C writes what finished and saves the cache.")
+
+
+def test_bench_help_lists_each_subcommand_on_one_line():
+    lines = one_line(invoke("bench", "--help").output)
+    assert ("ttft Time to first token, cold vs warm full-prefix hit vs exact repeat, next to one "
+            "decode step at the same context length.") in lines
+    lines = one_line(invoke("bench", "overhead", "--help").output)
+    assert ("What the cache costs when it cannot help: a miss with the cache on vs off, and "
+            "decode tokens/s vs plain model.generate.") in lines
+
+
+def test_reflow_joins_lines_within_paragraphs_only():
+    doc = """First line
+    goes on.
+
+    Second   paragraph
+        indented.
+    """
+    assert cli.reflow(doc) == "First line goes on.\n\nSecond paragraph indented."
+
+
+RUNTIME_ARGS = ["--model", "some/model", "--dtype", "float32", "--device", "cpu", "--policy",
+                "sink-lru", "--block-size", "8", "--cache-mb", "4.5", "--prefill-chunk", "7"]
+
+
+@pytest.mark.parametrize(
+    ("command", "persist"),
+    [(["chat"], True), (["serve"], True), (["batch", "{file}"], True), (["verify", "hi"], False)],
+)
+def test_runtime_commands_build_their_options_from_one_family(command, persist, tmp_path,
+                                                              monkeypatch):
+    from kvchat.config import CacheConfig
+    from kvchat.errors import KvchatError
+    from kvchat.runtime import Runtime, RuntimeOptions
+
+    seen = []
+
+    def fake_open(options):
+        seen.append(options)
+        raise KvchatError("stop before loading")
+
+    monkeypatch.setattr(Runtime, "open", staticmethod(fake_open))
+    requests = tmp_path / "in.jsonl"
+    requests.write_text('{"prompt": "hi"}\n')
+    args = [a.format(file=requests) for a in command] + RUNTIME_ARGS
+    if persist:
+        args += ["--sessions-dir", str(tmp_path / "s")]
+    assert_clean_error(invoke(*args), "stop before loading")
+    cache = CacheConfig(block_size=8, cache_mb=4.5, policy="sink-lru")
+    expected = RuntimeOptions(model="some/model", dtype="float32", device="cpu", cache=cache,
+                              prefill_chunk=7, persist=persist,
+                              **({"sessions_dir": tmp_path / "s"} if persist else {}))
+    assert seen == [expected]
+
+
+@pytest.mark.parametrize("command", ["chat", "serve", "batch", "verify"])
+def test_runtime_commands_share_the_family_defaults(command):
+    out = "\n".join(one_line(invoke(command, "--help").output))
+    for fragment in ("--device <str> auto (CUDA when available, else CPU), cpu, cuda or cuda:N. "
+                     "[default: auto]",
+                     "--block-size <int range> [1<=x<=4096] Tokens per cache block. [default: 16]",
+                     "[default: 1024.0]", "Prompt tokens per prefill forward pass. [default: 512]",
+                     "Hugging Face Hub id, local model folder or .gguf file"):
+        assert fragment in out, fragment
+    assert ("--sessions-dir" in out) == (command != "verify")
+
+
+def test_a_bad_family_option_is_a_clean_error_before_loading(tmp_path):
+    result = invoke("verify", "hi", "--cache-mb", "0", "--model", "/nonexistent")
+    assert_clean_error(result, "--cache-mb must be positive, got 0.0.")
