@@ -262,3 +262,23 @@ def test_banner_says_why_a_snapshot_was_set_aside(tiny_model, tiny_tokenizer, tm
     banner = " ".join(out.replace("│", " ").split())
     assert "snapshot Cache snapshot unreadable" in banner and "set aside in" in banner
     assert "snapshot none yet" not in banner
+
+
+def test_a_failed_save_is_reported_and_the_chat_goes_on(tiny_model, tiny_tokenizer, tmp_path,
+                                                         monkeypatch):
+    from kvchat.sessions import SessionWriteError
+
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    calls = {"n": 0}
+
+    def full_disk() -> None:
+        calls["n"] += 1
+        raise SessionWriteError("Could not write the cache snapshot: the disk is full.")
+
+    monkeypatch.setattr(rt, "save", full_disk)
+    out, chat = run_chat(rt, "one", "two", "three", "four", "/save")
+    assert len(chat.session.turns) == 4  # every line after the failed save still ran
+    flat = " ".join(out.split())
+    assert "the disk is full. The chat goes on" in flat
+    assert calls["n"] >= 3  # after turn 3, after turn 4 (retried), /save, and on exit
+    assert "Saved session" not in flat

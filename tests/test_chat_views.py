@@ -287,3 +287,22 @@ def test_inspect_document_filters_the_tree_by_session_but_not_the_stats():
     whole = cv.inspect_document({}, where, STATS, NODES, exact, None, 1)
     assert whole["snapshot"]["session"] is None and len(whole["exact"]) == 2
     assert whole["tree"][0]["children_omitted"] == 4
+
+
+def test_streamed_text_wraps_between_words():
+    from kvchat.ui.terminal import WordWrap
+
+    out: list[str] = []
+    wrap = WordWrap(out.append, 20, column=11)  # after "assistant> "
+    for delta in ["The radix tree sh", "ares the str", "ucture of every prompt.\nNew line", "s"]:
+        wrap.feed(delta)
+    wrap.close()
+    lines = "".join(out).split("\n")
+    assert lines == ["The radix", "tree shares the ", "structure of every ", "prompt.",
+                     "New lines"]  # no word is split ("str / ucture" was)
+    assert all(len(line) <= 20 for line in lines[1:]) and 11 + len(lines[0]) <= 20
+    hard: list[str] = []
+    long = WordWrap(hard.append, 8)
+    long.feed("abcdefghijkl mn")
+    long.close()
+    assert "".join(hard).split("\n") == ["abcdefgh", "ijkl mn"]

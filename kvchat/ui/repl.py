@@ -21,7 +21,7 @@ from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionError, validate_name
 from kvchat.ui import views
 from kvchat.ui.cache_view import nodes_from_cache, preview
-from kvchat.ui.terminal import LineReader, cancel_on_sigint, typeahead_hidden
+from kvchat.ui.terminal import LineReader, WordWrap, cancel_on_sigint, typeahead_hidden
 
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
@@ -248,10 +248,10 @@ class Chat:
 
     def _after_turn(self, result: GenerationResult, turn: Turn | None) -> None:
         assert turn is not None
-        self.store.save(self.session)
+        self._saving(lambda: self.store.save(self.session))
         self._turns_since_snapshot += 1
         if self._turns_since_snapshot >= self.save_every:
-            self.save_snapshot()
+            self._saving(self.save_snapshot)
         if result.hit_source != "exact":
             self._prefill_samples.append((result.computed_tokens, result.prefill_ms))
         rate = views.prefill_rate(self._prefill_samples)
@@ -275,14 +275,25 @@ class Chat:
 
     def _stream(self, handle: RequestHandle) -> None:
         out = self.console.file
+        # a terminal breaks lines mid-word at its edge; wrap between words instead
+        wrap = WordWrap(out.write, self.console.width, len(REPLY_PREFIX)) \
+            if self.console.is_terminal else None
         try:
             for delta in handle:
-                out.write(views.printable(delta))
+                text = views.printable(delta)
+                if wrap is not None:
+                    wrap.feed(text)
+                else:
+                    out.write(text)
                 out.flush()
         except KeyboardInterrupt:
             # A second Ctrl-C: the engine may be between steps; finishing the request now
             # stores what it computed and sets its result.
             handle.close()
+        finally:
+            if wrap is not None:
+                wrap.close()
+                out.flush()
 
     # ---- helpers ----
 
@@ -299,9 +310,20 @@ class Chat:
         self.rt.save()
         self._turns_since_snapshot = 0
 
-    def save_all(self) -> None:
-        self.store.save(self.session)
-        self.save_snapshot()
+    def save_all(self) -> bool:
+        session = self._saving(lambda: self.store.save(self.session))
+        return self._saving(self.save_snapshot) and session
+
+    def _saving(self, save: Callable[[], object]) -> bool:
+        """A save that fails (a full disk, a read-only folder) is reported and the chat goes
+        on; the session and the snapshot are written again after the next turn."""
+        try:
+            save()
+            return True
+        except KvchatError as error:
+            self._say(f"{error} The chat goes on; kvchat tries again after the next turn.",
+                      "yellow")
+            return False
 
     # ---- slash commands ----
 
@@ -330,7 +352,7 @@ class Chat:
                 s = self.session
             else:
                 try:
-                    s = self.store.load(name)
+                    s = self.store.open(name, create=False)
                 except SessionError:
                     continue  # load() moved the unreadable file aside
             rows.append(views.SessionRow(name, len(s.turns), s.updated, name == self.session.name))
@@ -347,7 +369,7 @@ class Chat:
             self._say(f"Already in session {name}.")
             return
         self.store.save(self.session)
-        self._enter(self.store.load(name))
+        self._enter(self.store.open(name))
 
     def _new(self, arg: str) -> None:
         self.store.save(self.session)
@@ -380,7 +402,8 @@ class Chat:
         )
 
     def _save(self, arg: str) -> None:
-        self.save_all()
+        if not self.save_all():
+            return
         cached = self.rt.cache.stats().tree_tokens
         self._say(f"Saved session {self.session.name} and the cache snapshot "
                   f"({cached:,} tokens) in {self.rt.options.sessions_dir}.")

@@ -7,11 +7,13 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Protocol
+
+from rich.cells import cell_len
 
 
 class LineReader(Protocol):
@@ -96,3 +98,48 @@ def typeahead_hidden() -> Iterator[None]:
         yield
     finally:
         termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
+class WordWrap:
+    """Streams text to a terminal `width` cells wide, breaking lines between words (a word that
+    would cross the edge starts the next line; one longer than a line breaks where it must).
+    A word is held back until it is complete, so it is never split by the terminal."""
+
+    def __init__(self, write: Callable[[str], object], width: int, column: int = 0) -> None:
+        self.write = write
+        self.width = max(width, 8)
+        self.column = column
+        self._word = ""
+
+    def feed(self, text: str) -> None:
+        for char in text:
+            if char == "\n":
+                self._flush_word()
+                self.write("\n")
+                self.column = 0
+            elif char.isspace():
+                self._flush_word()
+                if self.column >= self.width:
+                    self.write("\n")
+                    self.column = 0
+                else:
+                    self.write(char)
+                    self.column += cell_len(char)
+            else:
+                self._word += char
+                if cell_len(self._word) >= self.width:
+                    self._flush_word()
+
+    def close(self) -> None:
+        self._flush_word()
+
+    def _flush_word(self) -> None:
+        if not self._word:
+            return
+        size = cell_len(self._word)
+        if self.column and self.column + size > self.width:
+            self.write("\n")
+            self.column = 0
+        self.write(self._word)
+        self.column += size
+        self._word = ""
