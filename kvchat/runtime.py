@@ -15,6 +15,7 @@ from typing import Any
 
 from kvchat.config import CacheConfig
 from kvchat.engine.engine import Engine
+from kvchat.errors import KvchatError
 from kvchat.sessions import SessionStore, load_snapshot, save_snapshot
 
 
@@ -89,7 +90,11 @@ class Runtime:
     def restore(self) -> None:
         if not self.options.persist or self.cache is None:
             return
-        outcome = load_snapshot(self.options.sessions_dir, self.cache, self._fingerprint)
+        try:
+            outcome = load_snapshot(self.options.sessions_dir, self.cache, self._fingerprint)
+        except KvchatError as exc:  # e.g. a damaged snapshot that a read-only dir cannot move
+            self.notice = f"Cache snapshot not loaded, starting empty: {exc}"
+            return
         self.notice = outcome.notice
         self.restored_tokens = outcome.cached_tokens
 
