@@ -10,17 +10,17 @@ import pytest
 import torch
 from rich.console import Console
 
-from kvchat.bench.cache import (
+from kvchat.bench.cache import bench_bandwidth, bench_tree, run_cache_bench
+from kvchat.bench.timing import measure, timed
+from kvchat.bench_results import (
     BandwidthResult,
     CacheBenchResult,
+    PolicyRow,
     Timing,
-    bench_bandwidth,
-    bench_tree,
-    fmt_seconds,
-    measure,
-    render_cache_bench,
-    run_cache_bench,
+    as_json,
+    format_seconds,
 )
+from kvchat.ui.bench_view import render_cache_bench
 
 
 class TinyModel(torch.nn.Module):
@@ -152,6 +152,45 @@ def test_measure_and_formatting() -> None:
     t = measure(lambda: next(samples), trials=3, warmup=1)
     assert t == Timing(2.0, 1.0, 3.0)
     assert t.per(2) == Timing(1.0, 0.5, 1.5)
-    assert [fmt_seconds(s) for s in (2.5, 0.0125, 3.2e-5, 4e-8)] == [
-        "2.50 s", "12.50 ms", "32.0 µs", "40 ns",
+    assert (t.median_ms, t.min_ms, t.max_ms) == (2000.0, 1000.0, 3000.0)
+    assert t.spread == 0.5
+    assert [format_seconds(s) for s in (1234.5, 2.5, 0.2305, 0.0125, 0.00654, 3.2e-5, 4e-8)] == [
+        "1,234.50 s", "2.50 s", "230.5 ms", "12.5 ms", "6.54 ms", "32.0 µs", "40 ns",
     ]
+
+
+def test_measure_falls_back_to_wall_time_and_never_runs_zero_trials() -> None:
+    calls: list[int] = []
+    t = measure(lambda: calls.append(1), trials=0, warmup=2)
+    assert len(calls) == 3  # two warm-ups, then at least one trial
+    assert 0 <= t.min_s == t.median_s == t.max_s < 1
+
+
+def test_timed_returns_the_operations_value() -> None:
+    done = timed(lambda: 42)
+    assert done.value == 42 and done.seconds >= 0
+
+
+def test_as_json_writes_each_timing_in_the_unit_asked_for() -> None:
+    row = PolicyRow("lru", 1, 2, 1, 1, 0, "synthetic")
+    assert as_json([row]) == [{"policy": "lru", "requests": 1, "prompt_tokens": 2,
+                               "hit_tokens": 1, "requests_hit": 1, "evictions": 0,
+                               "scores": "synthetic"}]
+    t = Timing(0.5, 0.25, 1.0)
+    assert as_json((t, None), "ms") == [
+        {"median_ms": 500.0, "min_ms": 250.0, "max_ms": 1000.0}, None,
+    ]
+    assert as_json(t) == {"median_s": 0.5, "min_s": 0.25, "max_s": 1.0}
+
+
+def test_the_bench_views_import_no_bench() -> None:
+    import ast
+
+    import kvchat.ui.bench_view as view
+
+    tree = ast.parse(open(view.__file__, encoding="utf-8").read())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for a in node.names}
+    assert not [m for m in imported if m and (m == "kvchat.bench" or
+                                             m.startswith("kvchat.bench."))]

@@ -12,76 +12,30 @@ Times are medians over trials after a warm-up, with min and max; ratios are take
 from __future__ import annotations
 
 import random
-import statistics
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
+from kvchat.bench.timing import measure, timed
+from kvchat.bench_results import (
+    BandwidthResult,
+    CacheBenchResult,
+    LookupTiming,
+    Timing,
+    TreeRow,
+)
 from kvchat.cache.blocks import KV, BlockManager
 from kvchat.cache.kvcache import PagedKVCache
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims.
 SMOLLM2_SHAPE = (30, 3, 64)
-PREFILL_TARGET = 0.02  # gather should cost under 2% of the prefill it replaces
 VOCAB = 49_152
 
 Progress = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class Timing:
-    """Seconds: median, min and max over the trials."""
-
-    median_s: float
-    min_s: float
-    max_s: float
-
-    def per(self, n: int) -> Timing:
-        return Timing(self.median_s / n, self.min_s / n, self.max_s / n)
-
-
-def measure(trial: Callable[[], float], trials: int, warmup: int = 1) -> Timing:
-    """`trial` runs once and returns the seconds of its timed part (setup stays outside)."""
-    for _ in range(warmup):
-        trial()
-    samples = [trial() for _ in range(max(1, trials))]
-    return Timing(statistics.median(samples), min(samples), max(samples))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ---- tree: lookup / store / evict vs cache size ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class LookupTiming:
-    prompt_tokens: int
-    timing: Timing
-
-    @property
-    def ns_per_token(self) -> float:
-        return self.timing.median_s / self.prompt_tokens * 1e9
-
-
-@dataclass(frozen=True)
-class TreeRow:
-    cached_blocks: int  # blocks in the tree while measuring
-    tree_nodes: int
-    tree_leaves: int
-    path_nodes: int  # nodes on the measured prompt's path: what a lookup walks
-    max_siblings: int  # the largest group of siblings sharing a first token
-    lookups: tuple[LookupTiming, ...]  # a full hit, one per prompt length
-    store: Timing  # a fresh prompt of `prompt_tokens`, pool not full
-    evict_per_block: Timing
 
 
 def _tree_cache(num_blocks: int, block_size: int, policy: str) -> PagedKVCache:
@@ -113,8 +67,7 @@ class _Filler:
         if self._zeros.shape[2] < n:
             self._zeros = torch.zeros(1, 1, n, 1)
         kv = [(self._zeros[:, :, :n], self._zeros[:, :, :n])]
-        res = self.cache.store(tokens, kv, 0)
-        self.cache.release(res.blocks)
+        self.cache.store(tokens, kv, 0)
         return self.cache.manager.num_blocks - self.cache.manager.num_free
 
     def fill(
@@ -168,11 +121,9 @@ def _tree_row(
         query = [*prompt[: min(n, prompt_tokens)], -1]  # -1 is never stored: matched == n
 
         def lookup(query: list[int] = query) -> float:
-            t = time.perf_counter()
-            hit = cache.lookup(query)
-            dt = time.perf_counter() - t
-            cache.release(hit.blocks)
-            return dt
+            hit = timed(lambda: cache.lookup(query))
+            cache.release(hit.value.blocks)
+            return hit.seconds
 
         lookups.append(LookupTiming(len(query) - 1, measure(lookup, trials, warmup=2)))
 
@@ -190,12 +141,9 @@ def _tree_row(
 
     def store() -> float:
         seq = filler.tokens(prompt_tokens)
-        t = time.perf_counter()
-        res = cache.store(seq, kv, 0)
-        dt = time.perf_counter() - t
-        cache.release(res.blocks)
+        res = timed(lambda: cache.store(seq, kv, 0))
         cache.evict(prompt_blocks)  # back to `size`: the oldest blocks go, not the new ones
-        return dt
+        return res.seconds
 
     store_t = measure(store, trials)
 
@@ -203,11 +151,9 @@ def _tree_row(
         progress(f"tree: evictions at {size:,} blocks")
 
     def evict() -> float:
-        t = time.perf_counter()
-        done = cache.evict(evict_batch)
-        dt = time.perf_counter() - t
-        filler.store(filler.tokens(done * block_size))  # refill to `size`
-        return dt / max(done, 1)
+        done = timed(lambda: cache.evict(evict_batch))
+        filler.store(filler.tokens(done.value * block_size))  # refill to `size`
+        return done.seconds / max(done.value, 1)
 
     evict_t = measure(evict, trials)
     stats = cache.stats()
@@ -250,46 +196,6 @@ def bench_tree(
 # ---- bandwidth: gather / store vs memcpy vs prefill ------------------------------------------
 
 
-@dataclass(frozen=True)
-class BandwidthResult:
-    tokens: int
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: str
-    device: str
-    kv_bytes: int  # K and V of `tokens` positions, all layers
-    gather: Timing
-    store: Timing
-    memcpy: Timing  # clone of one buffer of kv_bytes: allocate + copy, as gather does
-    copy: Timing  # copy_ into a preallocated buffer: no page faults, the machine's peak
-    prefill: Timing | None  # the model's forward over `tokens` fresh tokens, if a model was given
-
-    @property
-    def gather_gb_s(self) -> float:
-        return self.kv_bytes / self.gather.median_s / 1e9
-
-    @property
-    def store_gb_s(self) -> float:
-        return self.kv_bytes / self.store.median_s / 1e9
-
-    @property
-    def memcpy_gb_s(self) -> float:
-        return self.kv_bytes / self.memcpy.median_s / 1e9
-
-    @property
-    def copy_gb_s(self) -> float:
-        return self.kv_bytes / self.copy.median_s / 1e9
-
-    @property
-    def gather_vs_prefill(self) -> float | None:
-        return None if self.prefill is None else self.gather.median_s / self.prefill.median_s
-
-    @property
-    def store_vs_prefill(self) -> float | None:
-        return None if self.prefill is None else self.store.median_s / self.prefill.median_s
-
-
 def _model_shape(model: Any) -> tuple[int, int, int, torch.dtype, torch.device]:
     cfg = model.config
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()
@@ -307,11 +213,7 @@ def _prefill(model: Any, tokens: int, device: torch.device, trials: int) -> Timi
 
     def run() -> float:
         with torch.inference_mode():
-            _sync(device)
-            t = time.perf_counter()
-            model(input_ids=ids, use_cache=True)
-            _sync(device)
-            return time.perf_counter() - t
+            return timed(lambda: model(input_ids=ids, use_cache=True), device).seconds
 
     return measure(run, trials)
 
@@ -354,50 +256,22 @@ def bench_bandwidth(
 
     def store() -> float:
         cache.clear()
-        _sync(dev)
-        t = time.perf_counter()
-        res = cache.store(seq, kv, 0)
-        _sync(dev)
-        dt = time.perf_counter() - t
-        cache.release(res.blocks)
-        return dt
+        return timed(lambda: cache.store(seq, kv, 0), dev).seconds
 
     store_t = measure(store, trials)
     cache.clear()
-    res = cache.store(seq, kv, 0)
+    res = cache.store(seq, kv, 0, hold=True)  # held while gather reads them
     blocks = res.blocks
 
-    def gather() -> float:
-        _sync(dev)
-        t = time.perf_counter()
-        cache.gather(blocks, tokens)
-        _sync(dev)
-        return time.perf_counter() - t
-
-    gather_t = measure(gather, trials)
+    gather_t = measure(lambda: timed(lambda: cache.gather(blocks, tokens), dev).seconds, trials)
     cache.release(blocks)
     flat = torch.randn(kv_bytes // torch.empty((), dtype=dtype).element_size(), generator=g).to(
         dev, dtype
     )
 
-    def memcpy() -> float:
-        _sync(dev)
-        t = time.perf_counter()
-        flat.clone()
-        _sync(dev)
-        return time.perf_counter() - t
-
-    memcpy_t = measure(memcpy, trials)
+    memcpy_t = measure(lambda: timed(flat.clone, dev).seconds, trials)
     dst = torch.empty_like(flat)
-
-    def copy() -> float:
-        _sync(dev)
-        t = time.perf_counter()
-        dst.copy_(flat)
-        _sync(dev)
-        return time.perf_counter() - t
-
-    copy_t = measure(copy, trials)
+    copy_t = measure(lambda: timed(lambda: dst.copy_(flat), dev).seconds, trials)
     prefill_t = None
     if model is not None:
         if progress:
@@ -422,41 +296,6 @@ def bench_bandwidth(
 # ---- the whole bench -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CacheBenchResult:
-    block_size: int
-    policy: str
-    prompt_tokens: int
-    trials: int
-    tree: tuple[TreeRow, ...]
-    bandwidth: BandwidthResult
-
-    @property
-    def lookup_size_ratio(self) -> float:
-        """Lookup of the full prompt at the largest cache over the same at the smallest."""
-        def full(row: TreeRow) -> float:
-            return max(row.lookups, key=lambda lk: lk.prompt_tokens).timing.median_s
-
-        return full(self.tree[-1]) / full(self.tree[0])
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for row, row_out in zip(self.tree, out["tree"], strict=True):
-            for lk, lk_out in zip(row.lookups, row_out["lookups"], strict=True):
-                lk_out["ns_per_token"] = lk.ns_per_token
-        bw = self.bandwidth
-        out["bandwidth"].update(
-            gather_gb_s=bw.gather_gb_s,
-            store_gb_s=bw.store_gb_s,
-            memcpy_gb_s=bw.memcpy_gb_s,
-            copy_gb_s=bw.copy_gb_s,
-            gather_vs_prefill=bw.gather_vs_prefill,
-            store_vs_prefill=bw.store_vs_prefill,
-        )
-        out["lookup_size_ratio"] = self.lookup_size_ratio
-        return out
-
-
 def run_cache_bench(
     model: Any = None,
     sizes: Sequence[int] = (1_000, 10_000, 100_000),
@@ -479,88 +318,3 @@ def run_cache_bench(
         progress=progress,
     )
     return CacheBenchResult(block_size, policy, prompt_tokens, trials, tuple(tree), bandwidth)
-
-
-# ---- rendering -------------------------------------------------------------------------------
-
-
-def fmt_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    if s >= 1e-6:
-        return f"{s * 1e6:.1f} µs"
-    return f"{s * 1e9:.0f} ns"
-
-
-def _cell(t: Timing) -> Text:
-    text = Text(fmt_seconds(t.median_s))
-    text.append(f"\n{fmt_seconds(t.min_s)}–{fmt_seconds(t.max_s)}", style="dim")
-    return text
-
-
-def render_cache_bench(result: CacheBenchResult) -> RenderableType:
-    """Two tables and the ratios they back; a pure function of the result."""
-    lengths = [lk.prompt_tokens for lk in result.tree[0].lookups] if result.tree else []
-    tree = Table(
-        title=f"Cache operations vs cache size (block size {result.block_size}, "
-        f"{result.policy}; median, min–max of {result.trials})",
-        title_justify="left",
-    )
-    tree.add_column("cached blocks", justify="right")
-    tree.add_column("nodes / leaves\n(on path, siblings)", justify="right")
-    for n in lengths:
-        tree.add_column(f"lookup {n:,}", justify="right")
-    tree.add_column(f"store {result.prompt_tokens:,}", justify="right")
-    tree.add_column("evict / block", justify="right")
-    for row in result.tree:
-        tree.add_row(
-            f"{row.cached_blocks:,}",
-            f"{row.tree_nodes:,} / {row.tree_leaves:,}\n"
-            f"({row.path_nodes:,}, {row.max_siblings:,})",
-            *[_cell(lk.timing) for lk in row.lookups],
-            _cell(row.store),
-            _cell(row.evict_per_block),
-        )
-    notes = Text()
-    if result.tree:
-        last = result.tree[-1]
-        per_token = ", ".join(
-            f"{lk.ns_per_token:.0f} ns ({lk.prompt_tokens:,})" for lk in last.lookups
-        )
-        notes.append(f"Lookup per prompt token at {last.cached_blocks:,} blocks: {per_token}\n")
-        notes.append(
-            f"Lookup of {result.prompt_tokens:,} tokens at {last.cached_blocks:,} vs "
-            f"{result.tree[0].cached_blocks:,} cached blocks: {result.lookup_size_ratio:.2f}x\n"
-        )
-
-    bw = result.bandwidth
-    band = Table(
-        title=f"K/V traffic for {bw.tokens:,} tokens ({bw.n_layers} layers x {bw.n_kv_heads} "
-        f"KV heads x {bw.head_dim}, {bw.dtype}, {bw.device}: {bw.kv_bytes / 2**20:.1f} MiB)",
-        title_justify="left",
-    )
-    band.add_column("operation")
-    band.add_column("time", justify="right")
-    band.add_column("GB/s", justify="right")
-    band.add_column("vs memcpy", justify="right")
-    band.add_row("gather (pool -> K/V)", _cell(bw.gather), f"{bw.gather_gb_s:.1f}",
-                 f"{bw.gather_gb_s / bw.memcpy_gb_s:.2f}x")
-    band.add_row("store (K/V -> pool)", _cell(bw.store), f"{bw.store_gb_s:.1f}",
-                 f"{bw.store_gb_s / bw.memcpy_gb_s:.2f}x")
-    band.add_row("memcpy (clone)", _cell(bw.memcpy), f"{bw.memcpy_gb_s:.1f}", "1.00x")
-    band.add_row("copy_ (preallocated)", _cell(bw.copy), f"{bw.copy_gb_s:.1f}",
-                 f"{bw.copy_gb_s / bw.memcpy_gb_s:.2f}x")
-    if bw.prefill is not None:
-        band.add_row(f"prefill {bw.tokens:,} tokens", _cell(bw.prefill), "", "")
-    if bw.gather_vs_prefill is not None and bw.store_vs_prefill is not None:
-        ok = bw.gather_vs_prefill < PREFILL_TARGET
-        notes.append(
-            f"gather / prefill = {bw.gather_vs_prefill:.2%} (target < {PREFILL_TARGET:.0%}: "
-            f"{'met' if ok else 'missed'}); store / prefill = {bw.store_vs_prefill:.2%}",
-            style="green" if ok else "red",
-        )
-    else:
-        notes.append("gather / prefill: no model given", style="dim")
-    return Group(tree, band, notes)

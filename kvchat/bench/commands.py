@@ -137,7 +137,8 @@ def cache(
 ) -> None:
     """Lookup / store / evict costs vs prompt length and cache size, and gather/store
     bandwidth vs memcpy (and vs a prefill on the model)."""
-    from kvchat.bench.cache import render_cache_bench, run_cache_bench
+    from kvchat.bench.cache import run_cache_bench
+    from kvchat.ui.bench_view import render_cache_bench
 
     counts = _ints(sizes, "--sizes")
     lm = _load(model, dtype, device) if with_model else None

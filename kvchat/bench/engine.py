@@ -15,35 +15,15 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvchat.bench.timing import measure, timed
+from kvchat.bench_results import Timing, as_json
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.backend import H2O_ATTENTION, Backend, Request, build_past, past_kv
-
-
-@dataclass(frozen=True)
-class Timing:
-    median_ms: float
-    min_ms: float
-    max_ms: float
-
-    def __str__(self) -> str:
-        return f"{self.median_ms:.1f} ({self.min_ms:.1f}-{self.max_ms:.1f})"
-
-
-def measure(fn: Callable[[], float | None], trials: int, warmup: int = 1) -> Timing:
-    """Median/min/max over trials of fn's own figure (ms) or, if it returns None, its wall time."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        got = fn()
-        samples.append(got if got is not None else (time.perf_counter() - t) * 1000)
-    return Timing(statistics.median(samples), min(samples), max(samples))
 
 
 def random_prompt(backend: Backend, n: int, seed: int) -> list[int]:
@@ -93,9 +73,9 @@ def _decode_step(backend: Backend, ids: Sequence[int], trials: int) -> Timing:
 
         def step() -> float:
             past = build_past(kv, backend.model.config)  # rebuilt outside the timed region
-            t = time.perf_counter()
-            backend.model(input_ids=nxt, past_key_values=past, use_cache=True, logits_to_keep=1)
-            return (time.perf_counter() - t) * 1000
+            return timed(lambda: backend.model(input_ids=nxt, past_key_values=past,
+                                               use_cache=True, logits_to_keep=1),
+                         backend.device).seconds
 
         return measure(step, trials)
 
@@ -128,7 +108,7 @@ def bench_ttft(
         exact_backend.generate(Request(ids, one))
 
         def ttft(b: Backend, ids: list[int] = ids) -> Callable[[], float]:
-            return lambda: b.generate(Request(ids, one)).ttft_ms
+            return lambda: b.generate(Request(ids, one)).ttft_ms / 1e3
 
         cold = measure(ttft(cold_backend), max(2, trials // 2))
         warm = measure(ttft(warm_backend), trials)
@@ -247,8 +227,8 @@ def bench_overhead(
     return OverheadResult(
         prompt_tokens,
         new_tokens,
-        Timing(statistics.median(on_ms), min(on_ms), max(on_ms)),
-        Timing(statistics.median(off_ms), min(off_ms), max(off_ms)),
+        Timing.of([ms / 1e3 for ms in on_ms]),
+        Timing.of([ms / 1e3 for ms in off_ms]),
         statistics.median(kv_tps),
         statistics.median(gen_tps),
         tuple(a / b for a, b in zip(on_ms, off_ms, strict=True)),
@@ -275,10 +255,10 @@ def _paired(
 
 
 def as_dict(obj: Any) -> Any:
-    """JSON-ready form of a result (dataclasses, with derived ratios)."""
+    """JSON-ready form of a result (dataclasses, with derived ratios; times in ms)."""
     if isinstance(obj, list):
         return [as_dict(o) for o in obj]
-    out = asdict(obj)
+    out = as_json(obj, "ms")
     for name in ("warm_vs_decode", "exact_vs_decode", "cold_vs_warm", "miss_overhead",
                  "decode_ratio", "h2o_prefill_ratio"):
         if hasattr(obj, name):

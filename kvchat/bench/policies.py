@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvchat.bench_results import PolicyRow
 from kvchat.cache.blocks import BlockManager
 from kvchat.cache.kvcache import PagedKVCache
 from kvchat.config import POLICY_NAMES, CacheConfig, SamplingParams
@@ -53,21 +53,6 @@ def policy_workload(
     return out
 
 
-@dataclass(frozen=True)
-class PolicyRow:
-    policy: str
-    requests: int
-    prompt_tokens: int
-    hit_tokens: int
-    requests_hit: int
-    evictions: int
-    scores: str  # "synthetic" or "model"
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
 def _synthetic_mass(n_blocks: int) -> list[float]:
     """Attention a request pays its blocks: the sink block, then decaying with distance."""
     return [(2.0 if i == 0 else 0.0) + 1.0 / (n_blocks - i) for i in range(n_blocks)]
@@ -89,7 +74,6 @@ def simulate(
         res = cache.store(seq, kv, look.matched, logits=torch.zeros(1))
         if policy == "h2o" and res.blocks:
             cache.record_attention(res.blocks, _synthetic_mass(len(res.blocks)))
-        cache.release(res.blocks)
         cache.release(look.blocks)
     cache.check_integrity()
     stats = cache.stats()

@@ -1,29 +1,124 @@
 """Rich tables (and optional matplotlib plots) for `kvchat bench` results: pure functions of the
-typed results the bench modules return."""
+typed results the benches return. Every time is printed by `format_seconds`.
+
+The results are kvchat.bench_results types, or, for the engine and batch benches, anything with
+the fields of the Protocols below: a view never imports a bench.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from kvchat.bench_results import (
+    PREFILL_TARGET,
+    CacheBenchResult,
+    PolicyRow,
+    Timing,
+    format_seconds,
+)
 from kvchat.errors import KvchatError
 
-if TYPE_CHECKING:
-    from kvchat.bench.batch import BatchBench
-    from kvchat.bench.engine import OverheadResult, Timing, TTFTRow, TurnRow
-    from kvchat.bench.policies import PolicyRow
+
+class TTFTFigures(Protocol):
+    """One prompt length of `kvchat bench ttft`."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def cold(self) -> Timing: ...
+    @property
+    def warm(self) -> Timing: ...
+    @property
+    def exact(self) -> Timing: ...
+    @property
+    def decode_step(self) -> Timing: ...
+    @property
+    def warm_vs_decode(self) -> float: ...
+    @property
+    def exact_vs_decode(self) -> float: ...
 
 
-def _ms(t: Timing) -> str:
+class OverheadFigures(Protocol):
+    """`kvchat bench overhead`."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def new_tokens(self) -> int: ...
+    @property
+    def miss_cache_on(self) -> Timing: ...
+    @property
+    def miss_cache_off(self) -> Timing: ...
+    @property
+    def kvchat_decode_tps(self) -> float: ...
+    @property
+    def generate_decode_tps(self) -> float: ...
+    @property
+    def miss_overhead(self) -> float: ...
+    @property
+    def decode_ratio(self) -> float: ...
+    @property
+    def h2o_prefill_ratio(self) -> float | None: ...
+
+
+class TurnFigures(Protocol):
+    """One turn of `kvchat bench multiturn` (times in ms)."""
+
+    @property
+    def turn(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def hit_tokens(self) -> int: ...
+    @property
+    def hit_rate(self) -> float: ...
+    @property
+    def ttft_on(self) -> float: ...
+    @property
+    def ttft_off(self) -> float: ...
+
+
+class ContenderFigures(Protocol):
+    """One runner of `kvchat bench batch`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def seconds(self) -> float | None: ...
+    @property
+    def outputs(self) -> list[list[int]]: ...
+    @property
+    def prefill_tokens(self) -> int | None: ...
+    @property
+    def note(self) -> str: ...
+
+
+class BatchFigures(Protocol):
+    """`kvchat bench batch`."""
+
+    @property
+    def requests(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def new_tokens(self) -> int: ...
+    @property
+    def ideal_prefill(self) -> int: ...
+    @property
+    def contenders(self) -> Sequence[ContenderFigures]: ...
+    def speedup(self, baseline: str, name: str = "kvchat") -> float | None: ...
+
+
+def _time(t: Timing) -> str:
     """Median with the spread of the trials as ± half their range, relative to the median."""
-    spread = (t.max_ms - t.min_ms) / 2 / t.median_ms if t.median_ms else 0.0
-    return f"{t.median_ms:,.1f} [dim]±{spread:.0%}[/dim]"
+    return f"{format_seconds(t.median_s)} [dim]±{t.spread:.0%}[/dim]"
 
 
 def _ratio(x: float | None, good: bool | None = None) -> Text:
@@ -34,39 +129,39 @@ def _ratio(x: float | None, good: bool | None = None) -> Text:
 
 
 def _spread(*ts: Timing) -> str:
-    return f"{max((t.max_ms - t.min_ms) / 2 / t.median_ms if t.median_ms else 0 for t in ts):.0%}"
+    return f"{max(t.spread for t in ts):.0%}"
 
 
-def ttft_table(rows: Sequence[TTFTRow]) -> Table:
-    t = Table(title="Time to first token (ms, medians)", box=box.SIMPLE_HEAD)
-    for col in ("prompt", "cold", "warm hit", "exact", "1 step", "warm/step", "exact/step",
-                "±"):
+def ttft_table(rows: Sequence[TTFTFigures]) -> Table:
+    t = Table(title="Time to first token (medians)", box=box.SIMPLE_HEAD,
+              collapse_padding=True)
+    for col in ("prompt", "cold", "warm", "exact", "1 step", "warm/step", "exact/step", "±"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(
             f"{r.prompt_tokens:,}",
-            f"{r.cold.median_ms:,.1f}",
-            f"{r.warm.median_ms:,.1f}",
-            f"{r.exact.median_ms:,.2f}",
-            f"{r.decode_step.median_ms:,.1f}",
+            format_seconds(r.cold.median_s),
+            format_seconds(r.warm.median_s),
+            format_seconds(r.exact.median_s),
+            format_seconds(r.decode_step.median_s),
             _ratio(r.warm_vs_decode, r.warm_vs_decode <= 1.25),
             _ratio(r.exact_vs_decode, r.exact_vs_decode <= 0.3),
             _spread(r.cold, r.warm, r.exact, r.decode_step),
         )
-    t.caption = ("warm hit: all but the last prompt token cached; exact: a repeat answered from "
+    t.caption = ("warm: a hit on all but the last prompt token; exact: a repeat answered from "
                  "stored logits, no forward; 1 step: one decode step at that context; ±: the "
                  "widest half-range of the trials. Targets: warm ≤ 1.25x, exact ≤ 0.3x one step.")
     return t
 
 
-def overhead_table(r: OverheadResult) -> Table:
+def overhead_table(r: OverheadFigures) -> Table:
     t = Table(title="Cost of the cache when it cannot help", box=box.SIMPLE_HEAD)
     t.add_column("measure")
     t.add_column("cache on", justify="right")
     t.add_column("cache off / baseline", justify="right")
     t.add_column("ratio", justify="right")
-    t.add_row(f"miss: {r.prompt_tokens}-token prompt + {r.new_tokens} tokens (ms)",
-              _ms(r.miss_cache_on), _ms(r.miss_cache_off),
+    t.add_row(f"miss: {r.prompt_tokens}-token prompt + {r.new_tokens} tokens",
+              _time(r.miss_cache_on), _time(r.miss_cache_off),
               _ratio(1 + r.miss_overhead, r.miss_overhead <= 0.03))
     t.add_row("decode tokens/s (kvchat vs model.generate)", f"{r.kvchat_decode_tps:.2f}",
               f"{r.generate_decode_tps:.2f}", _ratio(r.decode_ratio, r.decode_ratio >= 0.97))
@@ -78,11 +173,11 @@ def overhead_table(r: OverheadResult) -> Table:
     return t
 
 
-def batch_table(r: BatchBench) -> RenderableType:
+def batch_table(r: BatchFigures) -> RenderableType:
     t = Table(title=f"{r.requests} requests, {r.prompt_tokens:,} prompt tokens, "
                     f"{r.new_tokens} new tokens each", box=box.SIMPLE_HEAD)
     t.add_column("runner")
-    t.add_column("wall s", justify="right")
+    t.add_column("wall time", justify="right")
     t.add_column("kvchat speed-up", justify="right")
     t.add_column("prefill tokens computed", justify="right")
     t.add_column("settings")
@@ -91,7 +186,7 @@ def batch_table(r: BatchBench) -> RenderableType:
         speed = r.speedup(c.name) if c.name != "kvchat" and kv else None
         t.add_row(
             c.name,
-            "–" if c.seconds is None else f"{c.seconds:.2f}",
+            "–" if c.seconds is None else format_seconds(c.seconds),
             _ratio(speed) if c.name != "kvchat" else Text(""),
             "–" if c.prefill_tokens is None else f"{c.prefill_tokens:,}",
             c.note,
@@ -108,14 +203,14 @@ def batch_table(r: BatchBench) -> RenderableType:
     return Group(*lines)
 
 
-def multiturn_table(rows: Sequence[TurnRow]) -> Table:
+def multiturn_table(rows: Sequence[TurnFigures]) -> Table:
     t = Table(title="Multi-turn chat: each turn extends the session's history",
               box=box.SIMPLE_HEAD)
-    for col in ("turn", "prompt", "hit", "hit rate", "TTFT on (ms)", "TTFT off (ms)", "off / on"):
+    for col in ("turn", "prompt", "hit", "hit rate", "TTFT on", "TTFT off", "off / on"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r.turn), f"{r.prompt_tokens:,}", f"{r.hit_tokens:,}", f"{r.hit_rate:.1%}",
-                  f"{r.ttft_on:,.1f}", f"{r.ttft_off:,.1f}",
+                  format_seconds(r.ttft_on / 1e3), format_seconds(r.ttft_off / 1e3),
                   _ratio(r.ttft_off / r.ttft_on if r.ttft_on else None))
     return t
 
@@ -129,6 +224,81 @@ def policies_table(rows: Sequence[PolicyRow]) -> Table:
         t.add_row(r.policy, str(r.requests), f"{r.prompt_tokens:,}", f"{r.hit_tokens:,}",
                   f"{r.hit_rate:.1%}", str(r.requests_hit), f"{r.evictions:,}", r.scores)
     return t
+
+
+# ---- bench cache ---------------------------------------------------------------------------
+
+
+def _cell(t: Timing) -> Text:
+    text = Text(format_seconds(t.median_s))
+    text.append(f"\n{format_seconds(t.min_s)}–{format_seconds(t.max_s)}", style="dim")
+    return text
+
+
+def render_cache_bench(result: CacheBenchResult) -> RenderableType:
+    """Two tables and the ratios they back; a pure function of the result."""
+    lengths = [lk.prompt_tokens for lk in result.tree[0].lookups] if result.tree else []
+    tree = Table(
+        title=f"Cache operations vs cache size (block size {result.block_size}, "
+        f"{result.policy}; median, min–max of {result.trials})",
+        title_justify="left",
+    )
+    tree.add_column("cached blocks", justify="right")
+    tree.add_column("nodes / leaves\n(on path, siblings)", justify="right")
+    for n in lengths:
+        tree.add_column(f"lookup {n:,}", justify="right")
+    tree.add_column(f"store {result.prompt_tokens:,}", justify="right")
+    tree.add_column("evict / block", justify="right")
+    for row in result.tree:
+        tree.add_row(
+            f"{row.cached_blocks:,}",
+            f"{row.tree_nodes:,} / {row.tree_leaves:,}\n"
+            f"({row.path_nodes:,}, {row.max_siblings:,})",
+            *[_cell(lk.timing) for lk in row.lookups],
+            _cell(row.store),
+            _cell(row.evict_per_block),
+        )
+    notes = Text()
+    if result.tree:
+        last = result.tree[-1]
+        per_token = ", ".join(
+            f"{lk.ns_per_token:.0f} ns ({lk.prompt_tokens:,})" for lk in last.lookups
+        )
+        notes.append(f"Lookup per prompt token at {last.cached_blocks:,} blocks: {per_token}\n")
+        notes.append(
+            f"Lookup of {result.prompt_tokens:,} tokens at {last.cached_blocks:,} vs "
+            f"{result.tree[0].cached_blocks:,} cached blocks: {result.lookup_size_ratio:.2f}x\n"
+        )
+
+    bw = result.bandwidth
+    band = Table(
+        title=f"K/V traffic for {bw.tokens:,} tokens ({bw.n_layers} layers x {bw.n_kv_heads} "
+        f"KV heads x {bw.head_dim}, {bw.dtype}, {bw.device}: {bw.kv_bytes / 2**20:.1f} MiB)",
+        title_justify="left",
+    )
+    band.add_column("operation")
+    band.add_column("time", justify="right")
+    band.add_column("GB/s", justify="right")
+    band.add_column("vs memcpy", justify="right")
+    band.add_row("gather (pool -> K/V)", _cell(bw.gather), f"{bw.gather_gb_s:.1f}",
+                 f"{bw.gather_gb_s / bw.memcpy_gb_s:.2f}x")
+    band.add_row("store (K/V -> pool)", _cell(bw.store), f"{bw.store_gb_s:.1f}",
+                 f"{bw.store_gb_s / bw.memcpy_gb_s:.2f}x")
+    band.add_row("memcpy (clone)", _cell(bw.memcpy), f"{bw.memcpy_gb_s:.1f}", "1.00x")
+    band.add_row("copy_ (preallocated)", _cell(bw.copy), f"{bw.copy_gb_s:.1f}",
+                 f"{bw.copy_gb_s / bw.memcpy_gb_s:.2f}x")
+    if bw.prefill is not None:
+        band.add_row(f"prefill {bw.tokens:,} tokens", _cell(bw.prefill), "", "")
+    if bw.gather_vs_prefill is not None and bw.store_vs_prefill is not None:
+        ok = bw.gather_vs_prefill < PREFILL_TARGET
+        notes.append(
+            f"gather / prefill = {bw.gather_vs_prefill:.2%} (target < {PREFILL_TARGET:.0%}: "
+            f"{'met' if ok else 'missed'}); store / prefill = {bw.store_vs_prefill:.2%}",
+            style="green" if ok else "red",
+        )
+    else:
+        notes.append("gather / prefill: no model given", style="dim")
+    return Group(tree, band, notes)
 
 
 # ---- plots ---------------------------------------------------------------------------------
@@ -147,7 +317,7 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def plot_ttft(rows: Sequence[TTFTRow], path: Path) -> Path:
+def plot_ttft(rows: Sequence[TTFTFigures], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r.prompt_tokens for r in rows]
@@ -165,7 +335,7 @@ def plot_ttft(rows: Sequence[TTFTRow], path: Path) -> Path:
     return path
 
 
-def plot_multiturn(rows: Sequence[TurnRow], path: Path) -> Path:
+def plot_multiturn(rows: Sequence[TurnFigures], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r.turn for r in rows]

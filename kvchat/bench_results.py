@@ -1,0 +1,197 @@
+"""What a `kvchat bench` run measured: small typed results and the one way to print a time.
+
+Plain data, no torch: the benches (kvchat/bench/) build these and the views (ui/bench_view.py)
+render them, so the views never import a bench.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Literal
+
+TimeUnit = Literal["s", "ms"]
+PREFILL_TARGET = 0.02  # a gather should cost under 2% of the prefill it replaces
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One figure over repeated trials, in seconds: median, min and max."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Timing:
+        """The median, min and max of per-trial seconds."""
+        return cls(statistics.median(samples), min(samples), max(samples))
+
+    def per(self, n: int) -> Timing:
+        return Timing(self.median_s / n, self.min_s / n, self.max_s / n)
+
+    @property
+    def median_ms(self) -> float:
+        return self.median_s * 1e3
+
+    @property
+    def min_ms(self) -> float:
+        return self.min_s * 1e3
+
+    @property
+    def max_ms(self) -> float:
+        return self.max_s * 1e3
+
+    @property
+    def spread(self) -> float:
+        """Half the range of the trials relative to the median: the noise of this figure."""
+        return (self.max_s - self.min_s) / 2 / self.median_s if self.median_s else 0.0
+
+    def as_json(self, unit: TimeUnit = "s") -> dict[str, float]:
+        scale = 1e3 if unit == "ms" else 1.0
+        return {f"median_{unit}": self.median_s * scale, f"min_{unit}": self.min_s * scale,
+                f"max_{unit}": self.max_s * scale}
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration in the unit that keeps it short, with three or four significant digits:
+    2.50 s, 230.5 ms, 6.54 ms, 32.0 µs, 40 ns."""
+    if seconds >= 1:
+        return f"{seconds:,.2f} s"
+    if seconds >= 1e-3:
+        ms = seconds * 1e3
+        return f"{ms:.1f} ms" if ms >= 10 else f"{ms:.2f} ms"
+    if seconds >= 1e-6:
+        return f"{seconds * 1e6:.1f} µs"
+    return f"{seconds * 1e9:.0f} ns"
+
+
+def as_json(obj: Any, unit: TimeUnit = "s") -> Any:
+    """JSON-ready form of a result: dataclasses as dicts of their fields, tuples as lists, and
+    each Timing as {median_<unit>, min_<unit>, max_<unit>}."""
+    if isinstance(obj, Timing):
+        return obj.as_json(unit)
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: as_json(getattr(obj, f.name), unit) for f in fields(obj)}
+    if isinstance(obj, list | tuple):
+        return [as_json(item, unit) for item in obj]
+    return obj
+
+
+# ---- bench cache ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LookupTiming:
+    prompt_tokens: int
+    timing: Timing
+
+    @property
+    def ns_per_token(self) -> float:
+        return self.timing.median_s / self.prompt_tokens * 1e9
+
+
+@dataclass(frozen=True)
+class TreeRow:
+    cached_blocks: int  # blocks in the tree while measuring
+    tree_nodes: int
+    tree_leaves: int
+    path_nodes: int  # nodes on the measured prompt's path: what a lookup walks
+    max_siblings: int  # the largest group of siblings sharing a first token
+    lookups: tuple[LookupTiming, ...]  # a full hit, one per prompt length
+    store: Timing  # a fresh prompt of `prompt_tokens`, pool not full
+    evict_per_block: Timing
+
+
+@dataclass(frozen=True)
+class BandwidthResult:
+    tokens: int
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    kv_bytes: int  # K and V of `tokens` positions, all layers
+    gather: Timing
+    store: Timing
+    memcpy: Timing  # clone of one buffer of kv_bytes: allocate + copy, as gather does
+    copy: Timing  # copy_ into a preallocated buffer: no page faults, the machine's peak
+    prefill: Timing | None  # the model's forward over `tokens` fresh tokens, if a model was given
+
+    @property
+    def gather_gb_s(self) -> float:
+        return self.kv_bytes / self.gather.median_s / 1e9
+
+    @property
+    def store_gb_s(self) -> float:
+        return self.kv_bytes / self.store.median_s / 1e9
+
+    @property
+    def memcpy_gb_s(self) -> float:
+        return self.kv_bytes / self.memcpy.median_s / 1e9
+
+    @property
+    def copy_gb_s(self) -> float:
+        return self.kv_bytes / self.copy.median_s / 1e9
+
+    @property
+    def gather_vs_prefill(self) -> float | None:
+        return None if self.prefill is None else self.gather.median_s / self.prefill.median_s
+
+    @property
+    def store_vs_prefill(self) -> float | None:
+        return None if self.prefill is None else self.store.median_s / self.prefill.median_s
+
+
+@dataclass(frozen=True)
+class CacheBenchResult:
+    block_size: int
+    policy: str
+    prompt_tokens: int
+    trials: int
+    tree: tuple[TreeRow, ...]
+    bandwidth: BandwidthResult
+
+    @property
+    def lookup_size_ratio(self) -> float:
+        """Lookup of the full prompt at the largest cache over the same at the smallest."""
+        def full(row: TreeRow) -> float:
+            return max(row.lookups, key=lambda lk: lk.prompt_tokens).timing.median_s
+
+        return full(self.tree[-1]) / full(self.tree[0])
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = as_json(self, "s")
+        for row, row_out in zip(self.tree, out["tree"], strict=True):
+            for lk, lk_out in zip(row.lookups, row_out["lookups"], strict=True):
+                lk_out["ns_per_token"] = lk.ns_per_token
+        bw = self.bandwidth
+        out["bandwidth"].update(
+            gather_gb_s=bw.gather_gb_s,
+            store_gb_s=bw.store_gb_s,
+            memcpy_gb_s=bw.memcpy_gb_s,
+            copy_gb_s=bw.copy_gb_s,
+            gather_vs_prefill=bw.gather_vs_prefill,
+            store_vs_prefill=bw.store_vs_prefill,
+        )
+        out["lookup_size_ratio"] = self.lookup_size_ratio
+        return out
+
+
+# ---- bench policies ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    policy: str
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    requests_hit: int
+    evictions: int
+    scores: str  # "synthetic" or "model"
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
