@@ -74,9 +74,10 @@ class PreparedTurn:
     user_text: str | None = None
     _saved: tuple[str | None, list[Message], list[int]] | None = field(default=None, repr=False)
 
-    def request(self) -> Request:
+    def request(self, namespace: str = "") -> Request:
+        """The engine request of this turn, cached in `namespace`."""
         sid = self.session.name if self.session is not None else None
-        return Request(self.prompt_ids, self.params, sid=sid)
+        return Request(self.prompt_ids, self.params, sid=sid, namespace=namespace)
 
     def commit(self, result: GenerationResult) -> Turn | None:
         """Record the turn in its session (an interrupted reply too: its K/V is cached, so the

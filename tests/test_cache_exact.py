@@ -127,12 +127,12 @@ def test_check_catches_a_stale_reverse_map() -> None:
     idx = ExactIndex()
     blocks = blocks_for([1, 2], 0)
     idx.put([1, 2], blocks)
-    idx._by_block.setdefault(7, set()).add((4, 4))  # a key with no entry
+    idx._by_block.setdefault(7, set()).add(("", (4, 4)))  # a key with no entry
     with pytest.raises(AssertionError):
         idx.check(BS)
     idx = ExactIndex()
     idx.put([1, 2], blocks)
-    idx._by_block[blocks[0].block_id].discard((1, 2))  # an entry its block forgot
+    idx._by_block[blocks[0].block_id].discard(("", (1, 2)))  # an entry its block forgot
     with pytest.raises(AssertionError, match="reverse map"):
         idx.check(BS)
 

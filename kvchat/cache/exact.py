@@ -1,4 +1,5 @@
-"""Exact-match index: whole prompt -> its blocks and, when given, the last position's logits.
+"""Exact-match index: (namespace, whole prompt) -> its blocks and, when given, the last
+position's logits. A prompt cached in one namespace is unknown in every other.
 
 With stored logits an exact repeat samples its first token without any forward pass. Entries die
 with any of their blocks (`drop_block`) and the index keeps at most `max_entries` (oldest out
@@ -34,37 +35,47 @@ class _HashedKey(tuple[int, ...]):
         return self._hash
 
 
+# (namespace, tokens): both parts hash once (str caches its hash, _HashedKey its own)
+NamespacedKey = tuple[str, Key]
+
+
 @dataclass
 class ExactEntry:
     blocks: list[Block]  # covering positions [0, len(key))
     logits: Any = None  # the last position's logits row (a tensor), or None
+    namespace: str = ""
 
 
 class ExactIndex:
     def __init__(self, max_entries: int = 256) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[Key, ExactEntry] = OrderedDict()
-        self._by_block: dict[int, set[Key]] = {}
+        self._entries: OrderedDict[NamespacedKey, ExactEntry] = OrderedDict()
+        self._by_block: dict[int, set[NamespacedKey]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
+    def __contains__(self, tokens: object) -> bool:
+        """Whether this token tuple is an entry of namespace "" (see `has` for the others)."""
+        return isinstance(tokens, tuple) and ("", tokens) in self._entries
 
-    def get(self, tokens: Sequence[int]) -> ExactEntry | None:
-        key = tuple(tokens)
+    def has(self, tokens: Sequence[int], namespace: str = "") -> bool:
+        return (namespace, tuple(tokens)) in self._entries
+
+    def get(self, tokens: Sequence[int], namespace: str = "") -> ExactEntry | None:
+        key = (namespace, tuple(tokens))
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
         return entry
 
-    def put(self, tokens: Sequence[int], blocks: Sequence[Block], logits: Any = None) -> None:
+    def put(self, tokens: Sequence[int], blocks: Sequence[Block], logits: Any = None,
+            namespace: str = "") -> None:
         if self.max_entries == 0:
             return
-        key = _HashedKey(tokens)
+        key = (namespace, _HashedKey(tokens))
         self._discard(key)
-        self._entries[key] = ExactEntry(list(blocks), logits)
+        self._entries[key] = ExactEntry(list(blocks), logits, namespace)
         for block in blocks:
             self._by_block.setdefault(block.block_id, set()).add(key)
         while len(self._entries) > self.max_entries:
@@ -77,7 +88,7 @@ class ExactIndex:
             self._discard(key)
         return len(keys)
 
-    def _discard(self, key: Key) -> None:
+    def _discard(self, key: NamespacedKey) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
@@ -93,13 +104,16 @@ class ExactIndex:
         self._by_block.clear()
 
     def items(self) -> Iterator[tuple[Key, ExactEntry]]:
-        return iter(self._entries.items())
+        """(tokens, entry) per entry, oldest first; the entry names its namespace."""
+        return ((tokens, entry) for (_, tokens), entry in self._entries.items())
 
     def check(self, block_size: int) -> None:
-        for key, entry in self._entries.items():
-            assert len(entry.blocks) == -(-len(key) // block_size), "exact entry block count"
-            joined = [t for b in entry.blocks for t in b.token_ids][: len(key)]
-            assert tuple(joined) == key, "exact entry blocks no longer hold its tokens"
+        for (namespace, tokens), entry in self._entries.items():
+            key = (namespace, tokens)
+            assert entry.namespace == namespace, "exact entry filed under another namespace"
+            assert len(entry.blocks) == -(-len(tokens) // block_size), "exact entry block count"
+            joined = [t for b in entry.blocks for t in b.token_ids][: len(tokens)]
+            assert tuple(joined) == tokens, "exact entry blocks no longer hold its tokens"
             for block in entry.blocks:
                 assert key in self._by_block.get(block.block_id, ()), "reverse map out of date"
         for bid, keys in self._by_block.items():

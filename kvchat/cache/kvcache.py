@@ -5,6 +5,10 @@ needed), then the radix tree (longest cached prefix, token-granular). Store evic
 through the policy when the pool is short, writes the new K/V, and registers the sequence in both
 layers. Blocks a lookup (or a store with hold=True) hands out are acquired; the caller releases
 them when its request ends. Blocks the tree owns carry no reference.
+
+Every lookup, peek and store names a namespace ("" by default): entries stored in one are never
+a hit in another, so callers that must not learn of each other's prompts (a server's tenants)
+share the pool but no blocks. Eviction ranks all namespaces' blocks together.
 """
 
 from __future__ import annotations
@@ -109,17 +113,19 @@ class PagedKVCache:
 
     # ---- lookup ------------------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int], sid: str | None = None) -> Lookup:
-        """Longest reusable prefix of `tokens`, acquired for the caller (release when done).
+    def lookup(self, tokens: Sequence[int], sid: str | None = None,
+               namespace: str = "") -> Lookup:
+        """Longest reusable prefix of `tokens` in `namespace`, acquired for the caller (release
+        when done).
 
         Only an exact hit with stored logits covers the whole prompt; any other hit leaves at
         least the last token to compute, since its logits are needed to sample."""
         n = len(tokens)
-        entry = self.exact.get(tokens) if n else None
+        entry = self.exact.get(tokens, namespace) if n else None
         if entry is not None and entry.logits is not None:
             matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
         else:
-            match = self.tree.find_prefix(tokens)
+            match = self.tree.find_prefix(tokens, namespace)
             matched = min(match.matched, max(n - 1, 0))
             blocks = match.blocks[: _ceil_div(matched, self.block_size)]
             source = HitSource.RADIX if matched else HitSource.MISS
@@ -136,9 +142,9 @@ class PagedKVCache:
             self._sessions[sid] = before.after_lookup(matched, n)
         return Lookup(matched, tuple(blocks), source, logits, n)
 
-    def peek(self, tokens: Sequence[int]) -> int:
+    def peek(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Cached prefix length without touching stats, timestamps or ref counts (schedulers)."""
-        return self.tree.find_prefix(tokens).matched
+        return self.tree.find_prefix(tokens, namespace).matched
 
     def gather(self, blocks: Sequence[Block], n_tokens: int) -> list[KV]:
         """Per-layer K/V (1, H, n_tokens, D) for the first n_tokens positions of `blocks`."""
@@ -164,8 +170,9 @@ class PagedKVCache:
         logits_len: int | None = None,
         sid: str | None = None,
         hold: bool = False,
+        namespace: str = "",
     ) -> StoreResult:
-        """Cache `tokens`, whose K/V for positions [skip_tokens, len(tokens)) are in
+        """Cache `tokens` in `namespace`, whose K/V for positions [skip_tokens, len(tokens)) are in
         kv_per_layer (each (1, H, len(tokens) - skip_tokens, D)). `logits`, if given, are the
         logits at position logits_len - 1 (default: the last), kept in the exact index.
 
@@ -177,7 +184,7 @@ class PagedKVCache:
         have = kv_per_layer[0][0].shape[-2] if kv_per_layer else 0
         if have != n - skip_tokens:
             raise ValueError(f"K/V covers {have} positions, expected {n - skip_tokens}")
-        match = self.tree.find_prefix(tokens)
+        match = self.tree.find_prefix(tokens, namespace)
         m = match.matched
         held = list(match.blocks)
         for block in held:  # keep our own path safe from the eviction below
@@ -213,7 +220,8 @@ class PagedKVCache:
                     keep = held if extend else held[: base // bs]
                     try:
                         self._fill(new, held, extend, base, m, end, skip_tokens, kv_per_layer)
-                        self.tree.insert(tokens[:end], keep + new, owner=sid)
+                        self.tree.insert(tokens[:end], keep + new, owner=sid,
+                                         namespace=namespace)
                     except BaseException:  # e.g. Ctrl-C: the new blocks go back, unowned
                         self.release(new)
                         self.manager.free(new)
@@ -227,7 +235,8 @@ class PagedKVCache:
             if logits is not None:
                 key_len = n if logits_len is None else logits_len
                 if key_len <= stored:
-                    self.exact.put(tokens[:key_len], path[: _ceil_div(key_len, bs)], logits)
+                    self.exact.put(tokens[:key_len], path[: _ceil_div(key_len, bs)], logits,
+                                   namespace)
         finally:
             for block in held:
                 block.release()
@@ -313,7 +322,7 @@ class PagedKVCache:
                 heap, owner = build()
             elif leaf.blocks:
                 push(heap, owner, leaf)
-            elif parent is not None and parent is not tree.root and parent.is_leaf:
+            elif parent is not None and not parent.is_root and parent.is_leaf:
                 push(heap, owner, parent)
         self._counters = self._counters.plus(eviction_count=done)
         return done
@@ -366,7 +375,9 @@ class PagedKVCache:
             free_list = list(mgr.free_ids)
             free = set(free_list)
             assert len(free_list) == len(free), "duplicate ids in the free list"
-            in_tree = {b.block_id for b in self.tree.all_blocks()}
+            # block id -> the namespace of the node holding it
+            in_tree = {b.block_id: node.namespace for node, _ in self.tree.nodes()
+                       for b in node.blocks}
             for block in mgr.blocks:
                 bid = block.block_id
                 assert block.ref_count >= 0, f"negative ref count on {block!r}"
@@ -380,5 +391,8 @@ class PagedKVCache:
             for _, entry in self.exact.items():
                 for block in entry.blocks:
                     assert block.block_id in in_tree, "exact entry points at an evicted block"
+                    assert in_tree[block.block_id] == entry.namespace, (
+                        f"exact entry of namespace {entry.namespace!r} reads a block of "
+                        f"{in_tree[block.block_id]!r}")
         except AssertionError as exc:
             raise CacheIntegrityError(str(exc)) from exc

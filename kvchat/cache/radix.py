@@ -3,7 +3,12 @@
 Invariants (checked by `check`):
 - every node starts at a block-aligned position; its blocks cover exactly its edge tokens;
 - a node that ends mid-block is a leaf (children start at block boundaries);
-- each block belongs to exactly one node.
+- each block belongs to exactly one node;
+- every node belongs to one namespace, that of the root it hangs from.
+
+Namespaces keep caches apart inside one pool: each has its own root (created by its first
+insert, dropped when its last node is evicted), so a lookup in one never matches another's
+tokens. Namespace "" (the standalone cache) always has a root, `root`.
 
 Matches are token-granular: a lookup may end inside an edge, even inside a block, because the K/V of
 position i depends only on tokens <= i. An insert that diverges mid-block starts its branch at the
@@ -23,10 +28,12 @@ if TYPE_CHECKING:
 
 
 class Node:
-    __slots__ = ("parent", "children", "tokens", "blocks", "start", "owners")
+    __slots__ = ("parent", "children", "tokens", "blocks", "start", "owners", "namespace")
 
-    def __init__(self, parent: Node | None, start: int, tokens: list[int], blocks: list[Block]):
+    def __init__(self, parent: Node | None, start: int, tokens: list[int], blocks: list[Block],
+                 namespace: str = ""):
         self.parent = parent
+        self.namespace = namespace
         self.start = start
         self.tokens = tokens
         self.blocks = blocks
@@ -40,6 +47,10 @@ class Node:
     @property
     def is_leaf(self) -> bool:
         return not self.children
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
 
     def child_list(self) -> list[Node]:
         return [c for group in self.children.values() for c in group]
@@ -81,18 +92,34 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], b_from: int) -> int:
 class RadixTree:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.root = Node(None, 0, [], [])
+        self.roots: dict[str, Node] = {"": Node(None, 0, [], [])}
         self._leaves: set[Node] = set()
         self.merges = 0  # node merges so far (eviction watches it: merges move blocks)
+
+    @property
+    def root(self) -> Node:
+        """The root of namespace "" (the standalone cache)."""
+        return self.roots[""]
+
+    def _root(self, namespace: str) -> Node:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = Node(None, 0, [], [], namespace)
+        return root
+
+    def _top(self) -> list[Node]:
+        """The roots' children: every namespace's first edges."""
+        return [c for root in self.roots.values() for c in root.child_list()]
 
     # ---- plain-data form (the snapshot) --------------------------------------------------------
 
     def export(self) -> tuple[list[Block], list[dict[str, Any]]]:
         """The tree as plain data: its blocks in depth-first order, and the root's children as
-        nested records {"start", "blocks" (indices into that list), "owners", "children"}."""
+        nested records {"start", "blocks" (indices into that list), "owners", "children"}; the
+        roots' children also name their "namespace" (their descendants share it)."""
         blocks: list[Block] = []
         top: list[dict[str, Any]] = []
-        stack = [(c, top) for c in reversed(self.root.child_list())]
+        stack = [(c, top) for c in reversed(self._top())]
         while stack:  # no recursion: a long chain of branch points must not hit the limit
             node, siblings = stack.pop()
             rec: dict[str, Any] = {
@@ -101,6 +128,8 @@ class RadixTree:
                 "owners": sorted(node.owners),
                 "children": [],
             }
+            if node.parent is not None and node.parent.is_root:
+                rec["namespace"] = node.namespace
             blocks.extend(node.blocks)
             siblings.append(rec)
             stack.extend((c, rec["children"]) for c in reversed(node.child_list()))
@@ -111,15 +140,19 @@ class RadixTree:
         cls, block_size: int, records: Sequence[Mapping[str, Any]], blocks: Sequence[Block]
     ) -> RadixTree:
         """Rebuild the tree `export` described over `blocks` (which already hold their tokens):
-        edges are read from the blocks, first-block flags set. Raises ValueError when the
-        records do not describe a valid tree over those blocks."""
+        edges are read from the blocks, first-block flags set; records without a "namespace"
+        (older snapshots) are namespace "". Raises ValueError when the records do not describe
+        a valid tree over those blocks."""
         tree = cls(block_size)
         try:
-            stack = [(rec, tree.root) for rec in reversed(list(records))]
+            # roots in the order the records name them, so nodes() iterates as before
+            tops = [(rec, tree._root(str(rec.get("namespace", "")))) for rec in records]
+            stack = tops[::-1]
             while stack:
                 rec, parent = stack.pop()
                 own = [blocks[int(i)] for i in rec["blocks"]]
-                node = Node(parent, int(rec["start"]), [t for b in own for t in b.token_ids], own)
+                node = Node(parent, int(rec["start"]), [t for b in own for t in b.token_ids], own,
+                            parent.namespace)
                 node.owners = {str(o) for o in rec.get("owners", [])}
                 for i, block in enumerate(own):
                     block.is_first_block = node.start == 0 and i == 0
@@ -151,9 +184,13 @@ class RadixTree:
                 best, best_len = child, n
         return best, best_len
 
-    def find_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
-        """Walk edges while tokens match; O(len(tokens)), independent of how much is cached."""
-        node, pos = self.root, 0
+    def find_prefix(self, tokens: Sequence[int], namespace: str = "") -> PrefixMatch:
+        """Walk edges while tokens match, inside `namespace` only; O(len(tokens)), independent
+        of how much is cached."""
+        root = self.roots.get(namespace)
+        if root is None:
+            return PrefixMatch(0, [], None, False)
+        node, pos = root, 0
         blocks: list[Block] = []
         bs = self.block_size
         while True:
@@ -169,17 +206,23 @@ class RadixTree:
     # ---- mutation ----------------------------------------------------------------------------
 
     def insert(
-        self, tokens: Sequence[int], blocks: Sequence[Block], owner: str | None = None
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[Block],
+        owner: str | None = None,
+        namespace: str = "",
     ) -> None:
         """Register `tokens` whose K/V live in `blocks` (block i covers positions
         [i*bs, (i+1)*bs)). Blocks for the already cached part must be the tree's own blocks (as
         `find_prefix` returned them, or a fresh copy where the branch diverges mid-block).
-        Writes each new block's token_ids and first-block flag."""
+        Writes each new block's token_ids and first-block flag. Nodes are `namespace`'s."""
         bs = self.block_size
         n = len(tokens)
         if len(blocks) != -(-n // bs):
             raise ValueError(f"{n} tokens need {-(-n // bs)} blocks, got {len(blocks)}")
-        node, pos = self.root, 0
+        if n == 0:
+            return
+        node, pos = self._root(namespace), 0
         while pos < n:
             child, common = self._best_child(node, tokens, pos)
             if child is None:
@@ -223,7 +266,7 @@ class RadixTree:
             block.token_ids = list(tokens[lo : lo + bs])
         if pos == 0:
             new_blocks[0].is_first_block = True
-        leaf = Node(parent, pos, list(tokens[pos:]), new_blocks)
+        leaf = Node(parent, pos, list(tokens[pos:]), new_blocks, parent.namespace)
         if owner is not None:
             leaf.owners.add(owner)
         self._leaves.discard(parent)
@@ -250,7 +293,8 @@ class RadixTree:
         """Split node's edge at absolute block-aligned position `at`; returns the upper part."""
         bs = self.block_size
         cut = at - node.start
-        upper = Node(node.parent, node.start, node.tokens[:cut], node.blocks[: cut // bs])
+        upper = Node(node.parent, node.start, node.tokens[:cut], node.blocks[: cut // bs],
+                     node.namespace)
         upper.owners = set(node.owners)
         parent = node.parent
         assert parent is not None
@@ -265,7 +309,7 @@ class RadixTree:
     def pop_leaf_block(self, leaf: Node) -> Block:
         """Drop the last block of a leaf (eviction); removes the node when it empties and merges
         a parent left with a single child, so the trie stays compressed."""
-        if not leaf.is_leaf or leaf is self.root:
+        if not leaf.is_leaf or leaf.is_root:
             raise ValueError("only leaf blocks can be evicted")
         key = leaf.tokens[0]
         block = leaf.blocks.pop()
@@ -275,9 +319,12 @@ class RadixTree:
             assert parent is not None
             parent.remove_child(leaf, key)
             self._leaves.discard(leaf)
-            if parent is not self.root and parent.is_leaf:
+            if parent.is_root:
+                if parent.is_leaf and parent.namespace:  # an empty namespace leaves no trace
+                    del self.roots[parent.namespace]
+            elif parent.is_leaf:
                 self._leaves.add(parent)
-            elif parent is not self.root and len(parent.child_list()) == 1:
+            elif len(parent.child_list()) == 1:
                 self._merge_single_child(parent)
         return block
 
@@ -294,10 +341,10 @@ class RadixTree:
             self._leaves.discard(child)
             self._leaves.add(node)
 
-    def remove(self, tokens: Sequence[int]) -> list[Block]:
+    def remove(self, tokens: Sequence[int], namespace: str = "") -> list[Block]:
         """Remove the leaf that ends exactly at `tokens` (if no one holds its blocks) and return
         its blocks for the caller to free. Returns [] when there is no such unheld leaf."""
-        match = self.find_prefix(tokens)
+        match = self.find_prefix(tokens, namespace)
         leaf = match.node
         if leaf is None or match.matched != len(tokens) or not match.at_leaf_end:
             return []
@@ -309,7 +356,7 @@ class RadixTree:
         return out
 
     def clear(self) -> None:
-        self.root = Node(None, 0, [], [])
+        self.roots = {"": Node(None, 0, [], [])}
         self._leaves.clear()
 
     # ---- iteration ---------------------------------------------------------------------------
@@ -318,8 +365,9 @@ class RadixTree:
         return iter(self._leaves)
 
     def nodes(self) -> Iterator[tuple[Node, int]]:
-        """(node, depth) in depth-first order, root excluded, children in insertion order."""
-        stack = [(c, 1) for c in reversed(self.root.child_list())]
+        """(node, depth) in depth-first order, roots excluded, children in insertion order;
+        namespace "" first, then the others in the order they were created."""
+        stack = [(c, 1) for c in reversed(self._top())]
         while stack:
             node, depth = stack.pop()
             yield node, depth
@@ -342,7 +390,8 @@ class RadixTree:
             assert node.tokens, "empty non-root node"
             assert node.start % bs == 0, f"node starts mid-block at {node.start}"
             assert node.parent is not None
-            expected_start = node.parent.end if node.parent is not self.root else 0
+            assert node.namespace == node.parent.namespace, "node outside its parent's namespace"
+            expected_start = node.parent.end if not node.parent.is_root else 0
             assert node.start == expected_start, "child does not start where its parent ends"
             assert len(node.blocks) == -(-len(node.tokens) // bs), "blocks do not cover the edge"
             joined: list[int] = []
@@ -360,6 +409,12 @@ class RadixTree:
                     assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
             else:
                 leaves.add(node)
-        for group in self.root.children.values():
-            assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
+        assert "" in self.roots, "namespace \"\" has no root"
+        for namespace, root in self.roots.items():
+            assert root.is_root and root.namespace == namespace, "root of another namespace"
+            assert not root.tokens and not root.blocks, "a root holds tokens"
+            assert root.children or not namespace, f"empty namespace {namespace!r} kept"
+            for key, group in root.children.items():
+                assert group and all(c.tokens[0] == key for c in group)
+                assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
         assert leaves == self._leaves, "leaf set out of date"

@@ -7,7 +7,8 @@ exact entries' logits. `import_state` rebuilds the same cache in a fresh one of 
 Both go through the public methods of the pool, the tree, the exact index and the policy.
 
 Version 1 snapshots written before "policy_state" existed still load: the LRU clock then
-resumes after the newest block stamp.
+resumes after the newest block stamp. Those written before namespaces existed load into
+namespace "" (tree records and exact entries without a "namespace").
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def export_state(cache: PagedKVCache) -> tuple[dict[str, Any], dict[str, torch.T
             tensors[name] = entry.logits.detach().to("cpu").contiguous()
         exact.append(
             {"tokens": list(key), "blocks": [index[b.block_id] for b in entry.blocks],
-             "logits": name}
+             "logits": name, "namespace": entry.namespace}
         )
     for layer, (k, v) in enumerate(mgr.export_blocks([b.block_id for b in order])):
         tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k, v
@@ -99,7 +100,8 @@ def _import(cache: PagedKVCache, meta: dict[str, Any], tensors: dict[str, torch.
         logits = tensors[rec["logits"]] if rec["logits"] else None
         if logits is not None:
             logits = logits.to(mgr.devices[-1])
-        cache.exact.put(rec["tokens"], [blocks[i] for i in rec["blocks"]], logits)
+        cache.exact.put(rec["tokens"], [blocks[i] for i in rec["blocks"]], logits,
+                        str(rec.get("namespace", "")))
     # older snapshots carry no policy state: the logical clock resumes after the newest stamp
     newest = max((b.last_accessed for b in blocks), default=0)
     cache.policy.restore(meta.get("policy_state") or {"clock": newest})

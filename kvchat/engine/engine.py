@@ -242,7 +242,8 @@ class Engine:
             seq.status, seq.t0 = Status.RUNNING, time.perf_counter()
             self._admitting.append(seq)
             if cache is not None:
-                seq.lookup = cache.lookup(seq.prompt_ids, seq.request.sid)
+                seq.lookup = cache.lookup(seq.prompt_ids, seq.request.sid,
+                                          seq.request.namespace)
                 seq.stored = seq.kv_len = seq.lookup.matched
             if self.runner.track_mass:
                 seq.mass = torch.zeros(0, device=self.device)
@@ -356,6 +357,7 @@ class Engine:
             logits=None if logits is None or seq.kv_len < n else logits.detach().clone(),
             logits_len=n,
             sid=seq.request.sid,
+            namespace=seq.request.namespace,
         )
         seq.stored = max(seq.stored, res.stored)
         if final and seq.mass is not None and seq.mass.numel():

@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 from kvchat.engine.sequence import Sequence
 
-Peek = Callable[[Seq[int]], int]  # cached prefix length of a prompt, without touching the cache
+# cached prefix length of a prompt in a namespace, without touching the cache
+Peek = Callable[[Seq[int], str], int]
 
 
 class Plan(NamedTuple):
@@ -66,14 +67,16 @@ class Scheduler:
         if room <= 0 or not self.waiting:
             return Plan([], cancelled)
         peek = self.peek
-        hits = {s.seq_id: peek(s.prompt_ids) if peek else 0 for s in self.waiting}
+        hits = {s.seq_id: peek(s.prompt_ids, s.request.namespace) if peek else 0
+                for s in self.waiting}
         order = sorted(self.waiting, key=lambda s: (-hits[s.seq_id], s.seq_id))
         wave: list[Sequence] = []
         for seq in order:
             if len(wave) >= room:
                 break
             if peek is not None and any(
-                common_prefix(seq.prompt_ids, w.prompt_ids) > hits[seq.seq_id] + self.margin
+                w.request.namespace == seq.request.namespace
+                and common_prefix(seq.prompt_ids, w.prompt_ids) > hits[seq.seq_id] + self.margin
                 for w in wave
             ):
                 continue  # its prefix is being computed in this wave: take it from the cache next

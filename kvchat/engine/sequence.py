@@ -33,6 +33,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     sid: str | None = None  # session name, for per-session cache counters
     record_logits: bool = False  # keep every step's logits row (kvchat verify)
+    namespace: str = ""  # cache namespace: entries of one are never a hit in another
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ class SnapshotFormatError(ValueError):
 @dataclass(frozen=True)
 class NodeView:
     """One radix-tree node: its edge tokens, how many pool blocks hold them, the highest
-    reference count among those blocks (requests reading them now), and the sessions whose
-    sequences pass through it."""
+    reference count among those blocks (requests reading them now), the sessions whose
+    sequences pass through it, and the cache namespace it belongs to (its children share it)."""
 
     start: int
     tokens: tuple[int, ...]
@@ -42,6 +42,7 @@ class NodeView:
     max_ref: int
     owners: tuple[str, ...]
     children: tuple[NodeView, ...] = ()
+    namespace: str = ""
 
     @property
     def n_tokens(self) -> int:
@@ -65,6 +66,7 @@ class ExactView:
     tokens: tuple[int, ...]
     blocks: int
     has_logits: bool
+    namespace: str = ""
 
 
 # ---- building the views --------------------------------------------------------------------
@@ -102,14 +104,16 @@ def nodes_from_cache(cache: PagedKVCache) -> tuple[NodeView, ...]:
             max_ref=max((b.ref_count for b in node.blocks), default=0),
             owners=tuple(sorted(node.owners)),
             children=kids,
+            namespace=node.namespace,
         )
 
-    return _freeze(cache.tree.root.child_list(), lambda n: n.child_list(), view)
+    tops = [c for root in cache.tree.roots.values() for c in root.child_list()]
+    return _freeze(tops, lambda n: n.child_list(), view)
 
 
 def exact_from_cache(cache: PagedKVCache) -> tuple[ExactView, ...]:
     return tuple(
-        ExactView(tuple(key), len(entry.blocks), entry.logits is not None)
+        ExactView(tuple(key), len(entry.blocks), entry.logits is not None, entry.namespace)
         for key, entry in cache.exact.items()
     )
 
@@ -125,12 +129,20 @@ def nodes_from_meta(meta: Mapping[str, Any]) -> tuple[NodeView, ...]:
     reference count is 0."""
     try:
         block_tokens = [list(map(int, b["tokens"])) for b in meta["blocks"]]
+        # only the top records name their namespace; their descendants share it
+        namespace_of: dict[int, str] = {}
+        stack = [(rec, str(rec.get("namespace", ""))) for rec in meta["tree"]]
+        while stack:
+            rec, namespace = stack.pop()
+            namespace_of[id(rec)] = namespace
+            stack.extend((child, namespace) for child in rec["children"])
 
         def view(rec: Mapping[str, Any], kids: tuple[NodeView, ...]) -> NodeView:
             ids = [int(i) for i in rec["blocks"]]
             tokens = tuple(t for i in ids for t in block_tokens[i])
             owners = tuple(sorted(str(o) for o in rec.get("owners", [])))
-            return NodeView(int(rec["start"]), tokens, len(ids), 0, owners, kids)
+            return NodeView(int(rec["start"]), tokens, len(ids), 0, owners, kids,
+                            namespace_of[id(rec)])
 
         return _freeze(list(meta["tree"]), lambda r: list(r["children"]), view)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -140,7 +152,8 @@ def nodes_from_meta(meta: Mapping[str, Any]) -> tuple[NodeView, ...]:
 def exact_from_meta(meta: Mapping[str, Any]) -> tuple[ExactView, ...]:
     try:
         return tuple(
-            ExactView(tuple(map(int, e["tokens"])), len(e["blocks"]), bool(e.get("logits")))
+            ExactView(tuple(map(int, e["tokens"])), len(e["blocks"]), bool(e.get("logits")),
+                      str(e.get("namespace", "")))
             for e in meta.get("exact", [])
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -183,8 +196,27 @@ def owned_by(nodes: Sequence[NodeView], session: str) -> tuple[NodeView, ...]:
     return _freeze(
         [n for n in nodes if session in n.owners],
         lambda n: [c for c in n.children if session in c.owners],
-        lambda n, kids: NodeView(n.start, n.tokens, n.blocks, n.max_ref, n.owners, kids),
+        lambda n, kids: NodeView(n.start, n.tokens, n.blocks, n.max_ref, n.owners, kids,
+                                 n.namespace),
     )
+
+
+def in_namespace(
+    nodes: Sequence[NodeView],
+    exact: Sequence[ExactView],
+    namespace: str,
+    owner: Callable[[str], str | None] = lambda name: name,
+) -> tuple[tuple[NodeView, ...], tuple[ExactView, ...]]:
+    """One namespace's branches and exact entries, nothing of any other. `owner` renames each
+    session name on them, or hides it (None): a tenant sees its own sessions, by their own
+    names."""
+
+    def keep(n: NodeView, kids: tuple[NodeView, ...]) -> NodeView:
+        owners = tuple(sorted(o for o in map(owner, n.owners) if o is not None))
+        return NodeView(n.start, n.tokens, n.blocks, n.max_ref, owners, kids, n.namespace)
+
+    mine = _freeze([n for n in nodes if n.namespace == namespace], lambda n: n.children, keep)
+    return mine, tuple(e for e in exact if e.namespace == namespace)
 
 
 def for_session(
