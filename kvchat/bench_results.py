@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Literal
 
+from kvchat.cache.stats import ratio
+
 TimeUnit = Literal["s", "ms"]
 PREFILL_TARGET = 0.02  # a gather should cost under 2% of the prefill it replaces
 
@@ -194,4 +196,4 @@ class PolicyRow:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return ratio(self.hit_tokens, self.prompt_tokens)

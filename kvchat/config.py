@@ -11,7 +11,7 @@ from kvchat.errors import KvchatError
 POLICY_ENV_VAR = "EVICTION_POLICY"
 POLICY_NAMES = ("lru", "sink-lru", "h2o")
 _POLICY_ALIASES = {"sinklru": "sink-lru", "sink_lru": "sink-lru", "sink": "sink-lru"}
-# Here rather than in engine/backend.py so that `--help` can quote it without importing torch.
+# Here rather than in engine/ so that `--help` can quote it without importing torch.
 H2O_COST_NOTE = (
     "h2o computes attention in plain PyTorch (no fused SDPA kernel) to read the weights, so "
     "prefill is slower and needs more memory on long prompts: `kvchat bench overhead` measured "

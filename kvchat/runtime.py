@@ -16,7 +16,8 @@ from typing import Any
 from kvchat.config import CacheConfig
 from kvchat.engine.engine import Engine
 from kvchat.errors import KvchatError
-from kvchat.sessions import SessionStore, load_snapshot, save_snapshot
+from kvchat.sessions import SessionStore
+from kvchat.snapshots import load_snapshot, save_snapshot
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvchat.cache.stats import ratio
 from kvchat.errors import KvchatError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always fullmatch: `$` lets "a\n" in
 RESERVED = {"cache", "set-aside"}
-INDEX = "index.json"
 DIR_MODE, FILE_MODE = 0o700, 0o600
 # Temp files of writes killed midway: ours (`.<name>.<pid>-<thread>.tmp`,
 # `.kv-<id>.safetensors.tmp`) and the one safetensors renames from (`.tmp` + 6 characters).
@@ -96,7 +96,7 @@ def private_dir(path: Path, what: str = "the sessions folder") -> Path:
     return path
 
 
-def _open_private(path: Path, flags: int) -> int:
+def open_private(path: Path, flags: int) -> int:
     """A file descriptor on `path`, created 0600 (existing files are tightened to 0600)."""
     fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
     with contextlib.suppress(OSError):  # only fails on another user's file: not ours to change
@@ -110,7 +110,7 @@ def atomic_write(path: Path, data: bytes, what: str = "a file") -> None:
     private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
-        fd = _open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+        fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
         try:
             view = memoryview(data)
             while view:  # os.write may write less than asked
@@ -146,7 +146,7 @@ class Turn:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return ratio(self.hit_tokens, self.prompt_tokens)
 
 
 @dataclass
@@ -248,7 +248,7 @@ class SessionStore:
         """The REPL's input history, created 0600 here (prompt-toolkit would follow the umask)."""
         path = private_dir(self.root) / ".history"
         try:
-            os.close(_open_private(path, os.O_WRONLY | os.O_APPEND))
+            os.close(open_private(path, os.O_WRONLY | os.O_APPEND))
         except OSError as exc:
             raise write_error("the input history", path, exc, atomic=False) from exc
         return path
@@ -259,15 +259,19 @@ def set_aside(path: Path, folder: Path) -> Path:
     private_dir(folder.parent, "the cache folder")
     private_dir(folder, "the set-aside folder")
     target = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-{path.name}"
-    return _move(path, target)
+    return move_file(path, target)
 
 
-def _move(path: Path, target: Path) -> Path:
+def move_file(path: Path, target: Path) -> Path:
     try:
         os.replace(path, target)
     except OSError as exc:
         raise write_error(f"{path.name} into {target.parent}", path, exc, atomic=False) from exc
     return target
+
+
+def cache_dir(root: Path) -> Path:
+    return Path(root) / "cache"
 
 
 # ---- the lock ------------------------------------------------------------------------------
@@ -298,7 +302,7 @@ def sessions_lock(root: Path, what: str, wait_s: float = 3.0) -> Iterator[None]:
     who holds it. Taking it makes the dir private and sweeps orphan temp files."""
     path = private_dir(root) / ".lock"
     try:
-        fh = os.fdopen(_open_private(path, os.O_RDWR), "r+")
+        fh = os.fdopen(open_private(path, os.O_RDWR), "r+")
     except OSError as exc:
         raise write_error("the lock file", path, exc, atomic=False) from exc
     deadline = time.monotonic() + wait_s
@@ -325,126 +329,3 @@ def sessions_lock(root: Path, what: str, wait_s: float = 3.0) -> Iterator[None]:
         yield
     finally:
         fh.close()  # closing drops the flock
-
-
-# ---- the cache snapshot --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    """What is known from index.json alone."""
-
-    path: Path
-    meta: dict[str, Any]
-
-    @property
-    def fingerprint(self) -> dict[str, Any]:
-        return dict(self.meta.get("fingerprint", {}))
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(len(b["tokens"]) for b in self.meta.get("blocks", []))
-
-
-def cache_dir(root: Path) -> Path:
-    return Path(root) / "cache"
-
-
-def read_snapshot_meta(root: Path) -> SnapshotInfo | None:
-    """index.json of the snapshot, or None if there is none. Raises ValueError if it is damaged."""
-    path = cache_dir(root) / INDEX
-    if not path.exists():
-        return None
-    meta = json.loads(path.read_text())
-    if not isinstance(meta, dict) or "tree" not in meta or "kv_file" not in meta:
-        raise ValueError("index.json lacks the tree or the K/V file name")
-    return SnapshotInfo(path, meta)
-
-
-def set_aside_snapshot(root: Path) -> Path:
-    """Move the whole current snapshot (index and K/V files) into cache/set-aside/<stamp>/."""
-    folder = cache_dir(root)
-    target = folder / "set-aside" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    for part in (folder / "set-aside", target):
-        private_dir(part, "the set-aside folder")
-    for item in folder.iterdir():
-        if item.name != "set-aside" and item.is_file():
-            _move(item, target / item.name)
-    return target
-
-
-@dataclass(frozen=True)
-class SnapshotLoad:
-    loaded: bool
-    notice: str | None  # one line for the user when the snapshot was set aside or skipped
-    cached_tokens: int = 0
-
-
-def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
-                  extra: dict[str, Any]) -> Path:
-    """Write the cache to <root>/cache atomically: the K/V file first under a fresh name, then
-    index.json pointing at it (the switch), then old K/V files go. A failed write raises
-    SessionWriteError and leaves the previous snapshot as it was, with no new file beside it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    from kvchat.cache.snapshot import export_state
-
-    folder = private_dir(cache_dir(private_dir(Path(root))))
-    meta, tensors = export_state(cache)
-    snap_id = uuid.uuid4().hex[:12]
-    kv_name = f"kv-{snap_id}.safetensors"
-    kv_path, tmp = folder / kv_name, folder / f".{kv_name}.tmp"
-    meta.update(extra)
-    meta.update(fingerprint=fingerprint, kv_file=kv_name, snapshot_id=snap_id, saved_at=time.time())
-    try:
-        os.close(_open_private(tmp, os.O_WRONLY))  # 0600 from the start, whatever the umask
-        save_file(tensors, str(tmp), metadata={"snapshot_id": snap_id})
-        os.chmod(tmp, FILE_MODE)  # safetensors may have replaced the file with its own
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, kv_path)
-        atomic_write(folder / INDEX, json.dumps(meta).encode(), "the cache snapshot's index")
-    except (OSError, SafetensorError, SessionWriteError) as exc:
-        for orphan in (tmp, kv_path):  # the old index still names the old K/V file
-            with contextlib.suppress(OSError):
-                orphan.unlink()
-        if isinstance(exc, SessionWriteError):
-            raise
-        raise write_error("the cache snapshot's K/V", kv_path, exc) from exc
-    for old in folder.glob("kv-*.safetensors"):
-        if old.name != kv_name:
-            with contextlib.suppress(OSError):
-                old.unlink()
-    return folder / INDEX
-
-
-def load_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any]) -> SnapshotLoad:
-    """Fill an empty cache from the snapshot when its fingerprint matches. A snapshot that does
-    not match, parse or fit is set aside with a one-line notice; never a crash, never deleted."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from kvchat.cache.snapshot import SnapshotMismatch, import_state
-
-    try:
-        info = read_snapshot_meta(root)
-    except (OSError, ValueError) as exc:
-        where = set_aside_snapshot(root)
-        return SnapshotLoad(False, f"Cache snapshot unreadable ({exc}); set aside in {where}.")
-    if info is None:
-        return SnapshotLoad(False, None)
-    if info.fingerprint != fingerprint:
-        differ = sorted(k for k in fingerprint.keys() | info.fingerprint.keys()
-                        if fingerprint.get(k) != info.fingerprint.get(k))
-        where = set_aside_snapshot(root)
-        return SnapshotLoad(False, f"Cache snapshot was made with a different "
-                                   f"{', '.join(differ)}; set aside in {where}.")
-    kv_path = info.path.parent / str(info.meta["kv_file"])
-    try:
-        tensors = load_file(str(kv_path))
-        import_state(cache, info.meta, tensors)
-    except (OSError, SafetensorError, SnapshotMismatch, ValueError) as exc:
-        where = set_aside_snapshot(root)
-        return SnapshotLoad(False, f"Cache snapshot not loaded ({exc}); set aside in {where}.")
-    return SnapshotLoad(True, None, info.cached_tokens)

@@ -7,7 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from kvchat.cli import app
-from kvchat.sessions import read_snapshot_meta
+from kvchat.snapshots import read_snapshot_meta
 
 runner = CliRunner()
 

@@ -16,7 +16,8 @@ from rich.console import Console
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.runtime import Runtime, RuntimeOptions
-from kvchat.sessions import Session, read_snapshot_meta
+from kvchat.sessions import Session
+from kvchat.snapshots import read_snapshot_meta
 from kvchat.ui.repl import (
     Chat,
     Command,

@@ -16,7 +16,7 @@ from kvchat import cli
 from kvchat.cache.kvcache import PagedKVCache
 from kvchat.cache.stats import CacheStats
 from kvchat.config import CacheConfig
-from kvchat.sessions import save_snapshot
+from kvchat.snapshots import save_snapshot
 from kvchat.ui import cache_view as cv
 
 WIDE = {"COLUMNS": "200"}

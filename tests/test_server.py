@@ -26,7 +26,8 @@ from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.sequence import Request
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.server import bind_warning, create_app, serving
-from kvchat.sessions import SessionsLocked, read_snapshot_meta, sessions_lock
+from kvchat.sessions import SessionsLocked, sessions_lock
+from kvchat.snapshots import read_snapshot_meta
 
 T = TypeVar("T")
 SYSTEM = ("You are kvchat's test assistant. You answer every question about arithmetic in one "
@@ -123,7 +124,8 @@ def test_generate_returns_the_cold_output_and_the_cache_hit(served: Served) -> N
     cold = served.cold(user("What is 2 plus 2?"))
     assert a["text"] == b["text"] == served.decode(cold)
     assert a["completion_tokens"] == len(cold) and a["finish_reason"] == "length"
-    assert a["prompt_tokens"] == len(served.runtime.engine.codec.encode_chat(user("What is 2 plus 2?")))
+    codec = served.runtime.engine.codec
+    assert a["prompt_tokens"] == len(codec.encode_chat(user("What is 2 plus 2?")))
     # the template's default system prompt was new the first time; the repeat is an exact hit
     assert (a["hit_source"], a["cache_hit_tokens"]) == ("miss", 0)
     assert (b["hit_source"], b["cache_hit_tokens"]) == ("exact", b["prompt_tokens"])

@@ -23,12 +23,11 @@ from kvchat.sessions import (
     SessionWriteError,
     atomic_write,
     private_dir,
-    read_snapshot_meta,
-    save_snapshot,
     sessions_lock,
     set_aside,
     validate_name,
 )
+from kvchat.snapshots import read_snapshot_meta, save_snapshot
 
 REAL_OPEN, REAL_MKDIR, REAL_WRITE, REAL_REPLACE = os.open, os.mkdir, os.write, os.replace
 REAL_SAVE_FILE = importlib.import_module("safetensors.torch").save_file

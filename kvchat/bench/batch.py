@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.backend import Backend, Request
-from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.engine import Engine
+from kvchat.engine.sequence import Request
 
 _TOPICS = [
     "billing", "shipping", "returns", "warranty", "accounts", "security", "privacy", "pricing",
@@ -158,17 +158,17 @@ def run_kvchat(
 ) -> Contender:
     per = max(len(p) for p in prompts) + new + block_size
     cfg = CacheConfig(block_size, num_blocks=(len(prompts) + 2) * per // block_size)
-    backend = Backend.create(model, tokenizer, cfg)
-    sched = Scheduler(backend, batch_size=batch_size)
+    engine = Engine.create(model, tokenizer, cfg, batch_size=batch_size)
     params = SamplingParams(max_new_tokens=new)
     t = time.perf_counter()
-    tickets = [sched.submit(Request(p, params)) for p in prompts]
-    sched.run()
+    tickets = [engine.submit(Request(p, params)) for p in prompts]
+    while not engine.idle:
+        engine.step()
     seconds = time.perf_counter() - t
     outputs = [t.result.token_ids if t.result else [] for t in tickets]
     computed = sum(t.result.computed_tokens for t in tickets if t.result)
     return Contender("kvchat", seconds, outputs, computed,
-                     f"batch_size={batch_size}, block_size={block_size}, {sched.steps} steps")
+                     f"batch_size={batch_size}, block_size={block_size}, {engine.steps} steps")
 
 
 def bench_batch(

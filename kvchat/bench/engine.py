@@ -22,14 +22,18 @@ import torch
 
 from kvchat.bench.timing import measure, timed
 from kvchat.bench_results import Timing, as_json
+from kvchat.cache.stats import ratio
 from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.backend import H2O_ATTENTION, Backend, Request, build_past, past_kv
+from kvchat.engine.engine import Engine
+from kvchat.engine.past import build_past, past_kv
+from kvchat.engine.sequence import Request
 
 
-def random_prompt(backend: Backend, n: int, seed: int) -> list[int]:
+def random_prompt(engine: Engine, n: int, seed: int) -> list[int]:
     """n ordinary (non-special) token ids, deterministic per seed."""
-    special = set(getattr(backend.tokenizer, "all_special_ids", []) or [])
-    vocab = len(backend.tokenizer)
+    tokenizer = engine.codec.tokenizer
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    vocab = len(tokenizer)
     rng = random.Random(seed)
     out: list[int] = []
     while len(out) < n:
@@ -60,22 +64,22 @@ class TTFTRow:
         return self.cold.median_ms / self.warm.median_ms
 
 
-def _decode_step(backend: Backend, ids: Sequence[int], trials: int) -> Timing:
+def _decode_step(engine: Engine, ids: Sequence[int], trials: int) -> Timing:
     """One forward of one token after a context of len(ids), on a fresh copy each trial."""
+    model, device = engine.runner.model, engine.device
     with torch.inference_mode():
-        out = backend.model(
-            input_ids=torch.tensor([list(ids)], device=backend.device),
+        out = model(
+            input_ids=torch.tensor([list(ids)], device=device),
             use_cache=True,
             logits_to_keep=1,
         )
         kv = past_kv(out.past_key_values, 0, len(ids))
-        nxt = torch.tensor([[int(out.logits[0, -1].argmax())]], device=backend.device)
+        nxt = torch.tensor([[int(out.logits[0, -1].argmax())]], device=device)
 
         def step() -> float:
-            past = build_past(kv, backend.model.config)  # rebuilt outside the timed region
-            return timed(lambda: backend.model(input_ids=nxt, past_key_values=past,
-                                               use_cache=True, logits_to_keep=1),
-                         backend.device).seconds
+            past = build_past(kv, model.config)  # rebuilt outside the timed region
+            return timed(lambda: model(input_ids=nxt, past_key_values=past, use_cache=True,
+                                       logits_to_keep=1), device).seconds
 
         return measure(step, trials)
 
@@ -91,7 +95,7 @@ def bench_ttft(
 ) -> list[TTFTRow]:
     rows = []
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    cold_backend = Backend(model, tokenizer, None)
+    cold_backend = Engine.create(model, tokenizer, None)
     max_len = min(max(lengths), cold_backend.max_context - 2)
     budget = CacheConfig(block_size, num_blocks=4 * (max_len // block_size + 2), policy=policy)
     # two caches: the warm one keeps no exact entries, so every trial stays a radix hit
@@ -102,12 +106,12 @@ def bench_ttft(
         if progress:
             progress(f"ttft: {n}-token prompt")
         ids = random_prompt(cold_backend, n, seed=n)
-        warm_backend = Backend.create(model, tokenizer, warm_cfg)
-        exact_backend = Backend.create(model, tokenizer, budget)
+        warm_backend = Engine.create(model, tokenizer, warm_cfg)
+        exact_backend = Engine.create(model, tokenizer, budget)
         warm_backend.generate(Request(ids + random_prompt(cold_backend, 1, 0), one))
         exact_backend.generate(Request(ids, one))
 
-        def ttft(b: Backend, ids: list[int] = ids) -> Callable[[], float]:
+        def ttft(b: Engine, ids: list[int] = ids) -> Callable[[], float]:
             return lambda: b.generate(Request(ids, one)).ttft_ms / 1e3
 
         cold = measure(ttft(cold_backend), max(2, trials // 2))
@@ -173,15 +177,15 @@ def bench_overhead(
 ) -> OverheadResult:
     """Trials are paired and their order alternates, so drift on a shared machine hits both
     sides alike; the ratios reported are medians of the per-trial ratios."""
-    off = Backend(model, tokenizer, None)
+    off = Engine.create(model, tokenizer, None)
     per_request = prompt_tokens + new_tokens + block_size
     cfg = CacheConfig(block_size, num_blocks=(trials + 3) * 2 * per_request // block_size,
                       policy=policy)
-    on = Backend.create(model, tokenizer, cfg)
+    on = Engine.create(model, tokenizer, cfg)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     seeds = iter(range(10_000, 20_000))
 
-    def request(b: Backend) -> tuple[float, float]:
+    def request(b: Engine) -> tuple[float, float]:
         res = b.generate(Request(random_prompt(off, prompt_tokens, next(seeds)), params))
         return res.total_ms, res.decode_tokens_per_s
 
@@ -207,23 +211,17 @@ def bench_overhead(
     if progress:
         progress("overhead: prefill with h2o's attention vs the default")
     h2o_cfg = CacheConfig(block_size, num_blocks=cfg.num_blocks, policy="h2o")
-    h2o_ratios: list[float] = []
-    default_impl = model.config._attn_implementation
     one = SamplingParams(max_new_tokens=1)
-    try:
-        h2o = Backend.create(model, tokenizer, h2o_cfg)  # switches the model's attention
+    # the h2o engine asks for attention weights per forward; the lru one on the same model keeps
+    # the fused kernel (kvchat never switches a model's attention for everyone)
+    h2o = Engine.create(model, tokenizer, h2o_cfg)
 
-        def miss_ttft(h2o_attention: bool) -> float:
-            model.set_attn_implementation(H2O_ATTENTION if h2o_attention else default_impl)
-            b = h2o if h2o_attention else on
-            prompt = random_prompt(off, prompt_tokens, next(seeds))
-            return b.generate(Request(prompt, one)).ttft_ms
+    def miss_ttft(b: Engine) -> float:
+        return b.generate(Request(random_prompt(off, prompt_tokens, next(seeds)), one)).ttft_ms
 
-        miss_ttft(True), miss_ttft(False)  # warm-up
-        pairs = _paired(lambda: miss_ttft(True), lambda: miss_ttft(False), trials)
-        h2o_ratios = [a / b for a, b in pairs]
-    finally:
-        model.set_attn_implementation(default_impl)
+    miss_ttft(h2o), miss_ttft(on)  # warm-up
+    pairs = _paired(lambda: miss_ttft(h2o), lambda: miss_ttft(on), trials)
+    h2o_ratios = [a / b for a, b in pairs]
     return OverheadResult(
         prompt_tokens,
         new_tokens,
@@ -288,7 +286,7 @@ class TurnRow:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return ratio(self.hit_tokens, self.prompt_tokens)
 
 
 def bench_multiturn(
@@ -305,8 +303,8 @@ def bench_multiturn(
     from kvchat.sessions import Session
     from kvchat.turns import next_prompt, record_turn
 
-    on = Backend.create(model, tokenizer, CacheConfig(block_size, cache_mb=256))
-    off = Backend(model, tokenizer, None)
+    on = Engine.create(model, tokenizer, CacheConfig(block_size, cache_mb=256))
+    off = Engine.create(model, tokenizer, None)
     session = Session("bench", system=system)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     rows = []
@@ -314,7 +312,7 @@ def bench_multiturn(
         if progress:
             progress(f"multiturn: turn {k + 1}/{turns}")
         text = _QUESTIONS[k % len(_QUESTIONS)]
-        prompt = next_prompt(on, session, text)
+        prompt = next_prompt(on.codec, session, text)
         cold = off.generate(Request(prompt, SamplingParams(max_new_tokens=1)))
         warm = on.generate(Request(prompt, params, sid="bench"))
         record_turn(session, text, prompt, warm)

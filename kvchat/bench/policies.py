@@ -85,11 +85,12 @@ def replay_with_model(
     model: Any, tokenizer: Any, workload: list[list[int]], policy: str, pool_blocks: int,
     block_size: int = 16,
 ) -> PolicyRow:
-    from kvchat.engine.backend import Backend, Request
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.sequence import Request
 
     vocab = len(tokenizer)
-    backend = Backend.create(model, tokenizer,
-                             CacheConfig(block_size, num_blocks=pool_blocks, policy=policy))
+    backend = Engine.create(model, tokenizer,
+                            CacheConfig(block_size, num_blocks=pool_blocks, policy=policy))
     one = SamplingParams(max_new_tokens=1)
     hits = requests_hit = total = 0
     for seq in workload:
@@ -99,7 +100,6 @@ def replay_with_model(
         total += res.prompt_tokens
     assert backend.cache is not None
     backend.cache.check_integrity()
-    model.set_attn_implementation("sdpa")  # h2o switched it for its own run
     return PolicyRow(policy, len(workload), total, hits, requests_hit,
                      backend.cache.stats().eviction_count, "model")
 

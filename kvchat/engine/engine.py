@@ -28,7 +28,7 @@ from kvchat.engine.codec import ChatCodec
 from kvchat.engine.decode_batch import DecodeBatch
 from kvchat.engine.model_runner import ModelRunner
 from kvchat.engine.past import kv_shape, layer_devices, past_kv, past_length
-from kvchat.engine.scheduler_new import Scheduler
+from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import (
     Event,
     Finished,

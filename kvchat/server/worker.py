@@ -21,22 +21,23 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from kvchat.cache.stats import CacheStats
 from kvchat.engine.codec import ChatCodec
 from kvchat.engine.engine import Engine, RequestCancelled, RequestHandle
-from kvchat.engine.sequence import Event, Finished, GenerationResult, TextDelta
+from kvchat.engine.sequence import Event, Finished, GenerationResult, Request, TextDelta
 from kvchat.errors import KvchatError
 from kvchat.runtime import Runtime, fingerprint, tokenizer_file
-from kvchat.sessions import INDEX, SessionStore, cache_dir
+from kvchat.sessions import SessionStore, cache_dir
+from kvchat.snapshots import INDEX
 from kvchat.turns import PreparedTurn
 from kvchat.ui import cache_view as cv
 
 __all__ = ["DEFAULT_BATCH_SIZE", "CacheTree", "EngineStopped", "EngineWorker", "Handle",
-           "ModelInfo", "RequestCancelled", "ServerCounters"]
+           "ModelInfo", "RequestCancelled", "ServerCounters", "TenantCounters"]
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,16 @@ class EngineStopped(KvchatError):
 
 class Handle:
     """One request as the event loop sees it. The engine thread calls `text`, `finish` and
-    `fail`; the loop reads `deltas` (None ends them), then `result` or `error`."""
+    `fail`; the loop reads `deltas` (None ends them), then `result` or `error`. `request` is
+    what the engine runs (the turn's, unless the caller's tenant set its namespace and session
+    id); `tenant` is whose counters it adds to."""
 
-    def __init__(self, turn: PreparedTurn, store: SessionStore | None = None) -> None:
+    def __init__(self, turn: PreparedTurn, store: SessionStore | None = None,
+                 request: Request | None = None, tenant: str = "") -> None:
         self.loop = asyncio.get_running_loop()
         self.turn = turn
+        self.request = request if request is not None else turn.request()
+        self.tenant = tenant
         self.store = store  # where a session turn's transcript is saved
         self.deltas: asyncio.Queue[str | None] = asyncio.Queue()
         self.done = asyncio.Event()
@@ -119,6 +125,33 @@ class ServerCounters:
 
 
 @dataclass(frozen=True)
+class TenantCounters:
+    """One tenant's requests and what the cache did for them: what `/cache/stats` shows a
+    tenant instead of the whole cache's counters."""
+
+    requests: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    lookups: int = 0  # requests that ran (a result came back)
+    hits: int = 0
+    exact_hits: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    stored_tokens: int = 0  # tokens its requests added to the cache
+
+    def plus(self, **deltas: int) -> TenantCounters:
+        return replace(self, **{name: getattr(self, name) + n for name, n in deltas.items()})
+
+    def after(self, result: GenerationResult) -> TenantCounters:
+        hit = result.cache_hit_tokens
+        return self.plus(
+            completed=1, lookups=1, hits=int(hit > 0), exact_hits=int(result.hit_source == "exact"),
+            prompt_tokens=result.prompt_tokens, hit_tokens=hit,
+            stored_tokens=max(result.stored_tokens - hit, 0))
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the endpoints report about the model; fixed for the server's life."""
 
@@ -134,6 +167,7 @@ class CacheTree(NamedTuple):
     nodes: tuple[cv.NodeView, ...]
     exact: tuple[cv.ExactView, ...]
     stats: CacheStats
+    tenants: dict[str, TenantCounters]  # by tenant id ("" the admin)
 
 
 def model_id(runtime: Runtime) -> str:
@@ -157,6 +191,7 @@ class EngineWorker:
         self.engine: Engine = runtime.engine
         self.engine.batch_size = batch_size
         self.counters = ServerCounters()
+        self.tenants: dict[str, TenantCounters] = {}  # engine thread only
         self.info = ModelInfo(runtime.model_label, model_id(runtime), str(self.engine.device),
                               fingerprint(self.engine, runtime.model_label))
         self.saved_to: Path | None = None
@@ -241,6 +276,7 @@ class EngineWorker:
                 "model": self.runtime.model_label, "batch_size": engine.batch_size,
                 "running": engine.running, "pending": engine.waiting,
                 "decode_steps": engine.steps, **vars(self.counters),
+                "tenants": {t: vars(c) for t, c in sorted(self.tenants.items()) if t},
             }
             return stats
 
@@ -250,7 +286,7 @@ class EngineWorker:
         def read() -> CacheTree:
             cache = self.runtime.cache
             return CacheTree(cv.nodes_from_cache(cache), cv.exact_from_cache(cache),
-                             cache.stats())
+                             cache.stats(), dict(self.tenants))
 
         return self.call(read)
 
@@ -289,7 +325,7 @@ class EngineWorker:
             handle.fail(EngineStopped("The server is shutting down."))
             return
         try:
-            engine_handle = self.engine.submit(handle.turn.request(),
+            engine_handle = self.engine.submit(handle.request,
                                                lambda event: self._event(handle, event))
         except KvchatError as exc:
             handle.turn.abort()
@@ -298,6 +334,7 @@ class EngineWorker:
         handle.attach(engine_handle)
         self._handles[engine_handle.request_id] = handle
         self.counters.requests += 1
+        self._count(handle, requests=1)
 
     def _event(self, handle: Handle, event: Event) -> None:
         if isinstance(event, TextDelta):
@@ -310,15 +347,23 @@ class EngineWorker:
             self._handles.pop(handle._engine_handle.request_id, None)
         if handle.cancel_event.is_set():
             self.counters.cancelled += 1
+            self._count(handle, cancelled=1)
         if event.error is not None or event.result is None:
             if not isinstance(event.error, RequestCancelled):
                 self.counters.errors += 1
+                self._count(handle, errors=1)
             handle.turn.abort()
             handle.fail(event.error or RequestCancelled("The request did not run."))
             return
         self.counters.completed += 1
+        self.tenants[handle.tenant] = self.tenants.get(handle.tenant,
+                                                       TenantCounters()).after(event.result)
         self._record(handle, event.result)
         handle.finish(event.result)
+
+    def _count(self, handle: Handle, **deltas: int) -> None:
+        self.tenants[handle.tenant] = self.tenants.get(handle.tenant, TenantCounters()).plus(
+            **deltas)
 
     def _record(self, handle: Handle, result: GenerationResult) -> None:
         # As in the REPL, an interrupted reply is recorded too: its K/V is cached, so the next
