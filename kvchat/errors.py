@@ -29,3 +29,8 @@ class NotACausalLM(ModelError):
 
 class ModelOptionError(ModelError):
     """An unknown --dtype or an unavailable --device."""
+
+
+class UnpageableArchitecture(ModelError):
+    """A model whose per-layer state is not per-token keys and values kvchat can page and share
+    by prefix: recurrent and hybrid (Mamba-style) layers, encoder-decoders, latent attention."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import platformdirs
 
+from kvchat.architectures import align_kv_heads, check_pageable, kv_heads
 from kvchat.errors import (
     EmbeddedModelMissing,
     HubUnreachable,
@@ -408,13 +409,17 @@ def weights_location(source: ModelSource) -> str:
 
 
 def load_config(source: ModelSource, location: str | None = None) -> PretrainedConfig:
-    """The model's config, checked to be a causal LM. Only hub ids may reach the network."""
+    """The model's config, checked to be a causal LM whose cache kvchat can page. Only hub ids
+    may reach the network."""
     from transformers import AutoConfig
 
     where = location or weights_location(source)
     with _load_errors(source), _quiet_transformers():
         config = AutoConfig.from_pretrained(where, local_files_only=source.is_local)
+    # Before the causal-LM check: an encoder-decoder such as BART has a causal-LM class too.
+    check_pageable(config, source.description)
     check_causal_lm(config, source)
+    align_kv_heads(config)
     return config
 
 
@@ -456,7 +461,7 @@ def model_facts(
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_heads = int(text.num_attention_heads)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
-    n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
+    n_kv_heads = kv_heads(text)
     architectures = list(getattr(config, "architectures", None) or [])
     if architectures:
         architecture = architectures[0]
