@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvchat.config import SamplingParams
 from kvchat.engine.codec import ChatCodec
@@ -35,7 +36,7 @@ def merge_params(
     stop: str | Sequence[str] | None = None,
 ) -> SamplingParams:
     """The defaults with what a request set (None: not set). Validated on creation."""
-    given: dict[str, object] = {
+    given: dict[str, Any] = {
         "max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
         "top_k": top_k, "seed": seed,
     }

@@ -12,9 +12,9 @@ from kvchat.snapshots import read_snapshot_meta
 runner = CliRunner()
 
 
-def args(tiny_model_dir, tmp_path, *extra: str) -> list[str]:
+def args(tiny_model_dir, tmp_path, *extra: str, max_tokens: int = 4) -> list[str]:
     return [*extra, "--model", str(tiny_model_dir), "--sessions-dir", str(tmp_path / "s"),
-            "--max-tokens", "4", "--block-size", "4", "--cache-mb", "16"]
+            "--max-tokens", str(max_tokens), "--block-size", "4", "--cache-mb", "16"]
 
 
 def test_batch_writes_results_in_order_and_saves_the_cache(tiny_model_dir, tmp_path):
@@ -58,3 +58,113 @@ def test_fail_fast_and_empty_file(tiny_model_dir, tmp_path):
     empty.write_text("")
     res = runner.invoke(app, ["batch", str(empty), *args(tiny_model_dir, tmp_path)])
     assert res.exit_code == 2 and "empty" in res.output and "Traceback" not in res.output
+
+
+# ---- nothing lost: SIGKILL, SIGTERM, --resume, bad values --------------------------------
+
+
+def _request_file(tmp_path, n: int = 12):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{k}", "prompt": f"Question number {k}?"}) + "\n"
+                           for k in range(n)))
+    return src
+
+
+def _spawn(tiny_model_dir, tmp_path, src, out, *extra: str):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvchat", "batch", str(src), "-o", str(out), "--model",
+           str(tiny_model_dir), "--sessions-dir", str(tmp_path / "s"), "--block-size", "4",
+           "--cache-mb", "16", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ.copy())
+
+
+def _wait_rows(out, proc, n: int, timeout: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if out.exists() and len(out.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} rows after {timeout} s")
+
+
+def _rows(out) -> list[dict]:
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+def test_sigkill_loses_no_finished_row_and_resume_finishes(tiny_model_dir, tmp_path):
+    import signal
+
+    src, out = _request_file(tmp_path), tmp_path / "out.jsonl"
+    # batch size 1 and long replies: rows finish one by one, so the kill lands mid-run
+    proc = _spawn(tiny_model_dir, tmp_path, src, out, "--batch-size", "1", "--max-tokens", "40")
+    _wait_rows(out, proc, 2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    before = [json.loads(x) for x in out.read_text().splitlines() if x.endswith("}")]
+    assert 2 <= len(before) < 12 and all(r["finish_reason"] in ("stop", "length")
+                                         for r in before)
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out), "--resume",
+                              *args(tiny_model_dir, tmp_path, "--batch-size", "4",
+                                    max_tokens=40)])
+    assert res.exit_code == 0, res.output
+    after = _rows(out)
+    assert [r["line"] for r in after] == list(range(1, 13))  # one row per line, input order
+    kept = {r["line"]: r for r in after}
+    assert all(kept[r["line"]] == r for r in before), "finished rows are kept as they were"
+    assert f"{len(before)} of 12 line(s) already finished" in " ".join(res.output.split())
+
+
+def test_resume_refuses_an_output_whose_lines_changed(tiny_model_dir, tmp_path):
+    src, out = _request_file(tmp_path, 3), tmp_path / "out.jsonl"
+    assert runner.invoke(app, ["batch", str(src), "-o", str(out),
+                               *args(tiny_model_dir, tmp_path)]).exit_code == 0
+    src.write_text(src.read_text().replace("number 1?", "number one?"))
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out), "--resume",
+                              *args(tiny_model_dir, tmp_path)])
+    assert res.exit_code == 2 and "line 2" in res.output and "Traceback" not in res.output
+
+
+def test_sigterm_writes_a_row_for_every_line_and_saves_the_cache(tiny_model_dir, tmp_path):
+    import signal
+
+    src, out = _request_file(tmp_path), tmp_path / "out.jsonl"
+    proc = _spawn(tiny_model_dir, tmp_path, src, out, "--batch-size", "1", "--max-tokens", "40")
+    _wait_rows(out, proc, 1)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    rows = _rows(out)
+    assert [r["line"] for r in rows] == list(range(1, 13))
+    finished = [r for r in rows if r.get("finish_reason") in ("stop", "length")]
+    unfinished = [r for r in rows if r not in finished]
+    assert finished and unfinished
+    assert all(r.get("status") == "not_started" or r.get("finish_reason") == "interrupted"
+               for r in unfinished)
+    assert "Traceback" not in output and "--resume" in output
+    meta = read_snapshot_meta(tmp_path / "s")
+    assert meta is not None and meta.cached_tokens > 0
+
+
+def test_bad_sampling_values_fail_their_own_line_only(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([
+        json.dumps({"prompt": "fine"}),
+        json.dumps({"prompt": "tiny", "temperature": 1e-40}),
+        '{"prompt": "nan", "temperature": NaN}',
+        json.dumps({"prompt": "seed", "seed": 2**70}),
+        json.dumps({"prompt": "also fine"}),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out), *args(tiny_model_dir, tmp_path)])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    rows = _rows(out)
+    assert [("error" in r) for r in rows] == [False, True, True, True, False]
+    assert "temperature" in rows[1]["error"] and "seed" in rows[3]["error"]
+    assert "line 2:" in res.output

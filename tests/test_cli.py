@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import kvchat
 from kvchat import cli, models
+from kvchat.cli import models as cli_models
 
 ROOT = Path(__file__).resolve().parent.parent
 # Wide enough that Rich never wraps a table row or an error message.
@@ -141,7 +142,7 @@ def test_interrupt_exits_130_without_traceback(monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "describe_model", interrupted)
+    monkeypatch.setattr(cli_models, "describe_model", interrupted)
     result = invoke("models")
     assert result.exit_code == 130
     assert "Interrupted." in result.output
@@ -264,7 +265,8 @@ def test_help_paragraphs_reflow_to_the_terminal_and_keep_their_breaks():
     assert lines[first + 1] == ""  # the paragraph break stays
     assert lines[first + 2].startswith('Lines sharing a "session" chain into one conversation.')
     assert "reported with their line numbers and skipped" in lines[first + 2]
-    assert lines[first + 2].endswith("Ctrl-C writes what finished and saves the cache.")
+    assert lines[first + 2].endswith("the exit code is 1 if any line failed.")
+    assert lines[first + 4].startswith('Every line gets one row with its "line" number')
 
 
 def test_bench_help_lists_each_subcommand_on_one_line():

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from kvchat import cli
 from kvchat.cache.kvcache import PagedKVCache
 from kvchat.cache.stats import CacheStats
+from kvchat.cli import inspect_cmd
 from kvchat.config import CacheConfig
 from kvchat.snapshots import save_snapshot
 from kvchat.ui import cache_view as cv
@@ -77,7 +78,7 @@ def test_json_schema_matches_the_cache_that_was_saved(saved):
     assert doc["snapshot"]["path"] == str(root / "cache" / "index.json")
     assert doc["snapshot"]["tokenizer_file"].endswith("tokenizer.json")
 
-    decode = cli._snapshot_decoder(doc["snapshot"]["tokenizer_file"])
+    decode = inspect_cmd._snapshot_decoder(doc["snapshot"]["tokenizer_file"])
     assert doc["tree"] == cv.tree_json(cv.nodes_from_cache(cache), decode)
     assert doc["exact"] == cv.exact_json(cv.exact_from_cache(cache), decode)
     stats = cache.stats()

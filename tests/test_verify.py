@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvchat import cli
+from kvchat.cli import verify as cli_verify
 
 WIDE = {"COLUMNS": "200"}
 
@@ -50,7 +51,7 @@ def test_one_prompt_cached_equals_cold(verify):
 
 
 def test_default_prompts_are_ten_and_varied(verify):
-    assert len(set(cli.VERIFY_PROMPTS)) == 10
+    assert len(set(cli_verify.VERIFY_PROMPTS)) == 10
     result = verify("--max-tokens", "2")
     assert result.exit_code == 0, result.output
     assert len(rows(result.output)) == 20

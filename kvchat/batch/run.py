@@ -116,7 +116,7 @@ class BatchRun:
         p = self.progress
         p.done += 1
         if res.error is not None:
-            p.failed += 1
+            p.failed += int(not res.not_started)
             if self.fail_fast:
                 self.stop()
         elif res.result is not None:
@@ -127,28 +127,31 @@ class BatchRun:
             self.on_update(res)
 
     def stop(self) -> None:
-        """Stop admitting; running requests finish as interrupted and keep their K/V."""
-        if not self.stopped:
-            self.stopped = True
-            self.engine.abort()
+        """Stop admitting, from anywhere (an event listener too): takes effect between steps;
+        running requests then finish as interrupted and keep their K/V, waiting ones never
+        start."""
+        self.stopped = True
 
     def run(self) -> None:
-        for item in self.items:
-            if item.session is None:
-                self._submit(item)
-            elif item.session in self._waiting:
-                self._waiting[item.session].append(item)
-            else:
-                self._waiting[item.session] = []
-                self._submit(item)
-            if self.stopped:
-                return
         try:
+            for item in self.items:
+                if self.stopped:
+                    break
+                if item.session is None:
+                    self._submit(item)
+                elif item.session in self._waiting:
+                    self._waiting[item.session].append(item)
+                else:
+                    self._waiting[item.session] = []
+                    self._submit(item)
             while not self.stopped and not self.engine.idle:
                 self.engine.step()
         except BaseException:
-            self.stop()
+            self.stopped = True
             raise
+        finally:
+            if self.stopped:
+                self.engine.abort()
 
     def ordered(self) -> list[ItemResult]:
         return [self.results[i.line] for i in self.items if i.line in self.results]

@@ -1,0 +1,96 @@
+"""The `kvchat` Typer app: kvchat's errors as one red paragraph (exit 2), Ctrl-C as exit 130,
+never a traceback; the commands register themselves on `app` from their own modules."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
+
+from kvchat import __version__
+from kvchat.errors import KvchatError
+
+ERROR_EXIT_CODE = 2
+INTERRUPT_EXIT_CODE = 130
+
+
+def stdout() -> Console:
+    # Built per call so the console follows whatever sys.stdout is now (test runners swap it).
+    return Console()
+
+
+def stderr() -> Console:
+    return Console(stderr=True)
+
+
+class _KvchatGroup(TyperGroup):
+    """Reports kvchat's own errors as one red paragraph and exit code 2, never a traceback."""
+
+    # Any: typer vendors its own click, whose Context type it does not export.
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvchatError as error:
+            _report_error(error)
+            raise typer.Exit(ERROR_EXIT_CODE) from None
+        except KeyboardInterrupt:
+            _report_interrupt()
+            raise typer.Exit(INTERRUPT_EXIT_CODE) from None
+
+
+def _report_error(error: KvchatError) -> None:
+    stderr().print(f"[bold red]Error:[/bold red] [red]{escape(str(error))}[/red]")
+
+
+def _report_interrupt() -> None:
+    stderr().print("[yellow]Interrupted.[/yellow]")
+
+
+app = typer.Typer(
+    name="kvchat",
+    cls=_KvchatGroup,
+    help="Chat with and batch-run Hugging Face causal language models through a paged KV cache "
+    "that is shared across sessions by prefix: a repeated or shared prompt (a system prompt, a "
+    "chat template, the history of a conversation) is looked up instead of prefilled again. "
+    "Without --model it runs the embedded SmolLM2-135M-Instruct, fully offline.",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvchat {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Options that apply before any command."""
+
+
+
+def main() -> None:
+    """Console-script entry point."""
+    # Commands report their own errors (see _KvchatGroup); these catch what escapes a command,
+    # such as an interrupt while options are parsed.
+    try:
+        app()
+    except KvchatError as error:
+        _report_error(error)
+        raise SystemExit(ERROR_EXIT_CODE) from None
+    except KeyboardInterrupt:
+        _report_interrupt()
+        raise SystemExit(INTERRUPT_EXIT_CODE) from None
+

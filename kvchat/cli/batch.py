@@ -1,0 +1,222 @@
+"""`kvchat batch`: a request file through the shared cache (see kvchat/batch/).
+
+Nothing finished is lost: rows are written as they finish, Ctrl-C and SIGTERM stop admitting,
+give every line its row and save the cache, and `--resume` finishes what a killed run left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from kvchat.cli.app import INTERRUPT_EXIT_CODE, app, stderr, stdout
+from kvchat.cli.options import MaxTokensOption, runtime_options
+from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from kvchat.batch import BadLine, BatchItem, BatchRun
+    from kvchat.runtime import Runtime, RuntimeOptions
+
+
+@dataclass
+class _Plan:
+    """What to run: the parsed file, and what an earlier output already holds."""
+
+    items: list[BatchItem]
+    bad: list[BadLine]
+    kept: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def to_run(self) -> list[BatchItem]:
+        return [i for i in self.items if i.line not in self.kept]
+
+    @property
+    def lines(self) -> list[int]:
+        return [i.line for i in self.items] + [b.line for b in self.bad]
+
+
+@app.command()
+@runtime_options()
+def batch(
+    file: Annotated[
+        Path, typer.Argument(help="JSONL requests: prompt / messages / OpenAI batch lines.",
+                             exists=True, dir_okay=False, readable=True)
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Where results go (JSONL, one row per line, in "
+                     "input order when the run ends; each row is written as soon as it "
+                     "finishes). '-' or nothing: stdout, with progress and summary on stderr.",
+                     show_default=False),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Keep the finished rows already in --output (their "
+                           "input lines must be unchanged) and run only the other lines.")
+    ] = False,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Sequences decoded together.", min=1)
+    ] = 8,
+    max_tokens: MaxTokensOption = 256,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="Default for lines without one; 0 is greedy.",
+                            min=0.0)
+    ] = 0.0,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Default sampling seed.", show_default=False)
+    ] = None,
+    fail_fast: Annotated[
+        bool, typer.Option("--fail-fast", help="Stop at the first line that fails.")
+    ] = False,
+    *,
+    options: RuntimeOptions,
+) -> None:
+    """Run a file of requests through the shared cache with batched decoding.
+
+    Lines sharing a "session" chain into one conversation. Bad lines are reported with their
+    line numbers and skipped; the exit code is 1 if any line failed.
+
+    Every line gets one row with its "line" number, written as soon as it finishes. Ctrl-C or
+    SIGTERM writes a row for every line and saves the cache; --resume finishes a killed run.
+    """
+    from kvchat.config import SamplingParams
+    from kvchat.runtime import Runtime
+    from kvchat.sessions import sessions_lock
+
+    to_stdout = output is None or str(output) == "-"
+    out_path = None if to_stdout else output
+    ui = stderr() if to_stdout else stdout()
+    plan = _plan(file, out_path, resume, ui)
+    if plan.bad and fail_fast:
+        raise typer.Exit(1)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
+    with sessions_lock(options.sessions_dir, "kvchat batch"), _terminate_as_interrupt():
+        runtime = Runtime.open(options)
+        runtime.engine.batch_size = batch_size
+        if runtime.notice:
+            ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
+        run, interrupted = _run(runtime, plan, params, out_path, fail_fast, ui)
+    if interrupted:
+        done = sum(r.error is None for r in run.results.values()) + len(plan.kept)
+        again = f" kvchat batch {file} -o {out_path} --resume" if out_path else ""
+        ui.print(f"[yellow]Interrupted: {done} line(s) finished and written; every other line "
+                 f"has a row saying it did not finish. The cache was saved.{again}[/yellow]")
+        raise typer.Exit(INTERRUPT_EXIT_CODE)
+    if plan.bad or run.progress.failed:
+        raise typer.Exit(1)
+
+
+def _plan(file: Path, out_path: Path | None, resume: bool, ui: Console) -> _Plan:
+    from kvchat.batch import duplicate_ids, previous_rows, read_batch
+
+    try:
+        items, bad = read_batch(file)
+    except OSError as exc:
+        raise KvchatError(f"Cannot read {file}: {exc.strerror or exc}.") from None
+    if not items and not bad:
+        raise KvchatError(f"{file} holds no requests: it is empty.")
+    for line in bad:
+        ui.print(f"[red]line {line.line}:[/red] {escape(line.message)} [dim](skipped)[/dim]")
+    for request_id, lines in duplicate_ids(items).items():
+        ui.print(f"[yellow]id {escape(request_id)!s} is used by lines "
+                 f"{', '.join(map(str, lines))}: tell their rows apart by \"line\".[/yellow]")
+    plan = _Plan(items, bad)
+    if resume:
+        if out_path is None:
+            raise KvchatError("--resume continues a run that wrote to a file: give that file "
+                              "with -o.")
+        plan.kept = previous_rows(out_path, items)
+        ui.print(f"[dim]resuming: {len(plan.kept)} of {len(items)} line(s) already finished in "
+                 f"{escape(str(out_path))}[/dim]")
+    return plan
+
+
+def _run(runtime: Runtime, plan: _Plan, params: Any, out_path: Path | None, fail_fast: bool,
+         ui: Console) -> tuple[BatchRun, bool]:
+    """Run the plan, writing each row as it finishes; returns the run and whether it was
+    interrupted. The cache is saved however the run ends."""
+    from kvchat.batch import BatchRun, OutputError, RowWriter, bad_line_row, result_row
+    from kvchat.ui.batch_view import batch_progress, progress_rate, summary_table
+
+    writer = RowWriter(plan.lines, out_path, sys.stdout if out_path is None else None,
+                       keep=plan.kept)
+    failure: list[OutputError] = []
+    interrupted = False
+    started = time.perf_counter()
+    with batch_progress(ui) as progress:
+        task = progress.add_task("batch", total=len(plan.to_run), rate="")
+
+        def update(res: Any) -> None:
+            if res.error is not None and not res.not_started:
+                progress.console.print(f"[red]line {res.item.line}:[/red] {escape(res.error)}")
+            progress.update(task, completed=run.progress.done, rate=progress_rate(run.progress))
+            try:
+                writer.write(res.item.line, result_row(res))
+            except OutputError as exc:  # stop between steps; raised once the cache is saved
+                failure.append(exc)
+                run.stop()
+
+        run = BatchRun(runtime.engine, plan.to_run, params, runtime.store, fail_fast, update)
+        try:
+            for line in plan.bad:
+                writer.write(line.line, bad_line_row(line))
+            run.run()
+        except KeyboardInterrupt:
+            interrupted = True
+        except OutputError as exc:
+            failure.append(exc)
+        finally:
+            _finish(run, writer, failure, runtime, ui)
+    ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), runtime.cache.stats(),
+                           time.perf_counter() - started))
+    for message in run.save_errors[:1]:
+        ui.print(f"[yellow]{escape(message)}[/yellow]")
+    if failure:
+        raise failure[0]
+    return run, interrupted
+
+
+def _finish(run: BatchRun, writer: Any, failure: list[Any], runtime: Runtime,
+            ui: Console) -> None:
+    """Every line gets its row, the output is put in input order, the cache is saved."""
+    from kvchat.batch import OutputError, result_row
+
+    try:
+        for res in run.not_started():
+            writer.write(res.item.line, result_row(res))
+        writer.close()
+    except OutputError as exc:
+        failure.append(exc)
+    try:
+        runtime.save()
+    except KvchatError as exc:
+        ui.print(f"[yellow]{escape(str(exc))}[/yellow]")
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (timeout, systemd, docker stop) stops the run as Ctrl-C does: rows written,
+    cache saved, exit 130."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,100 @@
+"""`kvchat inspect`: the saved cache without loading the model (and without torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from kvchat.cli.app import app, stderr, stdout
+from kvchat.cli.options import (
+    SessionsDirOption,
+)
+from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    pass
+
+
+@app.command("inspect")
+def inspect_snapshot(
+    sessions_dir: SessionsDirOption = Path("sessions"),
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON (schema in the README) instead of text.")
+    ] = False,
+    depth: Annotated[
+        int | None,
+        typer.Option("--depth", help="Tree levels to show (text default: 6; JSON: all).",
+                     min=1, show_default=False),
+    ] = None,
+    session: Annotated[
+        str | None,
+        typer.Option("--session", "-s", help="Only the branches this session's turns went "
+                     "through.", show_default=False),
+    ] = None,
+) -> None:
+    """Show the saved cache (radix tree, exact index, stats) without loading the model."""
+    from kvchat.sessions import cache_dir, validate_name
+    from kvchat.snapshots import INDEX, read_snapshot_meta
+    from kvchat.ui import cache_view as cv
+    from kvchat.ui.views import SnapshotFacts, inspect_view
+
+    if session is not None:
+        validate_name(session)
+    index = cache_dir(sessions_dir) / INDEX
+    try:
+        info = read_snapshot_meta(sessions_dir)
+        if info is None:
+            stderr().print(
+                f"No cache snapshot in {escape(str(index.parent))}: `kvchat chat` or `kvchat "
+                "batch` writes one there."
+            )
+            raise typer.Exit(1)
+        meta = info.meta
+        nodes = cv.nodes_from_meta(meta)
+        exact = cv.exact_from_meta(meta)
+        stats = cv.stats_from_meta(meta, nodes)
+    except (OSError, ValueError) as exc:
+        raise KvchatError(
+            f"The cache snapshot {index} cannot be read ({exc}). The next `kvchat chat` sets "
+            "it aside and starts with an empty cache."
+        ) from None
+    decode = _snapshot_decoder(meta.get("tokenizer_file"))
+    fingerprint = meta.get("fingerprint", {})
+    if as_json:
+        where = {"path": str(index), "saved_at": meta.get("saved_at"),
+                 "model_label": meta.get("model_label"),
+                 "tokenizer_file": meta.get("tokenizer_file")}
+        doc = cv.inspect_document(fingerprint, where, stats, nodes, exact, decode, depth, session)
+        # one line: token lists make an indented dump thousands of lines long
+        typer.echo(json.dumps(doc, ensure_ascii=False))
+        return
+    nodes, exact = cv.for_session(nodes, exact, session)
+    facts = SnapshotFacts(
+        path=str(index),
+        model=str(meta.get("model_label") or fingerprint.get("model", "?")),
+        dtype=str(fingerprint.get("dtype", "?")),
+        saved_at=meta.get("saved_at"),
+    )
+    stdout().print(inspect_view(facts, stats, nodes, exact, decode, depth or 6, 8, session))
+
+
+def _snapshot_decoder(tokenizer_file: str | None) -> Any:
+    """Decode edge previews with the tokenizer file alone (no transformers, no torch); None
+    when it is not recorded or no longer there (previews then show token ids)."""
+    if not tokenizer_file or not Path(tokenizer_file).is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(tokenizer_file)
+    except Exception:  # a damaged tokenizer file only costs the previews
+        return None
+
+    def decode(ids: Any) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    return decode

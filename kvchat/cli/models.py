@@ -1,0 +1,83 @@
+"""`kvchat models`: which model would load, from where, and what its KV cache costs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvchat.cli.app import app, stdout
+from kvchat.cli.options import (
+    DeviceOption,
+    DtypeOption,
+    ModelOption,
+)
+
+if TYPE_CHECKING:
+    pass
+
+from rich import box
+from rich.table import Table
+
+from kvchat.models import ModelReport, describe_model
+
+
+@app.command()
+def models(
+    model: ModelOption = None,
+    dtype: DtypeOption = None,
+    device: DeviceOption = "auto",
+) -> None:
+    """Show which model would load, from where, and what its KV cache costs per token."""
+    report = describe_model(model, dtype=dtype, device=device)
+    stdout().print(model_table(report))
+
+
+def model_table(report: ModelReport) -> Table:
+    """The `kvchat models` table: a pure function of the report."""
+    facts = report.facts
+    table = Table(title=report.source.description, box=box.SIMPLE_HEAD, show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    table.add_row("Source", report.source.kind)
+    if report.source.is_gguf:
+        table.add_row("GGUF file", f"{report.source.location} ({_size(report.gguf_bytes)})")
+        table.add_row("Converted folder", f"{report.folder} ({_size(report.folder_bytes)})")
+    elif report.folder is not None:
+        table.add_row("Folder", f"{report.folder} ({_size(report.folder_bytes)})")
+    else:
+        table.add_row("Hub id", report.source.location)
+    table.add_row("Architecture", f"{facts.architecture} ({facts.model_type})")
+    n = facts.n_params
+    table.add_row("Parameters", "unknown" if n is None else f"{n:,} ({_count(n)})")
+    table.add_row("Layers", str(facts.n_layers))
+    table.add_row("Attention heads", str(facts.n_heads))
+    table.add_row("KV heads", str(facts.n_kv_heads))
+    table.add_row("Head dim", str(facts.head_dim))
+    context = "unknown" if facts.max_context is None else f"{facts.max_context:,} tokens"
+    table.add_row("Max context", context)
+    table.add_row("Vocab size", f"{facts.vocab_size:,}")
+    table.add_row("Dtype", f"{report.dtype} on {report.device}")
+    per_token = facts.kv_bytes_per_token(report.dtype)
+    table.add_row("KV bytes per token", f"{per_token:,}")
+    # 1k tokens of B bytes each take B KB.
+    table.add_row("KV per 1k tokens", f"{per_token:,} KB ({per_token * 1000 / 2**20:,.1f} MiB)")
+    return table
+
+
+def _size(n_bytes: int | None) -> str:
+    if n_bytes is None:
+        return "size unknown"
+    if n_bytes < 1024:
+        return f"{n_bytes} B"
+    size, unit = float(n_bytes) / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:,.1f} {unit}"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)

@@ -1,0 +1,176 @@
+"""Options shared by several commands, declared once: the model / cache / sessions family that
+`@runtime_options()` adds to a command (which then receives one `RuntimeOptions`), and help text
+that reflows to the terminal."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvchat.config import H2O_COST_NOTE, POLICY_ENV_VAR
+
+if TYPE_CHECKING:
+    from kvchat.runtime import RuntimeOptions
+
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Hugging Face Hub id, local model folder or .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct).",
+        show_default=False,
+    ),
+]
+DtypeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        help="float32, bfloat16 or float16 (default: bfloat16 on a GPU, float32 on CPU).",
+        show_default=False,
+    ),
+]
+DeviceOption = Annotated[
+    str,
+    typer.Option("--device", help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N."),
+]
+PolicyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--policy",
+        help=f"Eviction policy: lru, sink-lru (never evicts a sequence's first block) or h2o "
+        f"(evicts the blocks that received the least attention). Default: ${POLICY_ENV_VAR}, "
+        f"else lru. Cost of h2o: {H2O_COST_NOTE}",
+        show_default=False,
+    ),
+]
+BlockSizeOption = Annotated[
+    int, typer.Option("--block-size", help="Tokens per cache block.", min=1, max=4096)
+]
+CacheMbOption = Annotated[
+    float,
+    typer.Option("--cache-mb", help="K/V pool budget in MiB, all layers together; allocated once."),
+]
+PrefillChunkOption = Annotated[
+    int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.", min=1)
+]
+SessionsDirOption = Annotated[
+    Path,
+    typer.Option(
+        "--sessions-dir",
+        help="Folder for session transcripts, input history and the cache snapshot.",
+        file_okay=False,
+    ),
+]
+MaxTokensOption = Annotated[
+    int, typer.Option("--max-tokens", help="Most tokens to generate per reply.", min=1)
+]
+
+Command = Callable[..., None]
+
+
+def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+    )
+
+
+_MODEL_FAMILY = (
+    _option("model", ModelOption, None),
+    _option("dtype", DtypeOption, None),
+    _option("device", DeviceOption, "auto"),
+)
+_CACHE_FAMILY = (
+    _option("policy", PolicyOption, None),
+    _option("block_size", BlockSizeOption, 16),
+    _option("cache_mb", CacheMbOption, 1024.0),
+    _option("prefill_chunk", PrefillChunkOption, 512),
+)
+_SESSIONS_FAMILY = (_option("sessions_dir", SessionsDirOption, Path("sessions")),)
+
+
+def runtime_options(*, persist: bool = True) -> Callable[[Command], Command]:
+    """Add --model, --dtype, --device, --policy, --block-size, --cache-mb, --prefill-chunk and,
+    when the command loads and saves the cache snapshot (`persist`), --sessions-dir to a
+    command, which receives them as one keyword argument `options: RuntimeOptions`."""
+    family = _MODEL_FAMILY + _CACHE_FAMILY + (_SESSIONS_FAMILY if persist else ())
+    return _option_family("options", family, functools.partial(_runtime_options, persist=persist))
+
+
+def _runtime_options(
+    *,
+    model: str | None,
+    dtype: str | None,
+    device: str,
+    policy: str | None,
+    block_size: int,
+    cache_mb: float,
+    prefill_chunk: int,
+    sessions_dir: Path = Path("sessions"),
+    persist: bool,
+) -> RuntimeOptions:
+    """The one place these options become a RuntimeOptions. A bad value (an unknown policy, a
+    zero budget) raises a KvchatError naming the option, before anything is loaded."""
+    from kvchat.config import CacheConfig
+    from kvchat.runtime import RuntimeOptions
+
+    cache = CacheConfig(block_size=block_size, cache_mb=cache_mb, policy=policy)
+    return RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
+                          prefill_chunk=prefill_chunk, sessions_dir=sessions_dir,
+                          persist=persist)
+
+
+def _option_family(
+    target: str, family: tuple[inspect.Parameter, ...], build: Callable[..., Any]
+) -> Callable[[Command], Command]:
+    """A decorator adding `family`'s options to a command's signature, where Typer reads them;
+    the command is called with one argument `target`, built from their values by `build`."""
+    names = [p.name for p in family]
+
+    def decorate(command: Command) -> Command:
+        own = [p for p in inspect.signature(command).parameters.values() if p.name != target]
+
+        @functools.wraps(command)
+        def with_family(**values: Any) -> None:
+            built = build(**{name: values.pop(name) for name in names})
+            command(**values, **{target: built})
+
+        signature = inspect.Signature([*(_evaluated(p, command) for p in own), *family])
+        with_family.__signature__ = signature  # type: ignore[attr-defined]
+        # Typer resolves annotations from here too: the target's type must not appear in them.
+        with_family.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+        return with_family
+
+    return decorate
+
+
+def _evaluated(parameter: inspect.Parameter, command: Command) -> inspect.Parameter:
+    """`parameter` with its annotation evaluated, as Typer needs it: this module's `from
+    __future__ import annotations` leaves annotations as strings."""
+    if not isinstance(parameter.annotation, str):
+        return parameter
+    namespace = getattr(command, "__globals__", {})
+    return parameter.replace(annotation=eval(parameter.annotation, namespace))  # noqa: S307
+
+
+
+def reflow(text: str) -> str:
+    """Each paragraph of a docstring on one line, for Rich to wrap to the terminal's width;
+    blank lines stay paragraph breaks. (Typer's rich mode keeps a docstring's hard breaks.)"""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
+
+
+def reflow_help(commands: typer.Typer) -> None:
+    for info in commands.registered_commands:
+        info.help = reflow(info.help or inspect.getdoc(info.callback) or "")
+    for group in commands.registered_groups:
+        if group.typer_instance is not None:
+            reflow_help(group.typer_instance)
+
+
