@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from kvchat.responses import result_fields
+from kvchat.server.auth import Caller, Tenant
 from kvchat.server.errors import error_response
 from kvchat.server.schemas import GenerateBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result
@@ -19,15 +21,18 @@ router = APIRouter()
 
 
 @router.post("/generate", response_model=None)
-async def generate(body: GenerateBody, request: Request, state: State) -> Any:
+async def generate(body: GenerateBody, request: Request, state: State, tenant: Caller) -> Any:
     """Generate a reply; with "stream": true, server-sent events: `token` events with text
     deltas, then one `done` event with the stats (or an `error` event)."""
+    namespace = state.gate.namespace(tenant, body.cache_salt)
+    sessions = state.sessions.of(tenant)
     lock = None
     if body.session is not None:
-        lock = state.sessions.turn_locks.setdefault(body.session, asyncio.Lock())
+        lock = sessions.turn_locks.setdefault(body.session, asyncio.Lock())
         await lock.acquire()
     try:
-        handle = await state.start(state.preparer.generate, body)
+        prepare = partial(state.preparer.generate, sessions=sessions)
+        handle = await state.start(prepare, body, tenant, namespace)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -50,8 +55,13 @@ async def _events(handle: Handle, extra: dict[str, Any]) -> AsyncIterator[bytes]
 
 
 @router.get("/healthz", response_model=None)
-async def healthz(state: State) -> Any:
+async def healthz(request: Request, state: State) -> Any:
+    """Open to anyone: liveness, and the model's name (its full label, a local path maybe,
+    only for the admin)."""
     worker = state.worker
     if not worker.alive:
         return error_response(503, "unavailable", "The engine thread is not running.")
-    return {"status": "ok", "model": worker.info.label, "device": worker.info.device}
+    tenant = getattr(request.state, "tenant", None)
+    admin = isinstance(tenant, Tenant) and tenant.admin
+    model = worker.info.label if admin else worker.info.model_id
+    return {"status": "ok", "model": model, "device": worker.info.device}

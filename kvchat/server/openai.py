@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from kvchat.engine.sequence import GenerationResult
 from kvchat.responses import chat_completion, openai_finish_reason
+from kvchat.server.auth import Caller
 from kvchat.server.schemas import ChatCompletionBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result
 from kvchat.server.state import State
@@ -46,10 +47,12 @@ class Chunks:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionBody, request: Request, state: State) -> Any:
+async def chat_completions(body: ChatCompletionBody, request: Request, state: State,
+                           tenant: Caller) -> Any:
     """The OpenAI chat completions subset: messages, max_tokens, temperature, top_p, seed,
     stop, stream (chat.completion.chunk events, then `data: [DONE]`)."""
-    handle = await state.start(state.preparer.chat, body)
+    namespace = state.gate.namespace(tenant, body.cache_salt)
+    handle = await state.start(state.preparer.chat, body, tenant, namespace)
     completion_id = f"chatcmpl-kvchat-{next(state.completion_ids)}"
     name = state.worker.info.model_id
     if not body.stream:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from pathlib import Path
 
 from kvchat.config import SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.errors import KvchatError
+from kvchat.server.auth import TENANTS_DIR, Tenant
 from kvchat.server.errors import ApiError
 from kvchat.server.schemas import ChatCompletionBody, GenerateBody
-from kvchat.sessions import Session, SessionStore
+from kvchat.sessions import Session, SessionStore, private_dir
 from kvchat.turns import PreparedTurn, merge_params, prepare_turn
 
 log = logging.getLogger(__name__)
@@ -52,13 +54,33 @@ class Sessions:
             return session
 
 
+class TenantSessions:
+    """Each tenant's own Sessions: the admin's are the sessions dir's own files; an API key's
+    tenant has sessions/tenants/<tenant id>/ (0700; session files are 0600), so no tenant can
+    name, read or continue another's session (it is unknown there: a 404)."""
+
+    def __init__(self, admin: SessionStore) -> None:
+        self.admin = Sessions(admin)
+        self._tenants: dict[str, Sessions] = {}
+        self._lock = threading.Lock()
+
+    def of(self, tenant: Tenant) -> Sessions:
+        if tenant.admin:
+            return self.admin
+        with self._lock:
+            sessions = self._tenants.get(tenant.id)
+            if sessions is None:
+                root = private_dir(Path(self.admin.store.root))
+                folder = private_dir(private_dir(root / TENANTS_DIR) / tenant.id)
+                sessions = self._tenants[tenant.id] = Sessions(SessionStore(folder))
+            return sessions
+
+
 class Preparer:
     """Builds turns from the two API families' bodies."""
 
-    def __init__(self, engine: Engine, sessions: Sessions,
-                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    def __init__(self, engine: Engine, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.engine = engine
-        self.sessions = sessions
         self.max_tokens = max_tokens
 
     def params(self, max_new: int | None, temperature: float | None, default_temperature: float,
@@ -81,15 +103,16 @@ class Preparer:
             raise
         return turn
 
-    def generate(self, body: GenerateBody) -> PreparedTurn:
-        """POST /generate: a prompt or messages (greedy by default), or a session's next turn."""
+    def generate(self, body: GenerateBody, sessions: Sessions) -> PreparedTurn:
+        """POST /generate: a prompt or messages (greedy by default), or a session's next turn
+        (of the caller's `sessions`)."""
         p = self.params(body.max_tokens, body.temperature, 0.0, body.top_p, body.top_k,
                         body.seed, body.stop)
         messages = ([m.model_dump() for m in body.messages] if body.messages is not None
                     else [{"role": "user", "content": body.prompt or ""}])
         session = None
         if body.session is not None:
-            session = self.sessions.get(body.session, body.create_session)
+            session = sessions.get(body.session, body.create_session)
         return self._checked(prepare_turn(self.engine.codec, messages, p, session, body.system))
 
     def chat(self, body: ChatCompletionBody) -> PreparedTurn:

@@ -31,6 +31,7 @@ class GenerateBody(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    cache_salt: str | None = None  # a sharing group the server declares (--cache-salt)
 
     @field_validator("session")
     @classmethod
@@ -90,3 +91,4 @@ class ChatCompletionBody(BaseModel):
     n: int | None = Field(None, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: str | None = None  # as vLLM's; only the names the server declares

@@ -36,13 +36,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def bind_warning(host: str) -> str | None:
+def bind_warning(host: str, authenticated: bool = False) -> str | None:
     if is_loopback(host):
         return None
+    if authenticated:
+        return (
+            f"--host {host} is not a loopback address: every machine that can reach this one "
+            "can try the server. Requests need the access token or an API key, but plain HTTP "
+            "carries them unencrypted: put a TLS proxy in front of it."
+        )
     return (
         f"--host {host} is not a loopback address: anyone who can reach this machine can use "
-        "the model, read the cache tree (it holds prompt text) and write sessions. kvchat "
-        "serve has no authentication."
+        "the model, read the cache tree (it holds prompt text) and write sessions, since "
+        "--no-auth left the server with no authentication."
     )
 
 

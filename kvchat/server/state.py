@@ -1,5 +1,6 @@
 """What every endpoint shares, stored once on `app.state.server`: the engine worker, request
-preparation and the session registry. Handlers receive it as a `State` parameter."""
+preparation, the gate (credentials -> tenant) and each tenant's sessions. Handlers receive it as
+a `State` parameter."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import asyncio
 import itertools
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from kvchat.server.auth import Gate, Tenant
 from kvchat.server.errors import api_error
-from kvchat.server.prepare import Preparer, Sessions
+from kvchat.server.prepare import Preparer, TenantSessions
 from kvchat.server.worker import EngineStopped, EngineWorker, Handle
 from kvchat.turns import PreparedTurn
 
@@ -25,15 +27,22 @@ B = TypeVar("B")
 @dataclass
 class ServerState:
     worker: EngineWorker
-    sessions: Sessions
+    sessions: TenantSessions
     preparer: Preparer
+    gate: Gate
     completion_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
-    async def start(self, prepare: Callable[[B], PreparedTurn], body: B) -> Handle:
-        """Prepare the request in a worker thread and hand it to the engine; any failure
-        becomes the HTTP error the client sees."""
+    async def start(self, prepare: Callable[[B], PreparedTurn], body: B, tenant: Tenant,
+                    namespace: str) -> Handle:
+        """Prepare the request in a worker thread and hand it to the engine, cached in
+        `namespace` and counted for `tenant`; any failure becomes the HTTP error the client
+        sees."""
         try:
-            handle = Handle(await run_in_threadpool(prepare, body), self.sessions.store)
+            turn = await run_in_threadpool(prepare, body)
+            request = turn.request(namespace)
+            if request.sid is not None:
+                request = replace(request, sid=tenant.sid(request.sid))
+            handle = Handle(turn, self.sessions.of(tenant).store, request, tenant.id)
             self.worker.submit(handle)
         except Exception as exc:
             raise api_error(exc) from exc
