@@ -178,7 +178,7 @@ def test_views_filter_one_namespace_and_rename_its_owners() -> None:
 
 
 def test_a_scheduler_wave_waits_only_for_its_own_namespace() -> None:
-    from kvchat.engine.scheduler_new import Scheduler
+    from kvchat.engine.scheduler import Scheduler
     from kvchat.engine.sequence import Request, Sequence
 
     cache: PagedKVCache = make_cache(num_blocks=16, block_size=BS)
