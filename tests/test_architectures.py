@@ -194,3 +194,18 @@ def test_keys_and_values_of_different_widths_are_refused() -> None:
     with pytest.raises(UnpageableArchitecture, match="24 wide per head"):
         check_pageable(config, "a wide-key model")
 
+
+
+def test_h2o_is_refused_where_attention_cannot_report_its_weights(tiny_tokenizer):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from kvchat.config import CacheConfig
+    from kvchat.engine.attention import AttentionNotSwappable
+    from kvchat.engine.engine import Engine
+
+    config = FalconConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=4)
+    model = FalconForCausalLM(config).eval()
+    with pytest.raises(AttentionNotSwappable, match="--policy lru"):
+        Engine.create(model, tiny_tokenizer, CacheConfig(4, num_blocks=16, policy="h2o"))
+    Engine.create(model, tiny_tokenizer, CacheConfig(4, num_blocks=16, policy="lru"))

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import kvchat
-from kvchat import cli, models
+from kvchat import cli, gguf, models
 from kvchat.cli import models as cli_models
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def test_models_on_a_gguf_shows_the_file_and_its_converted_folder(tiny_gguf):
     assert row(out, "Source") == "gguf"
     size = tiny_gguf.stat().st_size
     assert row(out, "GGUF file") == f"{tiny_gguf} ({size / 1024:,.1f} KiB)"
-    assert row(out, "Converted folder").startswith(str(models.converted_dir_for(tiny_gguf)))
+    assert row(out, "Converted folder").startswith(str(gguf.converted_dir_for(tiny_gguf)))
     assert row(out, "Layers") == "2"
 
 

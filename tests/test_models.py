@@ -20,10 +20,9 @@ from kvchat.errors import (
     ModelPathNotFound,
     NotACausalLM,
 )
+from kvchat.gguf import SOURCE_RECORD, converted_dir_for
 from kvchat.models import (
     EMBEDDED_FILE,
-    SOURCE_RECORD,
-    converted_dir_for,
     describe_model,
     dtype_name,
     ensure_converted,

@@ -19,6 +19,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvchat.errors import KvchatError
+
 PREFIX = "kvchat_h2o"
 _sink = threading.local()  # .rows: list of (B, K) mass tensors while a forward tracks
 
@@ -73,8 +75,18 @@ def _dispatch_mask(base: Callable[..., Any]) -> Callable[..., Any]:
     return mask
 
 
+class AttentionNotSwappable(KvchatError):
+    """The model's attention cannot report its weights, so H2O would have nothing to rank by."""
+
+
 def track_attention(model: Any) -> None:
     """Let forwards of `model` report attention mass on request. Idempotent."""
+    if getattr(model, "_supports_attention_backend", True) is False:
+        name = type(model).__name__
+        raise AttentionNotSwappable(
+            f"--policy h2o ranks blocks by the attention weights each forward reports, but "
+            f"{name} computes attention in its own code, which kvchat cannot ask for them. Use "
+            "--policy lru or sink-lru with this model.")
     current = str(model.config._attn_implementation or "eager")
     if current.startswith(PREFIX):
         return

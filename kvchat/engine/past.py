@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvchat.architectures import kv_heads
 from kvchat.cache.blocks import KV
 
 
@@ -123,9 +124,8 @@ def kv_shape(config: Any) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of a decoder config."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return config.num_hidden_layers, kv_heads(config), head_dim
 
 
 def layer_devices(model: Any, n_layers: int) -> list[torch.device]:
