@@ -503,7 +503,8 @@ def test_serve_saves_the_snapshot_on_shutdown(
         [sys.executable, "-m", "kvchat", "serve", "--model", str(tiny_model_dir), "--device",
          "cpu", "--port", str(port), "--block-size", "4", "--cache-mb", "4",
          "--sessions-dir", str(sessions)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "KVCHAT_TOKEN": "test-token"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -518,7 +519,8 @@ def test_serve_saves_the_snapshot_on_shutdown(
             time.sleep(0.1)
         with pytest.raises(SessionsLocked), sessions_lock(sessions, "test", wait_s=0):
             pass
-        reply = httpx.post(f"{url}/generate", json={"prompt": "Remember me.", "max_tokens": 4})
+        reply = httpx.post(f"{url}/generate", json={"prompt": "Remember me.", "max_tokens": 4},
+                           headers={"Authorization": "Bearer test-token"})
         assert reply.status_code == 200
         assert not (sessions / "cache" / "index.json").exists()
         proc.send_signal(sig)
