@@ -1,5 +1,6 @@
 """Stateful property test: random interleavings of lookup, store, release, evict and clear on a
-small pool, with a three-token alphabet so prefixes are shared, split and extended all the time.
+small pool, with a three-token alphabet so prefixes are shared, split and extended all the time,
+in two namespaces that must never hit each other's entries.
 
 The reference model is a causal one: K/V at position i is a function of tokens[: i + 1] (`ref_kv`),
 so whatever a hit reads back must equal the reference for the matched prefix, bit for bit, however
@@ -27,6 +28,7 @@ NUM_BLOCKS = 12
 MAX_LEN = 24
 MAX_OUTSTANDING = 4
 alphabet = st.integers(0, 2)
+namespaces = st.sampled_from(["", "tenant"])
 
 
 def logits_for(tokens: list[int]) -> torch.Tensor:
@@ -45,8 +47,9 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cache: PagedKVCache = make_cache(NUM_BLOCKS, 4)
-        self.outstanding: list[tuple[list[int], Lookup]] = []
-        self.stored: list[list[int]] = []  # every prefix ever cached (a hit must come from one)
+        self.outstanding: list[tuple[str, list[int], Lookup]] = []
+        # every (namespace, prefix) ever cached: a hit must come from one of its namespace
+        self.stored: list[tuple[str, list[int]]] = []
 
     @initialize(policy=st.sampled_from(["lru", "sink-lru", "h2o"]), bs=st.sampled_from([1, 3, 4]))
     def setup(self, policy: str, bs: int) -> None:
@@ -54,20 +57,22 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- drawing sequences -------------------------------------------------------------------
 
-    def draw_tokens(self, data: st.DataObject) -> list[int]:
+    def draw_tokens(self, data: st.DataObject) -> tuple[str, list[int]]:
+        """A namespace and a sequence, often related to one stored in either namespace."""
+        namespace = data.draw(namespaces, label="namespace")
         if self.stored and data.draw(st.booleans(), label="related"):
-            base = data.draw(st.sampled_from(self.stored), label="base")
+            _, base = data.draw(st.sampled_from(self.stored), label="base")
             cut = data.draw(st.integers(0, len(base)), label="cut")
             tail = data.draw(st.lists(alphabet, max_size=8), label="tail")
             tokens = base[:cut] + tail
         else:
             tokens = data.draw(st.lists(alphabet, min_size=1, max_size=16), label="fresh")
-        return tokens[:MAX_LEN] or [0]
+        return namespace, tokens[:MAX_LEN] or [0]
 
     # ---- rules -------------------------------------------------------------------------------
 
-    def _lookup(self, tokens: list[int]) -> Lookup:
-        hit = self.cache.lookup(tokens)
+    def _lookup(self, namespace: str, tokens: list[int]) -> Lookup:
+        hit = self.cache.lookup(tokens, namespace=namespace)
         n = len(tokens)
         assert hit.prompt_tokens == n
         assert 0 <= hit.matched <= n
@@ -78,18 +83,19 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             assert hit.logits is None and hit.matched <= n - 1
             assert (hit.source is HitSource.MISS) == (hit.matched == 0)
-        # a hit can only come from something that was stored
-        assert hit.matched <= max((lcp(tokens, s) for s in self.stored), default=0)
+        # a hit can only come from something that was stored, in the same namespace
+        assert hit.matched <= max(
+            (lcp(tokens, s) for ns, s in self.stored if ns == namespace), default=0)
         assert_hit_correct(self.cache, hit, tokens)
         return hit
 
     @precondition(lambda self: len(self.outstanding) < MAX_OUTSTANDING)
     @rule(data=st.data())
     def lookup(self, data: st.DataObject) -> None:
-        tokens = self.draw_tokens(data)
-        self.outstanding.append((tokens, self._lookup(tokens)))
+        namespace, tokens = self.draw_tokens(data)
+        self.outstanding.append((namespace, tokens, self._lookup(namespace, tokens)))
 
-    def _store(self, tokens: list[int], skip: int, data: st.DataObject) -> None:
+    def _store(self, namespace: str, tokens: list[int], skip: int, data: st.DataObject) -> None:
         n = len(tokens)
         logits_len = None
         logits = None
@@ -98,33 +104,34 @@ class CacheMachine(RuleBasedStateMachine):
             logits_len = data.draw(st.integers(max(skip, 1), n), label="logits_len")
             logits = logits_for(tokens[:logits_len])
         hold = data.draw(st.booleans(), label="hold")
-        res = self.cache.store(tokens, ref_kv(tokens, skip), skip, logits, logits_len, hold=hold)
+        res = self.cache.store(tokens, ref_kv(tokens, skip), skip, logits, logits_len, hold=hold,
+                               namespace=namespace)
         self.cache.check_integrity()
         if not hold:  # blocks are the tree's: a store takes no reference unless asked
             self.ref_counts_are_the_outstanding_lookups()
         assert 0 <= res.stored <= n and res.complete == (res.stored == n)
         assert len(res.blocks) == -(-res.stored // self.cache.block_size)
         if res.stored:
-            self.stored.append(tokens[: res.stored])
+            self.stored.append((namespace, tokens[: res.stored]))
             got = self.cache.gather(res.blocks, res.stored)
             want = ref_kv(tokens, 0, res.stored)
             assert all(
                 torch.equal(gk, wk) and torch.equal(gv, wv)
                 for (gk, gv), (wk, wv) in zip(got, want, strict=True)
             )
-            assert self.cache.peek(tokens) >= res.stored
+            assert self.cache.peek(tokens, namespace) >= res.stored
         if hold:
-            holds = Counter(b.block_id for _, hit in self.outstanding for b in hit.blocks)
+            holds = Counter(b.block_id for *_, hit in self.outstanding for b in hit.blocks)
             assert all(b.ref_count == holds[b.block_id] + 1 for b in res.blocks)
             self.cache.release(res.blocks)
         if logits is not None and logits_len is not None and logits_len <= res.stored:
-            hit = self._lookup(tokens[:logits_len])
+            hit = self._lookup(namespace, tokens[:logits_len])
             assert hit.source is HitSource.EXACT
             self.cache.release(hit.blocks)
 
     @rule(data=st.data())
     def store_fresh(self, data: st.DataObject) -> None:
-        self._store(self.draw_tokens(data), 0, data)
+        self._store(*self.draw_tokens(data), 0, data)
 
     @precondition(lambda self: self.outstanding)
     @rule(data=st.data())
@@ -132,9 +139,9 @@ class CacheMachine(RuleBasedStateMachine):
         """What a request does: compute K/V past its hit (and maybe generate more), store,
         and usually release the blocks it looked up."""
         i = data.draw(st.integers(0, len(self.outstanding) - 1), label="which lookup")
-        tokens, hit = self.outstanding[i]
+        namespace, tokens, hit = self.outstanding[i]
         generated = data.draw(st.lists(alphabet, max_size=6), label="generated")
-        self._store((tokens + generated)[:MAX_LEN], hit.matched, data)
+        self._store(namespace, (tokens + generated)[:MAX_LEN], hit.matched, data)
         if data.draw(st.booleans(), label="release after"):
             self.cache.release(hit.blocks)
             del self.outstanding[i]
@@ -143,7 +150,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         i = data.draw(st.integers(0, len(self.outstanding) - 1), label="which lookup")
-        _, hit = self.outstanding.pop(i)
+        *_, hit = self.outstanding.pop(i)
         self.cache.release(hit.blocks)
 
     @rule(n=st.integers(1, 6))
@@ -176,17 +183,17 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_are_the_outstanding_lookups(self) -> None:
-        holds = Counter(b.block_id for _, hit in self.outstanding for b in hit.blocks)
+        holds = Counter(b.block_id for *_, hit in self.outstanding for b in hit.blocks)
         for block in self.cache.manager.blocks:
             assert block.ref_count == holds[block.block_id], block
 
     @invariant()
     def held_kv_is_never_overwritten(self) -> None:
-        for tokens, hit in self.outstanding:
+        for _, tokens, hit in self.outstanding:
             assert_hit_correct(self.cache, hit, tokens)
 
     def teardown(self) -> None:
-        for _, hit in self.outstanding:
+        for *_, hit in self.outstanding:
             self.cache.release(hit.blocks)
         self.cache.check_integrity()
 

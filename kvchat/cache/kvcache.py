@@ -172,13 +172,11 @@ class PagedKVCache:
         hold: bool = False,
         namespace: str = "",
     ) -> StoreResult:
-        """Cache `tokens` in `namespace`, whose K/V for positions [skip_tokens, len(tokens)) are in
-        kv_per_layer (each (1, H, len(tokens) - skip_tokens, D)). `logits`, if given, are the
-        logits at position logits_len - 1 (default: the last), kept in the exact index.
-
-        Evicts through the policy when the pool is short; when even that is not enough, stores
-        the longest prefix that fits (complete=False). Never raises for lack of room.
-        The result's blocks are acquired for the caller only with hold=True (see StoreResult)."""
+        """Cache `tokens` in `namespace`; kv_per_layer holds positions [skip_tokens, len(tokens)),
+        each (1, H, len(tokens) - skip_tokens, D). `logits`, if given, are those of position
+        logits_len - 1 (default: the last), kept in the exact index. Evicts through the policy
+        when the pool is short; past that, stores the longest prefix that fits (complete=False):
+        never raises for lack of room. Blocks are the caller's only with hold=True (StoreResult)."""
         bs = self.block_size
         n = len(tokens)
         have = kv_per_layer[0][0].shape[-2] if kv_per_layer else 0
@@ -220,8 +218,7 @@ class PagedKVCache:
                     keep = held if extend else held[: base // bs]
                     try:
                         self._fill(new, held, extend, base, m, end, skip_tokens, kv_per_layer)
-                        self.tree.insert(tokens[:end], keep + new, owner=sid,
-                                         namespace=namespace)
+                        self.tree.insert(tokens[:end], keep + new, sid, namespace)
                     except BaseException:  # e.g. Ctrl-C: the new blocks go back, unowned
                         self.release(new)
                         self.manager.free(new)
@@ -235,8 +232,8 @@ class PagedKVCache:
             if logits is not None:
                 key_len = n if logits_len is None else logits_len
                 if key_len <= stored:
-                    self.exact.put(tokens[:key_len], path[: _ceil_div(key_len, bs)], logits,
-                                   namespace)
+                    head = path[: _ceil_div(key_len, bs)]
+                    self.exact.put(tokens[:key_len], head, logits, namespace)
         finally:
             for block in held:
                 block.release()

@@ -81,10 +81,8 @@ def serve(
     from kvchat.sessions import sessions_lock
 
     access = startup_auth(token, api_keys or [], no_auth, share_cache, cache_salts or [])
-    for warning in (bind_warning(host, access.auth.enabled), access.warning):
-        if warning:
-            stderr().print(f"[bold yellow]Warning:[/bold yellow] "
-                           f"[yellow]{escape(warning)}[/yellow]")
+    for warning in filter(None, (bind_warning(host, access.auth.enabled), access.warning)):
+        stderr().print(f"[bold yellow]Warning:[/bold yellow] [yellow]{escape(warning)}[/yellow]")
     with sessions_lock(options.sessions_dir, "kvchat serve"):
         runtime = Runtime.open(options)
         web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens,
