@@ -1,7 +1,8 @@
 """The on-disk form of one cached block (a `.kvb` file), checksummed end to end.
 
     offset 0   magic b"KVCB", version (u16), header length h (u32)     10 bytes, little-endian
-    offset 10  header: JSON {key, n_layers, n_kv_heads, head_dim, block_size, dtype, tokens}
+    offset 10  header: JSON {key, n_layers, n_kv_heads, head_dim, block_size, dtype, tokens},
+               padded with spaces so that 10 + h is a multiple of 64
     10 + h     payload: for each layer K then V, each (n_kv_heads, block_size, head_dim), raw
     end - 32   BLAKE2b-256 of everything before it
 
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -28,6 +31,7 @@ MAGIC = b"KVCB"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 CHECKSUM_BYTES = 32
+PAYLOAD_ALIGN = 64  # the payload starts at a multiple of this offset
 _MAX_HEADER = 1 << 24  # a header is a few KB; a larger length field means a damaged file
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -90,6 +94,8 @@ def _torch_dtype(name: str) -> torch.dtype:
 def _header(key: str, tokens: Sequence[int], layout: BlockLayout) -> bytes:
     header = json.dumps({"key": key, **asdict(layout), "tokens": [int(t) for t in tokens]},
                         separators=(",", ":")).encode()
+    # JSON may end in spaces: they align the payload, so tensors read in place are aligned too
+    header += b" " * (-(_PREFIX.size + len(header)) % PAYLOAD_ALIGN)
     return _PREFIX.pack(MAGIC, VERSION, len(header)) + header
 
 
@@ -192,3 +198,16 @@ def decode_block(data: bytearray, key: str, layout: BlockLayout) -> DecodedBlock
                              offset=at + layout.tensor_bytes).view(shape)
         kv.append((k, v))
     return DecodedBlock(tokens, kv)
+
+
+def read_block_bytes(path: Path) -> bytearray:
+    """The whole file, in a mutable buffer (torch.frombuffer warns on immutable bytes)."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as fh:
+        data = bytearray(os.fstat(fh.fileno()).st_size)
+        view, got = memoryview(data), 0
+        while got < len(data):
+            n = fh.readinto(view[got:])
+            if not n:  # the file shrank after fstat
+                return data[:got]
+            got += n
+        return data

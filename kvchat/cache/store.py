@@ -38,7 +38,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvchat.cache.block_file import BlockFileError, BlockKV, BlockLayout
+from kvchat.cache.block_file import BlockFileError, BlockKV, BlockLayout, read_block_bytes
 from kvchat.cache.block_keys import is_key
 from kvchat.cache.store_index import (
     INDEX,
@@ -224,7 +224,7 @@ class BlockStore:
 
         path = block_path(self.root, key)
         try:
-            data = _read_bytes(path)
+            data = read_block_bytes(path)
         except OSError as exc:
             with self._cond:
                 listed = self._index.drop(key) > 0
@@ -306,7 +306,11 @@ class BlockStore:
     # ---- the writer thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        self._reconcile()
+        try:
+            self._reconcile()
+        except Exception as exc:  # the store still works; the next start-up tries again
+            with self._cond:
+                self._notices.append(f"Disk cache folder {self.root} not reconciled ({exc}).")
         while True:
             with self._cond:
                 self._busy = False
@@ -336,7 +340,7 @@ class BlockStore:
                 self._shards.add(path.parent.name)
             size = self._write_file(tmp, item)
             os.replace(tmp, path)
-        except (OSError, SessionWriteError) as exc:
+        except Exception as exc:  # any: a dead writer thread would leave flush() waiting forever
             with contextlib.suppress(OSError):
                 tmp.unlink()
             with self._cond:
@@ -432,15 +436,3 @@ class BlockStore:
                     self._index.dirty = True
                     self._notices.append(str(exc))
 
-
-def _read_bytes(path: Path) -> bytearray:
-    """The whole file, in a mutable buffer (torch.frombuffer warns on immutable bytes)."""
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as fh:
-        data = bytearray(os.fstat(fh.fileno()).st_size)
-        view, got = memoryview(data), 0
-        while got < len(data):
-            n = fh.readinto(view[got:])
-            if not n:  # the file shrank after fstat
-                return data[:got]
-            got += n
-        return data
