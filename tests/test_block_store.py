@@ -472,6 +472,16 @@ def test_index_entries_without_files_are_dropped_and_unlisted_files_adopted(
     assert set(listed) == {k for k, _ in blocks[1:]}
 
 
+def test_put_rewrites_a_listed_block_whose_file_vanished(store: BlockStore) -> None:
+    (key, tokens), = chain(1)
+    write_blocks(store, [(key, tokens)])
+    block_path(store.root, key).unlink()  # another process evicted it
+    assert store.put(key, tokens, make_kv(key))
+    store.flush()
+    assert store.stats().writes == 2 and store.stats().blocks == 1
+    assert_same(store.get(key).kv, make_kv(key))
+
+
 def _mkparent(root: Path, key: str) -> Path:
     path = block_path(root, key)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -114,8 +114,8 @@ class BlockStore:
         self.budget_bytes = budget_bytes
         self.max_pending_bytes = max_pending_bytes
         self.index_every_s = index_every_s
-        self._cond = threading.Condition()  # guards everything below but the two locks' own
-        self._index_lock = threading.Lock()  # one index save at a time
+        self._cond = threading.Condition()  # guards the state below
+        self._index_lock = threading.Lock()  # orders index saves only
         self._index = StoreIndex()
         self._pending: dict[str, _Pending] = {}
         self._queue: deque[_Pending] = deque()  # its head is written while it stays queued
@@ -169,8 +169,16 @@ class BlockStore:
         if not self.enabled or self.layout.payload_bytes > self.budget_bytes:
             return False
         with self._cond:
-            if self._index.touch(key) or key in self._pending:
+            listed = key in self._index
+            if key in self._pending:
                 return False
+        if listed:  # one stat: another process sharing the dir may have evicted it
+            present = block_path(self.root, key).exists()
+            with self._cond:
+                if present:
+                    self._index.touch(key)
+                    return False
+                self._index.drop(key)
         item = _Pending(key, tuple(int(t) for t in tokens),
                         copy_block_kv(kv, self.layout, len(tokens)), self.layout.payload_bytes)
         with self._cond:
@@ -265,8 +273,8 @@ class BlockStore:
         return f"moved to {target}"
 
     def flush(self) -> None:
-        """Wait until every block queued so far is on disk (and the start-up reconciliation has
-        run), then save the index."""
+        """Wait until the queue is empty, every block in it on disk (and the start-up
+        reconciliation done), then save the index."""
         if self._thread is None:
             return
         with self._cond:
