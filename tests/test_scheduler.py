@@ -10,6 +10,7 @@ import torch
 
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
+from kvchat.engine.scheduler import common_prefix
 from kvchat.engine.sequence import Finished, Request, TextDelta
 
 
@@ -223,3 +224,106 @@ def test_interrupt_inside_the_final_store_is_reported_once(tiny_model, tiny_toke
     assert len(finished) == len({id(t) for t in finished}) == 3  # each reported exactly once
     assert all(blk.ref_count == 0 for blk in b.cache.manager.blocks)
     b.cache.check_integrity()
+
+
+# ---- token-exact admission: reuse against the ideal ----------------------------------------
+
+
+class _FixedCosts:
+    """This CPU's figures for the embedded model (a decode step ~58 ms, prefill ~2 ms per
+    token): one decode step buys 29 prompt tokens. Fixed, so the test does not depend on
+    timing."""
+
+    decode_s, prefill_token_s = 0.058, 0.002
+    wait_tokens = 29.0
+
+    def decode(self, seconds: float) -> None:
+        pass
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def _kinds(seed: int = 7) -> dict[str, list[list[int]]]:
+    rng = random.Random(seed)
+    words = lambda n: [rng.randrange(3, 250) for _ in range(n)]  # noqa: E731
+    system, header = words(70), words(45)
+    convs = [words(20) for _ in range(3)]
+    turns = []
+    for _ in range(3):  # interleaved: each turn extends that conversation's previous prompt
+        for c in range(3):
+            convs[c] = convs[c] + words(6) + words(5)
+            turns.append(list(convs[c]))
+    distinct = [words(rng.randrange(8, 14)) for _ in range(4)]
+    repeats = distinct * 3
+    rng.shuffle(repeats)
+    g47, g113 = words(47), words(113)
+    return {
+        "shared-system": [system + words(rng.randrange(4, 9)) for _ in range(12)],
+        "few-shot": [header + words(6) for _ in range(10)],
+        "multi-turn": turns,
+        "repeats": repeats,
+        "unaligned": [g47 + words(9) for _ in range(5)] + [g113 + words(7) for _ in range(5)],
+    }
+
+
+def ideal_reuse(prompts: list[list[int]]) -> int:
+    """Per line, the longest prefix it shares with any earlier line (a whole exact repeat;
+    otherwise at most all but the last token, which a non-exact hit always computes)."""
+    total = 0
+    for i, p in enumerate(prompts):
+        earlier = prompts[:i]
+        if p in earlier:
+            total += len(p)
+            continue
+        best = max((common_prefix(p, q) for q in earlier), default=0)
+        total += min(best, len(p) - 1)
+    return total
+
+
+@pytest.mark.parametrize("block", [16, 64])
+@pytest.mark.parametrize("batch_size", [8, 32])
+@pytest.mark.parametrize("kind", ["shared-system", "few-shot", "multi-turn", "repeats",
+                                  "unaligned"])
+def test_reuse_is_the_ideal_whatever_the_block_and_batch_size(tiny_model, tiny_tokenizer, kind,
+                                                              block, batch_size):
+    prompts = _kinds()[kind]
+    b = backend(tiny_model, tiny_tokenizer, block=block, blocks=4000 // block,
+                batch_size=batch_size)
+    b.scheduler.costs = _FixedCosts()
+    handles = [b.submit(Request(p, SamplingParams(max_new_tokens=2))) for p in prompts]
+    drain(b)
+    hits = sum(h.result.cache_hit_tokens for h in handles if h.result)
+    ideal = ideal_reuse(prompts)
+    assert ideal > 0 and hits >= 0.99 * ideal, (hits, ideal)
+    assert sum(h.result.hit_source == "exact" for h in handles if h.result) == \
+        len(prompts) - len({tuple(p) for p in prompts})  # every repeat answered from logits
+    b.cache.check_integrity()
+
+
+def test_a_short_shared_prefix_is_not_worth_a_step(tiny_model, tiny_tokenizer):
+    """Below the break-even, wave-mates are admitted together and each computes the few shared
+    tokens: an idle row's share of a decode step (29 tokens / 4 rows) costs more than 6."""
+    rng = random.Random(11)
+    head = [rng.randrange(3, 250) for _ in range(6)]
+    prompts = [head + [rng.randrange(3, 250) for _ in range(12)] for _ in range(4)]
+    b = backend(tiny_model, tiny_tokenizer, batch_size=8)
+    b.scheduler.costs = _FixedCosts()
+    handles = [b.submit(Request(p, SamplingParams(max_new_tokens=2))) for p in prompts]
+    b.step()  # one wave took all four
+    assert all(h.seq.status.value != "waiting" for h in handles)
+    drain(b)
+    assert all(h.result.cache_hit_tokens == 0 for h in handles)
+
+
+def test_step_costs_learn_the_break_even():
+    from kvchat.engine.scheduler import StepCosts
+
+    costs = StepCosts()
+    assert costs.wait_tokens == 0.0  # nothing measured: wait for any shared prefix
+    costs.decode(0.06)
+    costs.prefill(100, 0.2)
+    assert costs.wait_tokens == pytest.approx(30.0)
+    for _ in range(30):
+        costs.decode(0.01)
+    assert costs.wait_tokens == pytest.approx(5.0, rel=0.05)

@@ -119,8 +119,7 @@ class Engine:
         self.codec = codec
         self.cache = cache
         peek = cache.peek if cache is not None else None
-        self.scheduler = Scheduler(batch_size, runner.prefill_chunk, peek,
-                                   cache.block_size if cache is not None else 0)
+        self.scheduler = Scheduler(batch_size, runner.prefill_chunk, peek)
         self.batch = DecodeBatch(runner)
         self.steps = 0  # decode forwards run (one per step, whatever the batch size)
         self._ids = itertools.count()
@@ -279,6 +278,7 @@ class Engine:
             self._first_token(seq)
             return
         past = self.runner.past(self._gather(seq))
+        started = time.perf_counter()
         try:
             seq.prompt_logits = self.runner.prefill(
                 seq.prompt_ids, seq.matched, past, seq.check_cancel, seq.add_mass)
@@ -289,15 +289,19 @@ class Engine:
             self._finish(seq)
             return
         seq.t_prefill = time.perf_counter()
+        self.scheduler.costs.prefill(len(seq.prompt_ids) - seq.matched, seq.t_prefill - started)
         self._first_token(seq)
 
     def _prefill_together(self, group: list[Sequence]) -> None:
         tails = [s.prompt_ids[s.matched :] for s in group]
         pasts = [self._gather(s) for s in group]
+        started = time.perf_counter()
         done = self.runner.prefill_packed(tails, pasts, [s.matched for s in group])
+        now = time.perf_counter()
+        self.scheduler.costs.prefill(sum(map(len, tails)), now - started)
         for seq, pre in zip(group, done, strict=True):
             seq.prompt_logits, seq.kv, seq.kv_len = pre.logits, pre.kv, pre.kv_len
-            seq.t_prefill = time.perf_counter()
+            seq.t_prefill = now
         for seq in group:
             self._first_token(seq)
 
@@ -317,8 +321,10 @@ class Engine:
         self.batch.join(seq)
 
     def _decode(self) -> None:
+        started = time.perf_counter()
         with torch.inference_mode():
             rows, logits, mass = self.batch.step()
+        self.scheduler.costs.decode(time.perf_counter() - started)
         self.steps += 1
         for i, seq in enumerate(rows):
             if seq.status is not Status.RUNNING:

@@ -1,10 +1,13 @@
 """The scheduler decides what runs in a step; it runs nothing itself.
 
 Admission is cache-aware: longest cached prefix first. A request that shares an uncached prefix
-with another request of the same admission wave waits one wave: the first computes the prefix and
-stores it right after its prefill, so the second finds it in the cache instead of computing it.
-Admitted prompts are then prefilled one by one (long tails, exact hits, H2O, a wave of one) or
-together in one padded forward (short tails of several prompts).
+with a request of the same admission wave may wait one wave instead: the first computes the
+prefix and stores it right after its prefill, so the second finds it in the cache. Waiting
+leaves its row idle for one decode step, which costs its share of that step (the step costs
+about the same for any number of rows); it is worth it when the prefix it would not compute
+takes longer to prefill (`StepCosts`, measured as the engine runs), whatever the block size. An exact repeat of a wave-mate always waits: it then needs no forward at all (the first
+one's stored logits give its first token). Admitted prompts are prefilled one by one (long
+tails, exact hits, H2O, a wave of one) or together in one padded forward (short tails).
 """
 
 from __future__ import annotations
@@ -25,6 +28,35 @@ class Plan(NamedTuple):
     cancelled: list[Sequence]  # cancelled while waiting: finish them without running
 
 
+class StepCosts:
+    """Running estimates (exponential averages) of one decode step and one prefilled prompt
+    token on this model and device: what admission weighs a wait against."""
+
+    SMOOTHING = 0.3
+
+    def __init__(self) -> None:
+        self.decode_s: float | None = None
+        self.prefill_token_s: float | None = None
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
+
+    def decode(self, seconds: float) -> None:
+        self.decode_s = self._average(self.decode_s, seconds)
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_token_s = self._average(self.prefill_token_s, seconds / tokens)
+
+    @property
+    def wait_tokens(self) -> float:
+        """Prompt tokens whose prefill costs as much as one decode step; 0 before anything was
+        measured (then any shared uncached prefix is waited for)."""
+        if self.decode_s is None or not self.prefill_token_s:
+            return 0.0
+        return self.decode_s / self.prefill_token_s
+
+
 class PrefillPlan(NamedTuple):
     alone: list[Sequence]
     together: list[Sequence]
@@ -39,14 +71,13 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, batch_size: int, prefill_chunk: int, peek: Peek | None = None,
-                 block_size: int = 0) -> None:
+    def __init__(self, batch_size: int, prefill_chunk: int, peek: Peek | None = None) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
         self.peek = peek
-        self.margin = block_size  # a shared prefix must beat the hit by a block to wait for it
+        self.costs = StepCosts()
         self.waiting: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:
@@ -74,16 +105,28 @@ class Scheduler:
         for seq in order:
             if len(wave) >= room:
                 break
-            if peek is not None and any(
-                w.request.namespace == seq.request.namespace
-                and common_prefix(seq.prompt_ids, w.prompt_ids) > hits[seq.seq_id] + self.margin
-                for w in wave
-            ):
+            if peek is not None and self._waits(seq, wave, hits[seq.seq_id], running):
                 continue  # its prefix is being computed in this wave: take it from the cache next
             wave.append(seq)
         for seq in wave:
             self.waiting.remove(seq)
         return Plan(wave, cancelled)
+
+    def _waits(self, seq: Sequence, wave: list[Sequence], hit: int, running: int) -> bool:
+        """Whether `seq` gains more by waiting for a wave-mate's prefix than its idle row's
+        share of a decode step costs."""
+        n = len(seq.prompt_ids)
+        worth = self.costs.wait_tokens / (running + len(wave) + 1)
+        for mate in wave:
+            if mate.request.namespace != seq.request.namespace:
+                continue
+            shared = common_prefix(seq.prompt_ids, mate.prompt_ids)
+            if shared == n == len(mate.prompt_ids):
+                return True  # an exact repeat: answered from the mate's stored logits
+            # a non-exact hit leaves the last prompt token to compute
+            if min(shared, n - 1) - hit > worth:
+                return True
+        return False
 
     def prefill_plan(self, wave: list[Sequence], track_mass: bool) -> PrefillPlan:
         """Which looked-up prompts prefill on their own and which share one forward."""
