@@ -34,8 +34,25 @@ def test_batch_writes_results_in_order_and_saves_the_cache(tiny_model_dir, tmp_p
     assert rows[1]["cache_hit_tokens"] > 0  # the shared system prompt
     assert rows[2]["response"]["body"]["usage"]["completion_tokens"] <= 2
     assert "hit rate" in res.output and "prefill computed / total" in res.output
+    assert "batch size" in res.output and "2" in res.output
     meta = read_snapshot_meta(tmp_path / "s")
     assert meta is not None and meta.cached_tokens > 0
+
+
+def test_the_batch_size_is_chosen_automatically_by_default(tiny_model_dir, tmp_path,
+                                                            monkeypatch):
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "kvchat-cache"))  # nothing measured yet
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    res = runner.invoke(app, ["batch", str(src), *args(tiny_model_dir, tmp_path)])
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.output.split())
+    assert "batch size" in flat and "(auto: measured now" in flat
+    res = runner.invoke(app, ["batch", str(src), *args(tiny_model_dir, tmp_path)])
+    assert "(auto: measured earlier" in " ".join(res.output.split())
+    bad = runner.invoke(app, ["batch", str(src), "--batch-size", "0",
+                              *args(tiny_model_dir, tmp_path)])
+    assert bad.exit_code == 2 and "--batch-size must be a positive number or auto" in bad.output
 
 
 def test_bad_lines_are_skipped_and_fail_the_exit_code(tiny_model_dir, tmp_path):

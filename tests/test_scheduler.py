@@ -327,3 +327,31 @@ def test_step_costs_learn_the_break_even():
     for _ in range(30):
         costs.decode(0.01)
     assert costs.wait_tokens == pytest.approx(5.0, rel=0.05)
+
+
+# ---- --batch-size auto --------------------------------------------------------------------
+
+
+def test_auto_batch_size_stops_where_doubling_stops_paying():
+    from kvchat.engine.autobatch import best_size
+
+    # weight-bound up to 16 rows (a step costs the same), then compute-bound
+    flat_then_linear = {1: 0.05, 2: 0.05, 4: 0.05, 8: 0.052, 16: 0.055, 32: 0.105, 64: 0.21}
+    assert best_size(flat_then_linear) == 16
+    assert best_size({1: 0.01, 2: 0.02, 4: 0.04}) == 1  # no gain from batching at all
+    assert best_size({1: 0.05, 2: 0.05, 4: 0.05, 8: 0.05}) == 8
+
+
+def test_auto_batch_size_is_measured_once_and_bounded_by_the_pool(tiny_model, tiny_tokenizer,
+                                                                  tmp_path):
+    from kvchat.engine.autobatch import choose_batch_size
+
+    b = backend(tiny_model, tiny_tokenizer)
+    remember = tmp_path / "batch-size.json"
+    first = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=10**6, seq_tokens=100)
+    assert not first.reused and remember.exists() and set(first.measured) >= {1, 8, 32}
+    again = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=10**6, seq_tokens=100)
+    assert again.reused and again.measured == first.measured and again.size == first.size
+    tight = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=300, seq_tokens=100)
+    assert tight.bound == 3 and tight.size == min(first.best, 3)
+    assert "auto" in tight.describe()

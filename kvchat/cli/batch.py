@@ -66,8 +66,10 @@ def batch(
                            "input lines must be unchanged) and run only the other lines.")
     ] = False,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", help="Sequences decoded together.", min=1)
-    ] = 8,
+        str, typer.Option("--batch-size", help="Sequences decoded together: a number, or auto "
+                          "(decode steps measured once per model and device, kept in the kvchat "
+                          "cache dir, and bounded so every row's K/V fits the pool).")
+    ] = "auto",
     max_tokens: MaxTokensOption = 256,
     temperature: Annotated[
         float, typer.Option("--temperature", help="Default for lines without one; 0 is greedy.",
@@ -100,13 +102,14 @@ def batch(
     plan = _plan(file, out_path, resume, ui)
     if plan.bad and fail_fast:
         raise typer.Exit(1)
+    fixed_size = _batch_size_option(batch_size)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
     with sessions_lock(options.sessions_dir, "kvchat batch"), _terminate_as_interrupt():
         runtime = Runtime.open(options)
-        runtime.engine.batch_size = batch_size
         if runtime.notice:
             ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
-        run, interrupted = _run(runtime, plan, params, out_path, fail_fast, ui)
+        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens)
+        run, interrupted = _run(runtime, plan, params, out_path, fail_fast, ui, size)
     if interrupted:
         done = sum(r.error is None for r in run.results.values()) + len(plan.kept)
         again = f" kvchat batch {file} -o {out_path} --resume" if out_path else ""
@@ -142,8 +145,48 @@ def _plan(file: Path, out_path: Path | None, resume: bool, ui: Console) -> _Plan
     return plan
 
 
+def _batch_size_option(value: str) -> int | None:
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise KvchatError(f"--batch-size must be a positive number or auto, got {value!r}.")
+    return size
+
+
+def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tokens: int) -> str:
+    """Set the engine's batch size; returns how it was chosen, for the summary."""
+    from kvchat.engine.autobatch import choose_batch_size
+    from kvchat.gguf import cache_dir
+    from kvchat.runtime import fingerprint
+
+    engine = runtime.engine
+    if fixed is not None:
+        engine.batch_size = fixed
+        return str(fixed)
+    longest = max((len(engine.codec.encode_chat(i.messages)) + (i.max_tokens or max_tokens)
+                   for i in plan.to_run), default=1)
+    pool = runtime.cache.stats().pool.capacity_tokens or 0
+    facts = fingerprint(engine, runtime.model_label)
+    key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
+          f"{torch_threads()}"
+    choice = choose_batch_size(engine.runner, key, cache_dir() / "batch-size.json", pool,
+                               longest)
+    engine.batch_size = choice.size
+    return choice.describe()
+
+
+def torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
 def _run(runtime: Runtime, plan: _Plan, params: Any, out_path: Path | None, fail_fast: bool,
-         ui: Console) -> tuple[BatchRun, bool]:
+         ui: Console, batch_size: str) -> tuple[BatchRun, bool]:
     """Run the plan, writing each row as it finishes; returns the run and whether it was
     interrupted. The cache is saved however the run ends."""
     from kvchat.batch import BatchRun, OutputError, RowWriter, bad_line_row, result_row
@@ -179,7 +222,7 @@ def _run(runtime: Runtime, plan: _Plan, params: Any, out_path: Path | None, fail
         finally:
             _finish(run, writer, failure, runtime, ui)
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), runtime.cache.stats(),
-                           time.perf_counter() - started))
+                           time.perf_counter() - started, batch_size))
     for message in run.save_errors[:1]:
         ui.print(f"[yellow]{escape(message)}[/yellow]")
     if failure:

@@ -49,7 +49,7 @@ def estimated_saving_ms(results: Sequence[ItemResult]) -> float | None:
 
 def summary_table(
     p: BatchProgress, results: Sequence[ItemResult], parse_errors: int, stats: CacheStats | None,
-    wall_s: float,
+    wall_s: float, batch_size: str | None = None,
 ) -> Table:
     done = [r.result for r in results if r.result is not None]
     prompt = sum(r.prompt_tokens for r in done)
@@ -67,6 +67,8 @@ def summary_table(
     t.add_row("completion tokens", f"{sum(r.completion_tokens for r in done):,}")
     t.add_row("prefill time saved (est.)", "–" if saved is None else f"{saved / 1000:,.1f} s")
     t.add_row("wall time", f"{wall_s:,.1f} s")
+    if batch_size is not None:
+        t.add_row("batch size", batch_size)
     if stats is not None:
         t.add_row("evictions", f"{stats.eviction_count:,}")
         pool = stats.pool

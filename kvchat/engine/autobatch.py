@@ -1,0 +1,114 @@
+"""`--batch-size auto`: how many sequences to decode together on this model and device.
+
+A decode step is bound by reading the weights, so on most devices it costs nearly the same for
+1 row or for many, until the batch's K/V and activations catch up. kvchat measures one decode
+step at a few batch sizes (once per model and device: the result is kept in the kvchat cache
+dir), takes the size past which doubling gains less than 10% throughput, and bounds it so that
+every row's K/V fits in the pool's budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvchat.engine.model_runner import ModelRunner
+from kvchat.engine.past import past_kv, wrap_past
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+GAIN = 1.10  # a doubling must buy this much more throughput to be worth it
+CONTEXT = 64  # tokens of context per row while measuring
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    size: int
+    measured: dict[int, float]  # batch size -> seconds per decode step
+    best: int  # the size the measurement alone picks
+    bound: int  # the most rows whose K/V fit the pool budget
+    reused: bool  # the measurement came from the cache dir
+
+    def describe(self) -> str:
+        source = "measured earlier" if self.reused else "measured now"
+        limit = f", bounded by the pool to {self.bound}" if self.bound < self.best else ""
+        return f"{self.size} (auto: {source}{limit})"
+
+
+def measure_steps(runner: ModelRunner, sizes: tuple[int, ...] = SIZES,
+                  repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one decode forward for each batch size, after CONTEXT tokens."""
+    ids = torch.randint(3, 200, (1, CONTEXT), device=runner.device)
+    with torch.inference_mode():
+        past = runner.past()
+        runner.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+        kv = past_kv(past, 0, CONTEXT)
+        out: dict[int, float] = {}
+        for size in sizes:
+            rows = [(k.expand(size, -1, -1, -1).contiguous(),
+                     v.expand(size, -1, -1, -1).contiguous()) for k, v in kv]
+            step = ids[:, -1:].expand(size, 1).contiguous()
+            times = []
+            for _ in range(repeats):
+                batch = wrap_past([(k.clone(), v.clone()) for k, v in rows], runner.config)
+                started = time.perf_counter()
+                runner.model(input_ids=step, past_key_values=batch, use_cache=True,
+                             logits_to_keep=1)
+                times.append(time.perf_counter() - started)
+            out[size] = statistics.median(times)
+    return out
+
+
+def best_size(measured: dict[int, float]) -> int:
+    """The size past which doubling the batch gains less than GAIN in tokens per second."""
+    sizes = sorted(measured)
+    best = sizes[0]
+    for size in sizes[1:]:
+        if size / measured[size] < GAIN * (best / measured[best]):
+            break
+        best = size
+    return best
+
+
+def choose_batch_size(runner: ModelRunner, key: str, remember: Path | None,
+                      pool_tokens: int, seq_tokens: int) -> BatchChoice:
+    """The batch size for this model and device (measured once, kept in `remember`), bounded so
+    that `size` rows of `seq_tokens` tokens each fit in `pool_tokens`."""
+    saved = _load(remember)
+    measured = {int(k): float(v) for k, v in saved.get(key, {}).items()}
+    reused = bool(measured)
+    if not reused:
+        measured = measure_steps(runner)
+        if remember is not None:
+            saved[key] = {str(k): v for k, v in measured.items()}
+            _save(remember, saved)
+    best = best_size(measured)
+    bound = max(1, pool_tokens // max(1, min(seq_tokens, runner.max_context)))
+    return BatchChoice(min(best, bound), measured, best, bound, reused)
+
+
+def _load(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    """Best effort: a cache dir that cannot be written only means measuring again next time."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
