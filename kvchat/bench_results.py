@@ -197,3 +197,88 @@ class PolicyRow:
     @property
     def hit_rate(self) -> float:
         return ratio(self.hit_tokens, self.prompt_tokens)
+
+
+# ---- bench batch ---------------------------------------------------------------------------
+
+GENERATE = "model.generate"  # the reference: plain greedy generate, one request at a time
+PEERS = (GENERATE, "generate_batch")
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One runner on one workload. outputs: the greedy tokens per line, in file order."""
+
+    name: str
+    seconds: float | None  # None: it could not run (note says why)
+    outputs: tuple[tuple[int, ...], ...] = ()
+    prefill_tokens: int | None = None  # prompt tokens run through the model; None: not known
+    hit_tokens: int | None = None  # prompt tokens taken from a cache (kvchat)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class BatchBench:
+    """One workload kind through every runner, with what a perfect prefix cache would do."""
+
+    kind: str
+    requests: int
+    prompt_tokens: int
+    new_tokens: int
+    ideal_prefill: int  # each distinct prefix computed once
+    ideal_hits: int  # per line, its longest prefix shared with an earlier line (see workloads)
+    contenders: tuple[Contender, ...]
+
+    def get(self, name: str) -> Contender | None:
+        return next((c for c in self.contenders if c.name == name), None)
+
+    def speedup(self, baseline: str, name: str = "kvchat") -> float | None:
+        """baseline's wall time over name's: above 1 when name is faster."""
+        a, b = self.get(baseline), self.get(name)
+        if a is None or b is None or not a.seconds or not b.seconds:
+            return None
+        return a.seconds / b.seconds
+
+    def identical(self, name: str) -> int | None:
+        """Lines whose greedy output equals plain generate's (None: nothing to compare)."""
+        ref, c = self.get(GENERATE), self.get(name)
+        if ref is None or c is None or not ref.outputs or len(c.outputs) != len(ref.outputs):
+            return None
+        return sum(a == b for a, b in zip(c.outputs, ref.outputs, strict=True))
+
+    def reuse(self, name: str = "kvchat") -> float | None:
+        """Cache-hit tokens over the ideal; above 1 where generated tokens, cached too, match
+        the next line's prompt."""
+        c = self.get(name)
+        if c is None or c.hit_tokens is None or c.seconds is None:
+            return None
+        return ratio(c.hit_tokens, self.ideal_hits)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "ideal_prefill_tokens": self.ideal_prefill,
+            "ideal_hit_tokens": self.ideal_hits,
+            "contenders": [
+                {"name": c.name, "seconds": c.seconds, "prefill_tokens": c.prefill_tokens,
+                 "hit_tokens": c.hit_tokens, "reuse": self.reuse(c.name),
+                 "identical_outputs": self.identical(c.name),
+                 "speedup_vs": {p: self.speedup(p, c.name) for p in PEERS if p != c.name},
+                 "note": c.note}
+                for c in self.contenders
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class BatchSuite:
+    """`kvchat bench batch`: one BatchBench per workload kind, measured in one run."""
+
+    new_tokens: int
+    kinds: tuple[BatchBench, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"new_tokens": self.new_tokens, "kinds": [k.as_dict() for k in self.kinds]}

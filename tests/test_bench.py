@@ -8,9 +8,20 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvchat.bench.batch import ideal_prefill, shared_prompt_workload
 from kvchat.bench.commands import bench_app
 from kvchat.bench.policies import bench_policies, policy_workload
+from kvchat.bench.workloads import (
+    KINDS,
+    build_workload,
+    few_shot_workload,
+    ideal_hits,
+    ideal_prefill,
+    multi_turn_workload,
+    repeats_workload,
+    shared_prefix,
+    shared_system_workload,
+    unaligned_workload,
+)
 
 runner = CliRunner()
 
@@ -59,16 +70,45 @@ def test_batch_json(tiny_model_dir):
     r = run_json(["batch", "--requests", "4", "--system-tokens", "40", "--new-tokens", "3",
                   "--batch-size", "4", "--skip", "generate_batch", "--model",
                   str(tiny_model_dir)])
-    names = [c["name"] for c in r["contenders"]]
+    [k] = r["kinds"]
+    assert k["kind"] == "shared-system" and k["requests"] == 4
+    names = [c["name"] for c in k["contenders"]]
     assert names == ["kvchat", "model.generate"]
-    kv = r["contenders"][0]
+    kv, gen = k["contenders"]
+    assert "batch_size=4 (--batch-size)" in kv["note"]
     # each shared prefix computed once (within a block of slack per request)
-    assert r["ideal_prefill_tokens"] <= kv["prefill_tokens"] <= r["ideal_prefill_tokens"] + 4 * 16
+    assert k["ideal_prefill_tokens"] <= kv["prefill_tokens"] <= k["ideal_prefill_tokens"] + 4 * 16
+    assert kv["prefill_tokens"] + kv["hit_tokens"] == k["prompt_tokens"]
+    assert kv["identical_outputs"] == 4 and gen["prefill_tokens"] == k["prompt_tokens"]
+    assert kv["speedup_vs"]["model.generate"] > 0 and kv["speedup_vs"]["generate_batch"] is None
 
 
-def test_batch_rejects_unknown_contender(tiny_model_dir):
+def test_batch_all_kinds(tiny_model_dir):
+    r = run_json(["batch", "--kind", "all", "--requests", "4", "--system-tokens", "40",
+                  "--new-tokens", "2", "--skip", "generate_batch,generate", "--model",
+                  str(tiny_model_dir)])
+    assert r["new_tokens"] == 2 and [k["kind"] for k in r["kinds"]] == list(KINDS)
+    for k in r["kinds"]:
+        [kv] = k["contenders"]
+        assert kv["name"] == "kvchat" and "batch_size=8," in kv["note"]
+        assert kv["prefill_tokens"] + kv["hit_tokens"] == k["prompt_tokens"]
+        assert kv["identical_outputs"] is None and 0 < kv["reuse"] <= 1.5
+    repeats = next(k for k in r["kinds"] if k["kind"] == "repeats")
+    # every exact repeat is a full hit; only a few template tokens of a wave's fellows may be lost
+    assert repeats["contenders"][0]["reuse"] > 0.9
+    res = runner.invoke(bench_app, ["batch", "--kind", "unaligned", "--skip",
+                                    "generate,generate_batch", "--new-tokens", "2",
+                                    "--model", str(tiny_model_dir)], env={"COLUMNS": "140"})
+    assert res.exit_code == 0, res.output
+    for text in ("unaligned", "16 lines", "kvchat:", "vs generate_batch", "reuse", "ideal"):
+        assert text in res.stdout
+
+
+def test_batch_rejects_unknown_contender_and_kind(tiny_model_dir):
     res = runner.invoke(bench_app, ["batch", "--skip", "vllm", "--model", str(tiny_model_dir)])
     assert res.exit_code != 0 and "unknown contender" in res.output
+    res = runner.invoke(bench_app, ["batch", "--kind", "chat", "--model", str(tiny_model_dir)])
+    assert res.exit_code != 0 and "unknown --kind" in res.output
 
 
 def test_multiturn_json(tiny_model_dir):
@@ -89,11 +129,79 @@ def test_policies_simulation_and_model(tiny_model_dir):
 
 
 def test_workloads_are_deterministic(tiny_tokenizer):
-    a = shared_prompt_workload(tiny_tokenizer, 5, 80)
-    assert a == shared_prompt_workload(tiny_tokenizer, 5, 80)
+    a = shared_system_workload(tiny_tokenizer, 5, 80)
+    assert a == shared_system_workload(tiny_tokenizer, 5, 80)
     assert len({tuple(p) for p in a}) == 5
     shared = min(len(p) for p in a)
     assert ideal_prefill(a) < sum(len(p) for p in a) - 3 * 80 + shared
+    for kind in KINDS:
+        assert build_workload(kind, tiny_tokenizer) == build_workload(kind, tiny_tokenizer)
     assert policy_workload(50) == policy_workload(50)
     # pressure: a pool of a fifth of the workload must evict under every policy
     assert all(r.evictions > 0 for r in bench_policies(50, 0.2))
+
+
+def test_shared_system_and_few_shot_share_their_header(tiny_tokenizer):
+    for prompts, n, header in ((shared_system_workload(tiny_tokenizer, 6, 120), 6, 120),
+                               (few_shot_workload(tiny_tokenizer, 5, 300), 5, 300)):
+        assert len(prompts) == n == len({tuple(p) for p in prompts})
+        assert min(shared_prefix(prompts[0], p) for p in prompts[1:]) >= header
+    text = tiny_tokenizer.decode(few_shot_workload(tiny_tokenizer, 1, 300)[0])
+    assert text.count("<|im_start|>assistant") >= 3  # examples, then the item's answer
+
+
+def test_multi_turn_lines_extend_their_previous_turn(tiny_tokenizer):
+    prompts = multi_turn_workload(tiny_tokenizer, conversations=3, turns=4)
+    assert len(prompts) == 12 == len({tuple(p) for p in prompts})
+    for i in range(3, 12):  # interleaved: line i is the next turn of line i - 3
+        prev, line = prompts[i - 3], prompts[i]
+        assert line[:len(prev)] == prev and len(line) > len(prev)
+    assert shared_prefix(prompts[0], prompts[1]) < len(prompts[0])  # other chats differ
+
+
+def test_repeats_are_ten_prompts_three_times_shuffled(tiny_tokenizer):
+    prompts = repeats_workload(tiny_tokenizer)
+    counts: dict[tuple[int, ...], int] = {}
+    for p in prompts:
+        counts[tuple(p)] = counts.get(tuple(p), 0) + 1
+    assert len(prompts) == 30 and len(counts) == 10 and set(counts.values()) == {3}
+    assert prompts != sorted(prompts, key=lambda p: list(counts).index(tuple(p)))
+    assert repeats_workload(tiny_tokenizer, seed=1) != prompts
+
+
+def test_unaligned_groups_share_exactly_47_and_113_tokens(tiny_tokenizer):
+    prompts = unaligned_workload(tiny_tokenizer, (47, 113), per_group=5)
+    assert len(prompts) == 10
+    for group, n in ((prompts[:5], 47), (prompts[5:], 113)):
+        assert {shared_prefix(a, b) for i, a in enumerate(group) for b in group[i + 1:]} == {n}
+    assert shared_prefix(prompts[0], prompts[5]) < 47
+
+
+def test_ideal_hits_counts_the_best_earlier_prefix():
+    lines = [
+        [1, 2, 3, 4],  # nothing earlier: 0
+        [1, 2, 3, 9, 9],  # shares 3 with line 0
+        [1, 2, 3, 9, 9],  # exact repeat: all 5
+        [1, 2, 3],  # a prefix of earlier lines, not a repeat: all but its last token, 2
+        [7, 8],  # nothing shared: 0
+        [1, 2, 3, 9, 9, 5],  # shares 5 with lines 1 and 2
+        [1],  # shares 1, keeps one token to compute: 0
+    ]
+    assert ideal_hits(lines) == 0 + 3 + 5 + 2 + 0 + 5 + 0
+    assert ideal_hits([]) == 0
+    assert ideal_prefill(lines) == 4 + 2 + 0 + 0 + 2 + 1 + 0
+
+
+def test_batch_bench_compares_with_generate_and_the_ideal():
+    from kvchat.bench_results import BatchBench, Contender
+
+    ref = Contender("model.generate", 8.0, ((1, 2), (3, 4), (5,)), 30)
+    kv = Contender("kvchat", 2.0, ((1, 2), (3, 9), (5,)), 10, 15)
+    failed = Contender("generate_batch", None, note="could not run")
+    r = BatchBench("repeats", 3, 30, 2, 12, 20, (kv, failed, ref))
+    assert r.speedup("model.generate") == 4.0 and r.speedup("generate_batch") is None
+    assert r.identical("kvchat") == 2 and r.identical("generate_batch") is None
+    assert r.reuse() == 0.75 and r.reuse("model.generate") is None
+    row = r.as_dict()["contenders"][0]
+    assert row["speedup_vs"] == {"model.generate": 4.0, "generate_batch": None}
+    assert row["identical_outputs"] == 2 and row["reuse"] == 0.75

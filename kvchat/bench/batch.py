@@ -1,111 +1,39 @@
-"""kvchat's batch path against what users would otherwise run, on one workload, in one run.
+"""kvchat's batch path against what users would otherwise run, on five kinds of request file,
+in one run.
 
-Workload: N requests sharing a long system prompt, each with a short distinct question, greedy,
-the same max_new_tokens everywhere. Contenders:
-- plain `model.generate`, one request at a time (no reuse);
-- transformers `generate_batch` (continuous batching, paged, prefix block sharing on);
-- kvchat: the shared cache + cache-aware scheduler + batched decode.
+Workloads: kvchat.bench.workloads (the same token ids for every runner), greedy, the same
+max_new_tokens everywhere. Runners, each timed in-process without the model load:
+- kvchat at its defaults: a fresh cache (block size 16), the engine's batch size;
+- plain `model.generate`, one request at a time (no reuse): the reference for outputs;
+- transformers `generate_batch` (continuous batching, paged, prefix block sharing on), in the
+  best configuration found on this machine kind: page_size 16, max_batch_tokens 256.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from kvchat.bench.workloads import KINDS, Prompts, build_workload, ideal_hits, ideal_prefill
+from kvchat.bench_results import GENERATE, BatchBench, BatchSuite, Contender
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Request
 
-_TOPICS = [
-    "billing", "shipping", "returns", "warranty", "accounts", "security", "privacy", "pricing",
-    "discounts", "gift cards", "subscriptions", "refunds", "exchanges", "repairs", "delivery",
-    "tracking", "invoices", "taxes", "loyalty points", "student offers", "bulk orders",
-    "international orders", "damaged items", "missing parts", "installation", "compatibility",
-    "trade-ins", "rentals", "memberships", "cancellations", "pre-orders", "price matching",
-]
+RUNNERS = ("kvchat", "generate_batch", "generate")  # names for --skip; generate = GENERATE
+BLOCK_SIZE = 16
+PAGE_SIZE = 16  # generate_batch: its default of 256 was ~3x slower here
+MAX_BATCH_TOKENS = 256
 
 
-def shared_prompt_workload(
-    tokenizer: Any, n_requests: int = 32, system_tokens: int = 600
-) -> list[list[int]]:
-    """n chat prompts: one ~system_tokens-token system prompt, distinct short questions.
-    Deterministic, so every contender sees exactly the same token ids."""
-    rules = []
-    i = 0
-    while True:
-        topic = _TOPICS[i % len(_TOPICS)]
-        rules.append(f"Rule {i + 1}: questions about {topic} are answered politely, briefly, "
-                     f"and only with facts from the {topic} handbook, section {i % 7 + 1}.")
-        system = "You are the support assistant of Acme Outdoor Gear. " + " ".join(rules)
-        ids = tokenizer.apply_chat_template([{"role": "system", "content": system}],
-                                            tokenize=False)
-        if len(tokenizer(ids, add_special_tokens=False)["input_ids"]) >= system_tokens:
-            break
-        i += 1
-    prompts = []
-    for k in range(n_requests):
-        topic = _TOPICS[k % len(_TOPICS)]
-        messages = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": f"Question {k + 1}: how do {topic} work for order {k}?"},
-        ]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return prompts
+def _outputs(rows: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(r) for r in rows)
 
 
-def ideal_prefill(prompts: list[list[int]]) -> int:
-    """Prompt tokens a perfect prefix cache computes: each distinct prefix once."""
-    seen: set[tuple[int, ...]] = set()
-    for p in prompts:
-        for i in range(1, len(p) + 1):
-            seen.add(tuple(p[:i]))
-    return len(seen)
-
-
-@dataclass
-class Contender:
-    name: str
-    seconds: float | None
-    outputs: list[list[int]] = field(default_factory=list)
-    prefill_tokens: int | None = None
-    note: str = ""
-
-
-@dataclass
-class BatchBench:
-    requests: int
-    prompt_tokens: int
-    new_tokens: int
-    ideal_prefill: int
-    contenders: list[Contender]
-
-    def speedup(self, baseline: str, name: str = "kvchat") -> float | None:
-        by = {c.name: c.seconds for c in self.contenders}
-        a, b = by.get(baseline), by.get(name)
-        return a / b if a and b else None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "ideal_prefill_tokens": self.ideal_prefill,
-            "contenders": [
-                {"name": c.name, "seconds": c.seconds, "prefill_tokens": c.prefill_tokens,
-                 "note": c.note}
-                for c in self.contenders
-            ],
-        }
-
-
-def run_plain_generate(model: Any, tokenizer: Any, prompts: list[list[int]], new: int) -> (
-    Contender
-):
+def run_plain_generate(model: Any, tokenizer: Any, prompts: Prompts, new: int) -> Contender:
     outputs = []
     t = time.perf_counter()
     with torch.inference_mode():
@@ -115,13 +43,13 @@ def run_plain_generate(model: Any, tokenizer: Any, prompts: list[list[int]], new
                                  max_new_tokens=new, do_sample=False,
                                  pad_token_id=tokenizer.eos_token_id)
             outputs.append(out[0, len(p):].tolist())
-    return Contender("model.generate", time.perf_counter() - t, outputs,
-                     sum(len(p) for p in prompts), "one request at a time")
+    return Contender(GENERATE, time.perf_counter() - t, _outputs(outputs),
+                     sum(len(p) for p in prompts), note="one request at a time")
 
 
 def run_generate_batch(
-    model: Any, prompts: list[list[int]], new: int, page_size: int = 16,
-    max_batch_tokens: int = 256,
+    model: Any, prompts: Prompts, new: int, page_size: int = PAGE_SIZE,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
 ) -> Contender:
     name = "generate_batch"
     try:
@@ -139,11 +67,11 @@ def run_generate_batch(
             res = model.generate_batch(inputs=prompts, generation_config=gen_cfg,
                                        continuous_batching_config=cb_cfg, progress_bar=False)
         seconds = time.perf_counter() - t
-    except Exception as exc:  # report, don't crash the other contenders
+    except Exception as exc:  # report, don't crash the other runners
         return Contender(name, None, note=f"could not run: {type(exc).__name__}: {exc}")
     outs = sorted(res.values(), key=lambda o: _request_index(o.request_id))
-    return Contender(name, seconds, [list(o.generated_tokens) for o in outs], None,
-                     f"page_size={page_size}, max_batch_tokens={max_batch_tokens}, "
+    return Contender(name, seconds, _outputs([o.generated_tokens for o in outs]),
+                     note=f"page_size={page_size}, max_batch_tokens={max_batch_tokens}, "
                      "allow_block_sharing=True")
 
 
@@ -153,47 +81,86 @@ def _request_index(request_id: str) -> int:
 
 
 def run_kvchat(
-    model: Any, tokenizer: Any, prompts: list[list[int]], new: int, batch_size: int,
-    block_size: int = 16,
+    model: Any, tokenizer: Any, prompts: Prompts, new: int, batch_size: int | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> Contender:
+    """A fresh engine at its defaults (batch_size None: the engine's own), the pool sized to hold
+    the whole workload so nothing is evicted."""
     per = max(len(p) for p in prompts) + new + block_size
     cfg = CacheConfig(block_size, num_blocks=(len(prompts) + 2) * per // block_size)
-    engine = Engine.create(model, tokenizer, cfg, batch_size=batch_size)
+    if batch_size is None:
+        engine = Engine.create(model, tokenizer, cfg)
+    else:
+        engine = Engine.create(model, tokenizer, cfg, batch_size=batch_size)
     params = SamplingParams(max_new_tokens=new)
     t = time.perf_counter()
     tickets = [engine.submit(Request(p, params)) for p in prompts]
     while not engine.idle:
         engine.step()
     seconds = time.perf_counter() - t
-    outputs = [t.result.token_ids if t.result else [] for t in tickets]
-    computed = sum(t.result.computed_tokens for t in tickets if t.result)
-    return Contender("kvchat", seconds, outputs, computed,
-                     f"batch_size={batch_size}, block_size={block_size}, {engine.steps} steps")
+    results = [t.result for t in tickets]
+    outputs = _outputs([r.token_ids if r else [] for r in results])
+    computed = sum(r.computed_tokens for r in results if r)
+    hits = sum(r.cache_hit_tokens for r in results if r)
+    chosen = "" if batch_size is None else " (--batch-size)"
+    return Contender("kvchat", seconds, outputs, computed, hits,
+                     f"batch_size={engine.batch_size}{chosen}, block_size={block_size}, "
+                     "fresh cache")
+
+
+def warm_up(model: Any, tokenizer: Any) -> None:
+    """One tiny untimed generate, so the first timed runner does not pay torch's first-call
+    costs."""
+    ids = torch.tensor([[tokenizer.eos_token_id or 0] * 8], device=model.device)
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                       do_sample=False, pad_token_id=tokenizer.eos_token_id)
+
+
+def bench_kind(
+    model: Any, tokenizer: Any, kind: str, prompts: Prompts, new_tokens: int,
+    batch_size: int | None, include: Sequence[str],
+    progress: Callable[[str], None] | None = None,
+) -> BatchBench:
+    """One workload through every included runner."""
+    steps: list[tuple[str, str, Callable[[], Contender]]] = [
+        ("kvchat", "kvchat", lambda: run_kvchat(model, tokenizer, prompts, new_tokens,
+                                                 batch_size)),
+        ("generate_batch", "transformers generate_batch",
+         lambda: run_generate_batch(model, prompts, new_tokens)),
+        ("generate", "plain model.generate, one by one",
+         lambda: run_plain_generate(model, tokenizer, prompts, new_tokens)),
+    ]
+    contenders = []
+    for name, label, run in steps:
+        if name in include:
+            if progress:
+                progress(f"{kind}: {label}")
+            contenders.append(run())
+    return BatchBench(kind, len(prompts), sum(len(p) for p in prompts), new_tokens,
+                      ideal_prefill(prompts), ideal_hits(prompts), tuple(contenders))
 
 
 def bench_batch(
     model: Any,
     tokenizer: Any,
-    n_requests: int = 32,
-    system_tokens: int = 600,
+    kinds: Sequence[str] = ("shared-system",),
     new_tokens: int = 16,
-    batch_size: int = 32,
-    include: tuple[str, ...] = ("generate", "generate_batch", "kvchat"),
+    batch_size: int | None = None,
+    include: Sequence[str] = RUNNERS,
+    requests: int = 32,
+    system_tokens: int = 600,
     progress: Callable[[str], None] | None = None,
-) -> BatchBench:
-    prompts = shared_prompt_workload(tokenizer, n_requests, system_tokens)
-    contenders = []
-    if "kvchat" in include:
-        if progress:
-            progress("kvchat batch")
-        contenders.append(run_kvchat(model, tokenizer, prompts, new_tokens, batch_size))
-    if "generate_batch" in include:
-        if progress:
-            progress("transformers generate_batch")
-        contenders.append(run_generate_batch(model, prompts, new_tokens))
-    if "generate" in include:
-        if progress:
-            progress("plain model.generate, one by one")
-        contenders.append(run_plain_generate(model, tokenizer, prompts, new_tokens))
-    return BatchBench(len(prompts), sum(len(p) for p in prompts), new_tokens,
-                      ideal_prefill(prompts), contenders)
+) -> BatchSuite:
+    """Every kind in `kinds` (see workloads.KINDS) through every runner in `include`;
+    `requests` and `system_tokens` size the shared-system workload."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown workload kind(s): {', '.join(unknown)}")
+    warm_up(model, tokenizer)
+    return BatchSuite(new_tokens, tuple(
+        bench_kind(model, tokenizer, kind,
+                   build_workload(kind, tokenizer, requests, system_tokens),
+                   new_tokens, batch_size, include, progress)
+        for kind in kinds
+    ))

@@ -1,8 +1,8 @@
 """Rich tables (and optional matplotlib plots) for `kvchat bench` results: pure functions of the
 typed results the benches return. Every time is printed by `format_seconds`.
 
-The results are kvchat.bench_results types, or, for the engine and batch benches, anything with
-the fields of the Protocols below: a view never imports a bench.
+The results are kvchat.bench_results types, or, for the engine benches, anything with the fields
+of the Protocols below: a view never imports a bench.
 """
 
 from __future__ import annotations
@@ -17,8 +17,13 @@ from rich.table import Table
 from rich.text import Text
 
 from kvchat.bench_results import (
+    GENERATE,
+    PEERS,
     PREFILL_TARGET,
+    BatchBench,
+    BatchSuite,
     CacheBenchResult,
+    Contender,
     PolicyRow,
     Timing,
     format_seconds,
@@ -85,37 +90,6 @@ class TurnFigures(Protocol):
     def ttft_off(self) -> float: ...
 
 
-class ContenderFigures(Protocol):
-    """One runner of `kvchat bench batch`."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def seconds(self) -> float | None: ...
-    @property
-    def outputs(self) -> list[list[int]]: ...
-    @property
-    def prefill_tokens(self) -> int | None: ...
-    @property
-    def note(self) -> str: ...
-
-
-class BatchFigures(Protocol):
-    """`kvchat bench batch`."""
-
-    @property
-    def requests(self) -> int: ...
-    @property
-    def prompt_tokens(self) -> int: ...
-    @property
-    def new_tokens(self) -> int: ...
-    @property
-    def ideal_prefill(self) -> int: ...
-    @property
-    def contenders(self) -> Sequence[ContenderFigures]: ...
-    def speedup(self, baseline: str, name: str = "kvchat") -> float | None: ...
-
-
 def _time(t: Timing) -> str:
     """Median with the spread of the trials as ± half their range, relative to the median."""
     return f"{format_seconds(t.median_s)} [dim]±{t.spread:.0%}[/dim]"
@@ -173,34 +147,54 @@ def overhead_table(r: OverheadFigures) -> Table:
     return t
 
 
-def batch_table(r: BatchFigures) -> RenderableType:
-    t = Table(title=f"{r.requests} requests, {r.prompt_tokens:,} prompt tokens, "
-                    f"{r.new_tokens} new tokens each", box=box.SIMPLE_HEAD)
-    t.add_column("runner")
-    t.add_column("wall time", justify="right")
-    t.add_column("kvchat speed-up", justify="right")
-    t.add_column("prefill tokens computed", justify="right")
-    t.add_column("settings")
-    kv = next((c for c in r.contenders if c.name == "kvchat"), None)
-    for c in r.contenders:
-        speed = r.speedup(c.name) if c.name != "kvchat" and kv else None
-        t.add_row(
-            c.name,
-            "–" if c.seconds is None else format_seconds(c.seconds),
-            _ratio(speed) if c.name != "kvchat" else Text(""),
-            "–" if c.prefill_tokens is None else f"{c.prefill_tokens:,}",
-            c.note,
-        )
-    lines: list[RenderableType] = [t]
-    if kv and kv.prefill_tokens is not None:
-        extra = kv.prefill_tokens / r.ideal_prefill - 1
-        lines.append(Text(f"ideal prefill (each distinct prefix once): {r.ideal_prefill:,} "
-                          f"tokens; kvchat computed {extra:+.1%} of that"))
-    same = [c.name for c in r.contenders
-            if c.name != "kvchat" and kv and c.outputs and c.outputs == kv.outputs]
-    if same:
-        lines.append(Text(f"greedy outputs identical to: {', '.join(same)}"))
-    return Group(*lines)
+def _batch_cells(r: BatchBench, c: Contender) -> list[RenderableType]:
+    reuse = r.reuse(c.name)
+    same = r.identical(c.name)
+    return [
+        c.name,
+        "–" if c.seconds is None else format_seconds(c.seconds),
+        *[_ratio(r.speedup(peer, c.name)) if peer != c.name else Text("") for peer in PEERS],
+        "–" if c.prefill_tokens is None else f"{c.prefill_tokens:,}",
+        "" if reuse is None else f"{reuse:.1%}",
+        "reference" if c.name == GENERATE and c.outputs else
+        "–" if same is None else
+        Text(f"yes ({same}/{r.requests})" if same == r.requests else f"{same}/{r.requests}",
+             style="green" if same == r.requests else "red"),
+    ]
+
+
+def batch_table(suite: BatchSuite) -> RenderableType:
+    """One row per runner per workload kind: wall time, speed-up of the row's runner over each
+    peer, prefill computed, kvchat's reuse against the ideal, outputs identical to generate;
+    then the ideal row: what a perfect prefix cache computes and hits."""
+    t = Table(title=f"Batch workloads, {suite.new_tokens} new tokens per request, greedy",
+              box=box.SIMPLE_HEAD)
+    t.add_column("kind", no_wrap=True)
+    t.add_column("runner", no_wrap=True)
+    t.add_column("wall", justify="right")
+    for peer in PEERS:
+        t.add_column(f"vs {peer.removeprefix('model.')}", justify="right")
+    for col in ("prefill computed", "reuse", "identical"):
+        t.add_column(col, justify="right")
+    notes: dict[str, str] = {}
+    for r in suite.kinds:
+        t.add_section()
+        about = [r.kind, f"{r.requests} lines", f"{r.prompt_tokens:,} tok"]
+        rows = [_batch_cells(r, c) for c in r.contenders]
+        rows.append([Text("ideal", style="dim"), "", *["" for _ in PEERS],
+                     Text(f"{r.ideal_prefill:,}", style="dim"),
+                     Text(f"{r.ideal_hits:,} tok", style="dim"), ""])
+        for i, cells in enumerate(rows):
+            # the kind's facts, one a row; the last row takes what is left
+            facts = about[i:] if i == len(rows) - 1 else about[i:i + 1]
+            t.add_row(Text("\n".join(facts), style="" if i == 0 else "dim"), *cells)
+        notes.update((c.name, c.note) for c in r.contenders if c.note)
+    t.caption = ("vs <peer>: the peer's wall time over the row's. reuse: cache-hit tokens over "
+                 "the ideal's (per line, its longest prefix shared with any earlier line; over "
+                 "100% where cached generated tokens match a later prompt). identical: lines "
+                 "whose greedy tokens equal model.generate's.")
+    settings = Text("\n".join(f"{name}: {note}" for name, note in notes.items()), style="dim")
+    return Group(t, settings)
 
 
 def multiturn_table(rows: Sequence[TurnFigures]) -> Table:
