@@ -380,6 +380,36 @@ def test_bad_input_gets_a_4xx_json_error_and_the_server_keeps_serving(served: Se
 # ---- disconnects -----------------------------------------------------------------------------
 
 
+def test_a_bad_sampling_value_is_a_400_and_cuts_off_nobody(served: Served) -> None:
+    """Values that once crashed a batched step (1e-40 overflows the softmax, 2**70 does not fit
+    a seed) are refused where they are parsed; a stream running meanwhile ends normally."""
+    import threading
+
+    long_body = {"prompt": "Tell me a long story.", "max_tokens": 40, "stream": True}
+    events: list[tuple[str | None, str]] = []
+
+    def stream() -> None:
+        with served.client.stream("POST", "/generate", json=long_body) as response:
+            events.extend(sse_events(response.iter_lines()))
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    bad = [{"prompt": "x", "temperature": 1e-40}, {"prompt": "x", "seed": 2**70},
+           {"prompt": "x", "top_p": 0}]
+    for body in bad:
+        res = served.client.post("/generate", json=body)
+        assert res.status_code == 400, res.text
+        assert res.json()["error"]["type"] == "invalid_request_error"
+    chat = served.client.post("/v1/chat/completions", json={
+        "messages": user("x"), "temperature": 1e-40})
+    assert chat.status_code == 400
+    runner.join(60)
+    done = [json.loads(data) for name, data in events if name == "done"]
+    assert done and done[0]["finish_reason"] in ("stop", "length")
+    served.wait_idle()
+    served.check_cache()
+
+
 def test_disconnect_mid_stream_cancels_and_keeps_the_kv(served: Served) -> None:
     long = 1500  # far more tokens than the test waits for
     body = {"prompt": "Tell me a long story.", "max_tokens": long, "stream": True}
