@@ -3,7 +3,8 @@ in one run.
 
 Workloads: kvchat.bench.workloads (the same token ids for every runner), greedy, the same
 max_new_tokens everywhere. Runners, each timed in-process without the model load:
-- kvchat at its defaults: a fresh cache (block size 16), the engine's batch size;
+- kvchat at its defaults: a fresh cache (block size 16), the batch size `kvchat batch` picks
+  by default (auto: measured once per run, outside the timed region);
 - plain `model.generate`, one request at a time (no reuse): the reference for outputs;
 - transformers `generate_batch` (continuous batching, paged, prefix block sharing on), in the
   best configuration found on this machine kind: page_size 16, max_batch_tokens 256.
@@ -11,8 +12,10 @@ max_new_tokens everywhere. Runners, each timed in-process without the model load
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +23,7 @@ import torch
 from kvchat.bench.workloads import KINDS, Prompts, build_workload, ideal_hits, ideal_prefill
 from kvchat.bench_results import GENERATE, BatchBench, BatchSuite, Contender
 from kvchat.config import CacheConfig, SamplingParams
+from kvchat.engine.autobatch import choose_batch_size
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Request
 
@@ -82,16 +86,20 @@ def _request_index(request_id: str) -> int:
 
 def run_kvchat(
     model: Any, tokenizer: Any, prompts: Prompts, new: int, batch_size: int | None = None,
-    block_size: int = BLOCK_SIZE,
+    block_size: int = BLOCK_SIZE, remember: Path | None = None,
 ) -> Contender:
-    """A fresh engine at its defaults (batch_size None: the engine's own), the pool sized to hold
-    the whole workload so nothing is evicted."""
-    per = max(len(p) for p in prompts) + new + block_size
-    cfg = CacheConfig(block_size, num_blocks=(len(prompts) + 2) * per // block_size)
+    """A fresh engine at its defaults, the pool sized to hold the whole workload so nothing is
+    evicted. batch_size None: chosen as `kvchat batch` does by default (auto: decode steps
+    measured once, kept in `remember`), before the clock starts."""
+    longest = max(len(p) for p in prompts) + new
+    blocks = (len(prompts) + 2) * (longest + block_size) // block_size
+    engine = Engine.create(model, tokenizer, CacheConfig(block_size, num_blocks=blocks))
     if batch_size is None:
-        engine = Engine.create(model, tokenizer, cfg)
+        choice = choose_batch_size(engine.runner, "kvchat bench batch", remember,
+                                   blocks * block_size, longest)
+        engine.batch_size, how = choice.size, choice.describe()
     else:
-        engine = Engine.create(model, tokenizer, cfg, batch_size=batch_size)
+        engine.batch_size, how = batch_size, f"{batch_size} (--batch-size)"
     params = SamplingParams(max_new_tokens=new)
     t = time.perf_counter()
     tickets = [engine.submit(Request(p, params)) for p in prompts]
@@ -102,10 +110,8 @@ def run_kvchat(
     outputs = _outputs([r.token_ids if r else [] for r in results])
     computed = sum(r.computed_tokens for r in results if r)
     hits = sum(r.cache_hit_tokens for r in results if r)
-    chosen = "" if batch_size is None else " (--batch-size)"
     return Contender("kvchat", seconds, outputs, computed, hits,
-                     f"batch_size={engine.batch_size}{chosen}, block_size={block_size}, "
-                     "fresh cache")
+                     f"batch_size={how}, block_size={block_size}, fresh cache")
 
 
 def warm_up(model: Any, tokenizer: Any) -> None:
@@ -120,12 +126,12 @@ def warm_up(model: Any, tokenizer: Any) -> None:
 def bench_kind(
     model: Any, tokenizer: Any, kind: str, prompts: Prompts, new_tokens: int,
     batch_size: int | None, include: Sequence[str],
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, remember: Path | None = None,
 ) -> BatchBench:
-    """One workload through every included runner."""
+    """One workload through every included runner (remember: see run_kvchat)."""
     steps: list[tuple[str, str, Callable[[], Contender]]] = [
         ("kvchat", "kvchat", lambda: run_kvchat(model, tokenizer, prompts, new_tokens,
-                                                 batch_size)),
+                                                 batch_size, remember=remember)),
         ("generate_batch", "transformers generate_batch",
          lambda: run_generate_batch(model, prompts, new_tokens)),
         ("generate", "plain model.generate, one by one",
@@ -158,9 +164,12 @@ def bench_batch(
     if unknown:
         raise ValueError(f"unknown workload kind(s): {', '.join(unknown)}")
     warm_up(model, tokenizer)
-    return BatchSuite(new_tokens, tuple(
-        bench_kind(model, tokenizer, kind,
-                   build_workload(kind, tokenizer, requests, system_tokens),
-                   new_tokens, batch_size, include, progress)
-        for kind in kinds
-    ))
+    # kvchat's automatic batch size is measured once per run, as `kvchat batch` does per model
+    with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
+        return BatchSuite(new_tokens, tuple(
+            bench_kind(model, tokenizer, kind,
+                       build_workload(kind, tokenizer, requests, system_tokens),
+                       new_tokens, batch_size, include, progress,
+                       Path(tmp) / "batch-size.json")
+            for kind in kinds
+        ))

@@ -165,7 +165,7 @@ def batch(
     new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
     batch_size: Annotated[
         int | None, typer.Option(min=1, help="Override kvchat's decode batch size (default: "
-                                 "the engine's own).")
+                                 "auto, as kvchat batch picks it).")
     ] = None,
     skip: Annotated[
         str, typer.Option(help="Runners to leave out: generate, generate_batch.")
