@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,7 @@ class Turn:
     ttft_ms: float
     prefill_ms: float
     finish_reason: str
+    start_tokens: int = -1  # history tokens before this turn (-1: unknown, an older file)
 
     @property
     def hit_rate(self) -> float:
@@ -166,6 +167,27 @@ class Session:
         self.messages.clear()
         self.tokens.clear()
         self.turns.clear()
+
+    def rewind(self, n: int = 1) -> int:
+        """Drop the last n turns (messages, turns and their tokens); returns how many went. The
+        history left is a prefix of what the model saw, so the next turn hits all of it."""
+        n = min(n, len(self.turns))
+        if n <= 0:
+            return 0
+        first = self.turns[-n]
+        del self.turns[-n:]
+        del self.messages[-2 * n:]
+        if 0 <= first.start_tokens <= len(self.tokens):
+            del self.tokens[first.start_tokens:]
+        else:  # an older file without the boundary: the next turn re-templates the transcript
+            self.tokens.clear()
+        return n
+
+    def fork(self, name: str) -> Session:
+        """A new session with this one's history; in the cache the history is one prefix, so
+        both sessions read the same blocks."""
+        return Session(validate_name(name), self.system, [dict(m) for m in self.messages],
+                       list(self.tokens), [replace(t) for t in self.turns])
 
     def to_json(self) -> dict[str, Any]:
         return {**vars(self), "turns": [asdict(t) for t in self.turns]}

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvchat.config import SamplingParams
 from kvchat.engine.codec import ChatCodec
+from kvchat.engine.scheduler import common_prefix
 from kvchat.engine.sequence import GenerationResult, Request
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, Turn
@@ -133,6 +134,8 @@ def prepare_turn(
 def record_turn(
     session: Session, user_text: str, prompt_ids: list[int], result: GenerationResult
 ) -> Turn:
+    before = session.tokens
+    extends = prompt_ids[: len(before)] == before
     session.messages.append({"role": "user", "content": user_text})
     session.messages.append({"role": "assistant", "content": result.text})
     session.tokens = list(prompt_ids) + list(result.token_ids)
@@ -144,6 +147,29 @@ def record_turn(
         ttft_ms=round(result.ttft_ms, 2),
         prefill_ms=round(result.prefill_ms, 2),
         finish_reason=result.finish_reason,
+        start_tokens=len(before) if extends else -1,
     )
     session.turns.append(turn)
     return turn
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Another session that shares a session's history: for how many tokens, then its own."""
+
+    name: str
+    shared: int
+    tokens: list[int]
+    turns: int
+
+
+def branches(session: Session, others: Sequence[Session]) -> list[Branch]:
+    """The sessions whose token history starts like `session`'s, most shared first."""
+    out = []
+    for other in others:
+        if other.name == session.name:
+            continue
+        shared = common_prefix(session.tokens, other.tokens)
+        if shared:
+            out.append(Branch(other.name, shared, list(other.tokens), len(other.turns)))
+    return sorted(out, key=lambda b: (-b.shared, b.name))

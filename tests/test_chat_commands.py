@@ -283,3 +283,41 @@ def test_a_failed_save_is_reported_and_the_chat_goes_on(tiny_model, tiny_tokeniz
     assert "the disk is full. The chat goes on" in flat
     assert calls["n"] >= 3  # after turn 3, after turn 4 (retried), /save, and on exit
     assert "Saved session" not in flat
+
+
+def test_retry_rewind_fork_and_branches_reuse_the_tree(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(rt, "first question", "second question", "/retry", name="main",
+                         panels="off")
+    flat = " ".join(out.split())
+    main = chat.session
+    assert len(main.turns) == 2
+    # the retried prompt was the same tokens: an exact hit, and greedy gives the same reply
+    assert main.turns[-1].source == "exact"
+    assert "Retried: the prompt was an exact hit, no prefill; at temperature 0 the reply is " \
+           "identical." in flat
+
+    history = list(main.tokens)
+    out, chat = run_chat(rt, "/rewind", "a different second question", name="main", panels="off")
+    rewound = chat.session
+    assert len(rewound.turns) == 2 and "Rewound 1 turn(s); 1 left." in " ".join(out.split())
+    first = rewound.turns[0]
+    kept = first.prompt_tokens + first.completion_tokens  # turn 1's prompt and reply
+    assert rewound.tokens[:kept] == history[:kept]
+    # everything but the new message (and the reply's last token, never fed) was cached
+    assert rewound.turns[1].hit_tokens == kept - 1
+    assert rewound.turns[1].start_tokens == kept
+
+    used = rt.cache.stats().pool.used_blocks
+    out, chat = run_chat(rt, "/fork side", "/branches", name="main", panels="off")
+    flat = " ".join(out.split())
+    assert chat.session.name == "side" and "read from the same cached blocks" in flat
+    assert rt.cache.stats().pool.used_blocks == used  # forking copied nothing
+    assert chat.session.tokens == rewound.tokens
+    assert re.search(r"main\s+[\d,]+", out)  # /branches lists the session it came from
+    out, chat = run_chat(rt, "where the fork goes", name="side", panels="off")
+    side = chat.session
+    assert side.turns[-1].hit_tokens == len(rewound.tokens) - 1  # the shared history hit
+    out, chat = run_chat(rt, "/branches", name="main", panels="off")
+    assert "side" in out and "sharing main's history" in " ".join(out.split())
+    rt.cache.check_integrity()

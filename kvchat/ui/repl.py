@@ -21,6 +21,7 @@ from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionError, validate_name
 from kvchat.ui import views
 from kvchat.ui.cache_view import nodes_from_cache, preview
+from kvchat.ui.chat_moves import MOVES, ConversationMoves
 from kvchat.ui.terminal import LineReader, WordWrap, cancel_on_sigint, typeahead_hidden
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "system": ("/system [TEXT | -]", "show, set, or with - clear this session's system prompt"),
     "save": ("/save", "write the session and the cache snapshot now"),
     "panels": ("/panels off|compact|full", "how much to show after each reply"),
+    **MOVES,
     "exit": ("/exit", "save and quit"),
 }
 ALIASES = {"quit": "exit", "q": "exit", "?": "help", "h": "help"}
@@ -103,7 +105,7 @@ def next_session_name(existing: list[str], prefix: str = "chat") -> str:
     return f"{prefix}-{n}"
 
 
-class Chat:
+class Chat(ConversationMoves):
     def __init__(
         self,
         runtime: Runtime,
@@ -140,6 +142,10 @@ class Chat:
             "system": self._system,
             "save": self._save,
             "panels": self._panels,
+            "retry": self._retry,
+            "rewind": self._rewind,
+            "fork": self._fork,
+            "branches": self._branches,
             "exit": self._exit,
         }
 
@@ -210,7 +216,7 @@ class Chat:
 
     # ---- a turn ----
 
-    def turn(self, text: str) -> None:
+    def turn(self, text: str, params: SamplingParams | None = None) -> None:
         from kvchat.engine.engine import PromptTooLongError
         from kvchat.turns import prepare_turn
 
@@ -218,7 +224,7 @@ class Chat:
         engine = self.rt.engine
         message = [{"role": "user", "content": text}]
         try:
-            turn = prepare_turn(engine.codec, message, self.params, self.session)
+            turn = prepare_turn(engine.codec, message, params or self.params, self.session)
         except KvchatError as error:
             self._say(str(error), "red")
             return

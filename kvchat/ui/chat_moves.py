@@ -1,0 +1,133 @@
+"""Conversation moves in `kvchat chat`: /retry, /rewind, /fork, /branches.
+
+The radix tree already holds every earlier state of a conversation, so these are nearly free:
+a retried prompt is an exact hit, a rewound conversation continues from a cached prefix, and a
+fork shares its history's blocks instead of copying them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvchat.errors import KvchatError
+from kvchat.sessions import Session, SessionError, SessionStore, validate_name
+from kvchat.turns import Branch, branches
+from kvchat.ui.cache_view import preview
+
+if TYPE_CHECKING:
+    from kvchat.config import SamplingParams
+
+MOVES: dict[str, tuple[str, str]] = {
+    "retry": ("/retry", "regenerate the last reply (its prompt is an exact hit: no prefill)"),
+    "rewind": ("/rewind [N]", "drop the last N turns (default 1); what is left stays cached"),
+    "fork": ("/fork NAME", "a new session with this one's history (shared blocks, no copies)"),
+    "branches": ("/branches", "sessions that share this one's history, and where they part"),
+}
+
+
+class ConversationMoves:
+    """Slash commands that move within a session's history; mixed into the REPL's Chat."""
+
+    session: Session
+    store: SessionStore
+    params: SamplingParams
+    _say: Callable[..., None]
+    _decode: Callable[[Sequence[int]], str]
+    _enter: Callable[[Session], None]
+    console: Console
+
+    def turn(self, text: str, params: SamplingParams | None = None) -> None:
+        raise NotImplementedError
+
+    def _retry(self, arg: str) -> None:
+        s = self.session
+        if not s.turns:
+            self._say("Nothing to retry yet: send a message first.")
+            return
+        text = s.messages[-2]["content"]
+        last = s.turns[-1]
+        before = s.tokens[last.prompt_tokens:]  # the reply being retried
+        saved = s.fork(s.name)
+        s.rewind(1)
+        params = self.params
+        if not params.greedy:  # a new seed, or sampling would give the same reply again
+            params = replace(params, seed=random.getrandbits(63))
+        self.turn(text, params)
+        if len(s.turns) != len(saved.turns):  # the retry did not run: keep the old turn
+            s.messages[:], s.tokens[:], s.turns[:] = saved.messages, saved.tokens, saved.turns
+            return
+        again = s.tokens[s.turns[-1].prompt_tokens:]
+        hit = "an exact hit, no prefill" if s.turns[-1].source == "exact" else \
+            f"{s.turns[-1].hit_tokens:,} of {s.turns[-1].prompt_tokens:,} tokens cached"
+        same = "identical" if again == before else "different"
+        how = "at temperature 0" if self.params.greedy else "with a new seed"
+        self._say(f"Retried: the prompt was {hit}; {how} the reply is {same}.", "dim")
+
+    def _rewind(self, arg: str) -> None:
+        try:
+            n = int(arg) if arg else 1
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise KvchatError(f"Usage: /rewind [N] with N a positive number, got {arg!r}.")
+        if not self.session.turns:
+            self._say("Nothing to rewind: this session has no turns yet.")
+            return
+        gone = self.session.rewind(n)
+        self.store.save(self.session)
+        left = len(self.session.turns)
+        self._say(f"Rewound {gone} turn(s); {left} left. The next message continues from there, "
+                  "and everything before it is still cached.")
+
+    def _fork(self, arg: str) -> None:
+        if not arg:
+            raise KvchatError("Usage: /fork NAME (a new session that starts with this history).")
+        name = validate_name(arg)
+        if self.store.exists(name):
+            raise SessionError(f"A session {name!r} exists already; fork under another name.")
+        self.store.save(self.session)
+        fork = self.session.fork(name)
+        self.store.save(fork)
+        self._say(f"Forked {self.session.name} into {name}: {len(fork.tokens):,} tokens of "
+                  "history, read from the same cached blocks (nothing copied).")
+        self._enter(self.store.open(name))
+
+    def _branches(self, arg: str) -> None:
+        others = []
+        for name in self.store.names():
+            if name == self.session.name:
+                continue
+            try:
+                others.append(self.store.open(name, create=False))
+            except SessionError:
+                continue
+        rows = branches(self.session, others)
+        if not rows:
+            self._say("No other session shares this one's history.")
+            return
+        print_ = self.console.print
+        print_(branches_table(self.session, rows, self._decode))
+
+
+def branches_table(session: Session, rows: Sequence[Branch],
+                   decode: Callable[[Sequence[int]], str]) -> Table:
+    """Sessions sharing `session`'s history: how much, and the text on each side of where they
+    part."""
+    t = Table(title=f"sessions sharing {session.name}'s history", title_justify="left")
+    t.add_column("session")
+    t.add_column("shared tokens", justify="right")
+    t.add_column("then this one")
+    t.add_column("then that one")
+    for b in rows:
+        here = decode(session.tokens[b.shared: b.shared + 8])
+        there = decode(b.tokens[b.shared: b.shared + 8])
+        t.add_row(b.name, f"{b.shared:,}", Text(preview(here, 24) or "(ends here)"),
+                  Text(preview(there, 24) or "(ends here)"))
+    return t
