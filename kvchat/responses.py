@@ -15,7 +15,8 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "text": r.text,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
-        "cache_hit_tokens": r.cache_hit_tokens,
+        "cache_hit_tokens": r.cache_hit_tokens,  # from both tiers
+        "disk_hit_tokens": r.disk_hit_tokens,
         "hit_source": r.hit_source,
         "finish_reason": r.finish_reason,
         "ttft_ms": round(r.ttft_ms, 2),

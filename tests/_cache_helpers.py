@@ -4,6 +4,7 @@ small pools, and store/lookup round trips that check the cache's integrity on th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -60,6 +61,23 @@ def make_cache(
     max_exact_entries: int = 256,
 ) -> PagedKVCache:
     return PagedKVCache(make_manager(num_blocks, block_size), policy, max_exact_entries)
+
+
+def make_tiered_cache(
+    root: Path,
+    num_blocks: int = 16,
+    block_size: int = 4,
+    budget_bytes: int = 1 << 30,
+    policy: EvictionPolicy | str | None = "lru",
+) -> PagedKVCache:
+    """A cache whose evicted blocks spill to a BlockStore in `root` (close it: cache.disk)."""
+    from kvchat.cache.block_file import BlockLayout
+    from kvchat.cache.store import BlockStore
+
+    cache = make_cache(num_blocks, block_size, policy)
+    store = BlockStore(root, BlockLayout.of(cache.manager), budget_bytes, index_every_s=0.05)
+    cache.use_store(store, {"model": "test"})
+    return cache
 
 
 def store(

@@ -11,11 +11,11 @@ import json
 
 import pytest
 import torch
-from _cache_helpers import assert_hit_correct, make_cache, ref_kv
+from _cache_helpers import assert_hit_correct, make_cache, make_tiered_cache, ref_kv
 
 from kvchat.cache.kvcache import CacheIntegrityError, HitSource, Lookup, PagedKVCache, StoreResult
 from kvchat.cache.radix import RadixTree
-from kvchat.cache.snapshot import export_state, import_state
+from kvchat.cache.tree_index import export_index, import_index
 from kvchat.ui import cache_view as cv
 
 BS = 4
@@ -120,43 +120,40 @@ def test_check_integrity_catches_namespace_mixups() -> None:
         cache.check_integrity()
 
 
-def test_a_snapshot_keeps_the_namespaces() -> None:
-    cache = make_cache(num_blocks=16, block_size=BS)
+def test_the_index_and_disk_tier_keep_the_namespaces(tmp_path) -> None:
+    cache = make_tiered_cache(tmp_path, num_blocks=16, block_size=BS)
     put(cache, PROMPT, "alice", sid="t1/chat", logits=torch.arange(3.0))
     put(cache, PROMPT, "", sid="chat")
     put(cache, [*range(50, 55)], "bob", logits=torch.ones(3))
-    meta, tensors = export_state(cache)
-    meta = json.loads(json.dumps(meta))  # as index.json holds it
-    fresh = make_cache(num_blocks=16, block_size=BS)
-    import_state(fresh, meta, tensors)
+    meta = json.loads(json.dumps(export_index(cache)))  # as index.json holds it
+    fresh = make_tiered_cache(tmp_path, num_blocks=16, block_size=BS)
+    import_index(fresh, meta)
     fresh.check_integrity()
-    assert cv.nodes_from_cache(fresh) == cv.nodes_from_cache(cache)
-    assert cv.exact_from_cache(fresh) == cv.exact_from_cache(cache)
+    assert fresh.manager.num_free == fresh.manager.num_blocks  # nothing loaded at start-up
+    assert [n.tokens for n in cv.walk(cv.nodes_from_cache(fresh))] == [
+        n.tokens for n in cv.walk(cv.nodes_from_cache(cache))]
     assert cv.nodes_from_meta(meta) == tuple(
         cv.NodeView(n.start, n.tokens, n.blocks, 0, n.owners, n.children, n.namespace)
         for n in cv.nodes_from_cache(cache))
-    assert {e.namespace for e in cv.exact_from_meta(meta)} == {"alice", "bob"}
     hit = look(fresh, PROMPT, "alice")
-    assert hit.source is HitSource.EXACT and hit.logits is not None
-    assert torch.equal(hit.logits, torch.arange(3.0))
-    assert look(fresh, PROMPT, "").source is HitSource.RADIX  # "" stored it without logits
+    assert hit.source is HitSource.DISK and hit.matched == len(PROMPT) - 1
+    assert_hit_correct(fresh, hit, PROMPT)
     assert look(fresh, [*range(50, 55)], "").matched == 0
-    assert look(fresh, [*range(50, 55)], "bob").source is HitSource.EXACT
-
-
-def test_a_snapshot_from_before_namespaces_loads_into_namespace_empty() -> None:
-    cache = make_cache(num_blocks=16, block_size=BS)
-    put(cache, PROMPT, "", logits=torch.ones(3))
-    meta, tensors = export_state(cache)
-    for rec in meta["tree"]:
-        del rec["namespace"]
-    for rec in meta["exact"]:
-        del rec["namespace"]
-    fresh = make_cache(num_blocks=16, block_size=BS)
-    import_state(fresh, json.loads(json.dumps(meta)), tensors)
+    assert look(fresh, [*range(50, 55)], "bob").source is HitSource.DISK
     fresh.check_integrity()
-    assert look(fresh, PROMPT, "").source is HitSource.EXACT
-    assert set(fresh.tree.roots) == {""}
+    for c in (cache, fresh):
+        assert c.disk is not None
+        c.disk.close()
+
+
+def test_tenants_never_share_a_block_file(tmp_path) -> None:
+    cache = make_tiered_cache(tmp_path, num_blocks=16, block_size=BS)
+    put(cache, PROMPT, "alice")
+    put(cache, PROMPT, "bob")
+    keys = {ns: cache.tree.roots[ns].child_list()[0].keys for ns in ("alice", "bob")}
+    assert not set(keys["alice"]) & set(keys["bob"])
+    assert cache.disk is not None
+    cache.disk.close()
 
 
 def test_views_filter_one_namespace_and_rename_its_owners() -> None:

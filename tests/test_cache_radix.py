@@ -257,21 +257,39 @@ def test_pop_leaf_block_rejects_inner_nodes() -> None:
         tree.pop_leaf_block(tree.root)
 
 
-def test_remove_a_leaf_sequence() -> None:
+def test_spilled_blocks_stay_matched_on_disk_and_truncate_drops_them() -> None:
     tree, pool = RadixTree(4), Pool(4)
     a = cache_store(tree, pool, list(range(10)))
     b = cache_store(tree, pool, list(range(4)) + [7, 7, 7])
-    assert tree.remove(list(range(4)) + [7]) == []  # does not end at a leaf end
-    assert tree.remove(list(range(4))) == []  # an inner node
-    b[1].acquire()
-    assert tree.remove(list(range(4)) + [7, 7, 7]) == []  # someone reads it
-    b[1].release()
-    assert tree.remove(list(range(4)) + [7, 7, 7]) == [b[1]]
+    leaf_b = tree.find_prefix(list(range(4)) + [7]).node
+    assert leaf_b is not None
+    assert tree.spill_block(leaf_b) is b[1]
+    tree.check()
+    match = tree.find_prefix(list(range(4)) + [7, 7, 7, 9])
+    assert match.matched == 7 and ids(match.blocks) == [a[0].block_id]
+    assert [(d.node, d.nth) for d in match.disk] == [(leaf_b, 0)]
+    assert match.resident(4) == 4
+    with pytest.raises(ValueError, match="last resident"):
+        tree.spill_block(tree.find_prefix(list(range(4))).node)  # a resident child below
+    fresh = pool.new(1)[0]
+    tree.attach_block(leaf_b, fresh)
+    tree.check()
+    assert fresh.token_ids == [7, 7, 7] and not tree.find_prefix([0, 1, 2, 3, 7]).disk
+    tree.spill_block(leaf_b)
+    assert tree.drop_disk() == 1
     tree.check()
     assert shape(tree) == [(1, 0, 10, 3)]
-    assert sorted(ids(tree.remove(list(range(10))))) == sorted(ids(a))
-    tree.check()
-    assert list(tree.nodes()) == [] and list(tree.leaves()) == []
+
+
+def test_check_catches_a_resident_block_below_one_on_disk() -> None:
+    tree, pool = RadixTree(4), Pool(4)
+    cache_store(tree, pool, list(range(10)))
+    cache_store(tree, pool, list(range(4)) + [7, 7, 7])
+    upper = tree.find_prefix(list(range(4))).node
+    assert upper is not None
+    upper.blocks.pop()
+    with pytest.raises(AssertionError, match="resident below on-disk"):
+        tree.check()
 
 
 def test_clear_empties_the_tree() -> None:
@@ -332,7 +350,7 @@ def test_check_catches_a_wrong_first_block_flag() -> None:
 def test_check_catches_missing_blocks() -> None:
     tree, _, _ = _two_branch_tree()
     leaf = next(iter(tree.leaves()))
-    leaf.blocks.pop()
+    leaf.keys.pop()
     with pytest.raises(AssertionError, match="cover"):
         tree.check()
 

@@ -15,6 +15,7 @@ from kvchat.cache.eviction import make_policy
 from kvchat.cache.kvcache import HitSource, PagedKVCache
 from kvchat.cache.radix import RadixTree
 from kvchat.cache.snapshot import SnapshotMismatch, export_state, import_state
+from kvchat.cache.tree_index import export_blocks, tree_from_blocks
 from kvchat.ui import cache_view as cv
 
 BS = 4
@@ -172,16 +173,17 @@ def test_a_failed_import_gives_its_blocks_back() -> None:
 
 def test_the_radix_tree_rebuilds_itself_from_its_records() -> None:
     cache = filled()
-    blocks, records = cache.tree.export()
+    blocks, records = export_blocks(cache.tree)
     assert [b.block_id for b in blocks] == [b.block_id for b in cache.tree.all_blocks()]
-    copy = RadixTree.from_records(BS, json.loads(json.dumps(records)), blocks)
+    copy = tree_from_blocks(RadixTree(BS), json.loads(json.dumps(records)), blocks)
     copy.check()
     assert [(n.start, n.tokens, n.owners, d) for n, d in copy.nodes()] == [
         (n.start, n.tokens, n.owners, d) for n, d in cache.tree.nodes()
     ]
     assert {id(n) for n in copy.leaves()} == {id(n) for n, _ in copy.nodes() if n.is_leaf}
     with pytest.raises(ValueError, match="not a radix tree"):
-        RadixTree.from_records(BS, [{"start": 0, "blocks": [0, 0], "children": []}], blocks)
+        tree_from_blocks(RadixTree(BS), [{"start": 0, "blocks": [0, 0], "children": []}],
+                         blocks)
 
 
 @pytest.mark.parametrize("name", ["lru", "sink-lru", "h2o"])

@@ -6,6 +6,10 @@ through the policy when the pool is short, writes the new K/V, and registers the
 layers. Blocks a lookup (or a store with hold=True) hands out are acquired; the caller releases
 them when its request ends. Blocks the tree owns carry no reference.
 
+With a disk tier (a BlockStore, `use_store`), eviction spills a block to disk instead of
+dropping it: the tree keeps its node, tokens and key, and a lookup that reaches it loads it back
+(a disk hit, HitSource.DISK). Without one, evicted blocks leave the tree as before.
+
 Every lookup, peek and store names a namespace ("" by default): entries stored in one are never
 a hit in another, so callers that must not learn of each other's prompts (a server's tenants)
 share the pool but no blocks. Eviction ranks all namespaces' blocks together.
@@ -14,19 +18,24 @@ share the pool but no blocks. Eviction ranks all namespaces' blocks together.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from kvchat.cache import disk_tier
+from kvchat.cache.block_keys import root_key
 from kvchat.cache.blocks import KV, Block, BlockManager
 from kvchat.cache.eviction import EvictionPolicy, make_policy
 from kvchat.cache.exact import ExactIndex
-from kvchat.cache.radix import Node, RadixTree
+from kvchat.cache.radix import Node, PrefixMatch, RadixTree
 from kvchat.cache.stats import CacheStats, Counters, PoolStats, SessionCounters
 from kvchat.config import CacheConfig
+
+if TYPE_CHECKING:
+    from kvchat.cache.store import BlockStore
 
 __all__ = [
     "CacheIntegrityError", "CacheStats", "Counters", "HitSource", "Lookup", "PagedKVCache",
@@ -41,6 +50,7 @@ class CacheIntegrityError(AssertionError):
 class HitSource(StrEnum):
     EXACT = "exact"
     RADIX = "radix"
+    DISK = "disk"  # part of the hit was loaded back from the disk tier
     MISS = "miss"
 
 
@@ -53,6 +63,7 @@ class Lookup(NamedTuple):
     source: HitSource
     logits: torch.Tensor | None  # last position's logits (exact hits only): no forward needed
     prompt_tokens: int
+    disk_tokens: int = 0  # of `matched`, tokens whose blocks were loaded from the disk tier
 
 
 class StoreResult(NamedTuple):
@@ -87,6 +98,31 @@ class PagedKVCache:
         self.exact = ExactIndex(max_exact_entries)
         self._sessions: dict[str, SessionCounters] = {}  # updated in place: one per session
         self._counters = Counters(sessions=self._sessions)
+        self.disk: BlockStore | None = None
+        self._root_key: Callable[[str], str] | None = None
+        self._notices: list[str] = []
+
+    def use_store(self, store: BlockStore | None, fingerprint: Mapping[str, Any]) -> None:
+        """Spill evicted blocks to `store` and load them back on a hit. Block keys chain from
+        `fingerprint` (what must match for K/V to be reusable) and the namespace, so tenants
+        never share a block. Call it while the cache is empty."""
+        if self.manager.num_free != self.manager.num_blocks or any(True for _ in self.tree.nodes()):
+            raise ValueError("use_store needs an empty cache")
+        fp = dict(fingerprint)
+        self._root_key = lambda namespace: root_key(fp, namespace)
+        self.tree = RadixTree(self.block_size, self._root_key)
+        self.disk = store
+
+    def new_tree(self) -> RadixTree:
+        """An empty tree keyed like this cache's."""
+        return RadixTree(self.block_size, self._root_key)
+
+    def take_notices(self) -> list[str]:
+        """One-line notices about the disk tier (damaged or missing blocks), each once."""
+        out, self._notices = self._notices, []
+        if self.disk is not None:
+            out.extend(self.disk.take_notices())
+        return out
 
     @classmethod
     def create(
@@ -124,11 +160,17 @@ class PagedKVCache:
         entry = self.exact.get(tokens, namespace) if n else None
         if entry is not None and entry.logits is not None:
             matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
+        disk = 0
+        if entry is not None and entry.logits is not None:
+            matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
         else:
             match = self.tree.find_prefix(tokens, namespace)
+            resident = match.resident(self.block_size)
+            match = self._load(match)
             matched = min(match.matched, max(n - 1, 0))
             blocks = match.blocks[: _ceil_div(matched, self.block_size)]
-            source = HitSource.RADIX if matched else HitSource.MISS
+            disk = max(matched - resident, 0)
+            source = HitSource.DISK if disk else HitSource.RADIX if matched else HitSource.MISS
             logits = None
         for block in blocks:
             self.policy.on_access(block)
@@ -136,15 +178,29 @@ class PagedKVCache:
         self._counters = self._counters.plus(
             lookup_tokens=n, hit_tokens=matched, hit_count=int(matched > 0),
             miss_count=int(matched == 0), exact_hits=int(source is HitSource.EXACT),
+            disk_hit_tokens=disk, disk_hits=int(disk > 0),
         )
         if sid is not None:
             before = self._sessions.get(sid, SessionCounters())
             self._sessions[sid] = before.after_lookup(matched, n)
-        return Lookup(matched, tuple(blocks), source, logits, n)
+        return Lookup(matched, tuple(blocks), source, logits, n, disk)
 
     def peek(self, tokens: Sequence[int], namespace: str = "") -> int:
-        """Cached prefix length without touching stats, timestamps or ref counts (schedulers)."""
+        """Cached prefix length, in the pool or on disk, without touching stats, timestamps,
+        ref counts or the disk (schedulers)."""
         return self.tree.find_prefix(tokens, namespace).matched
+
+    def _load(self, match: PrefixMatch) -> PrefixMatch:
+        """`match` with its on-disk blocks loaded back (see `disk_tier.load_match`)."""
+        if not match.disk:
+            return match
+        if self.disk is None:
+            raise CacheIntegrityError("blocks on disk without a disk tier")
+        out, got = disk_tier.load_match(self.disk, self.manager, self.tree, match, self._evict)
+        self._notices.extend(got.notices)
+        self._counters = self._counters.plus(disk_loads=len(got.blocks),
+                                             disk_failures=int(got.pruned))
+        return out
 
     def gather(self, blocks: Sequence[Block], n_tokens: int) -> list[KV]:
         """Per-layer K/V (1, H, n_tokens, D) for the first n_tokens positions of `blocks`."""
@@ -182,7 +238,10 @@ class PagedKVCache:
         have = kv_per_layer[0][0].shape[-2] if kv_per_layer else 0
         if have != n - skip_tokens:
             raise ValueError(f"K/V covers {have} positions, expected {n - skip_tokens}")
-        match = self.tree.find_prefix(tokens, namespace)
+        found = self.tree.find_prefix(tokens, namespace)
+        match = self._load(found)
+        # a path still partly on disk (no room to load it) cannot be extended: write nothing
+        writable = not found.disk or not self.tree.find_prefix(tokens, namespace).disk
         m = match.matched
         held = list(match.blocks)
         for block in held:  # keep our own path safe from the eviction below
@@ -204,7 +263,7 @@ class PagedKVCache:
             #   `room` free slots first, then the new blocks; nothing is copied.
             # branch (anything else): the new blocks start at base; the first one gets a copy
             #   of [base, m), the head it shares with the matched block, then [m, end).
-            if skip_tokens <= m < n:
+            if skip_tokens <= m < n and writable:
                 extend = match.at_leaf_end and m % bs != 0
                 base = m // bs * bs
                 room = bs - m % bs if extend else 0
@@ -278,50 +337,65 @@ class PagedKVCache:
         self,
         n: int,
         rank: Callable[[Block], tuple[float, ...] | None] | None = None,
+        spill: bool | None = None,
     ) -> int:
-        """Evict up to n leaf blocks in the policy's order; returns how many went.
+        """Evict up to n blocks in the policy's order; returns how many went. With a disk tier
+        (and `spill` not False) each goes to disk and stays in the tree; else it is dropped.
 
-        One heap over the leaves' last blocks; when a leaf loses its last block, its new last
-        block (or, once it is gone, its parent's) becomes a candidate. Only a merge of a parent
-        with its single remaining child moves blocks between nodes, so the heap is rebuilt then.
+        Candidates are the last resident blocks of nodes without a resident descendant (the
+        leaves, without a tier), in one heap; when a node loses its last resident block, its
+        parent may become one. Only a merge of a parent with its single remaining child moves
+        blocks between nodes, so the heap is rebuilt then.
         """
         rank = rank or self.policy.rank
+        to_disk = spill is not False and disk_tier.spills(self.disk)
         tree = self.tree
         done = 0
+        Heap = list[tuple[tuple[float, ...], int]]
 
-        def build() -> tuple[list[tuple[tuple[float, ...], int]], dict[int, Node]]:
-            heap: list[tuple[tuple[float, ...], int]] = []
-            owner: dict[int, Node] = {}
-            for leaf in tree.leaves():
-                push(heap, owner, leaf)
-            return heap, owner
+        def candidate(node: Node | None) -> bool:
+            return (node is not None and not node.is_root and bool(node.blocks)
+                    and not any(c.blocks for c in node.child_list()))
 
-        def push(heap: list[tuple[tuple[float, ...], int]], owner: dict[int, Node],
-                 leaf: Node) -> None:
-            block = leaf.blocks[-1]
+        def push(heap: Heap, owner: dict[int, Node], node: Node) -> None:
+            block = node.blocks[-1]
             key = rank(block) if block.ref_count == 0 else None
             if key is not None:
                 heapq.heappush(heap, (key, block.block_id))
-                owner[block.block_id] = leaf
+                owner[block.block_id] = node
+
+        def build() -> tuple[Heap, dict[int, Node]]:
+            heap: Heap = []
+            owner: dict[int, Node] = {}
+            for node, _ in tree.nodes():
+                if candidate(node):
+                    push(heap, owner, node)
+            return heap, owner
 
         heap, owner = build()
         while done < n and heap:
             _, bid = heapq.heappop(heap)
-            leaf = owner.pop(bid)
-            victim = leaf.blocks[-1]
-            parent = leaf.parent
+            node = owner.pop(bid)
+            victim = node.blocks[-1]
+            parent = node.parent
             merges_before = tree.merges
             self.exact.drop_block(victim)
-            tree.pop_leaf_block(leaf)
+            # one line per evicted block: a hook that explains later misses fits here
+            if to_disk and self.disk is not None:
+                disk_tier.spill(self.disk, self.manager, tree, node)
+            else:
+                tree.pop_block(node)
             self.manager.free([victim])
             done += 1
             if tree.merges != merges_before:
                 heap, owner = build()
-            elif leaf.blocks:
-                push(heap, owner, leaf)
-            elif parent is not None and not parent.is_root and parent.is_leaf:
+            elif node.blocks:
+                push(heap, owner, node)
+            elif candidate(parent):
+                assert parent is not None
                 push(heap, owner, parent)
-        self._counters = self._counters.plus(eviction_count=done)
+        self._counters = self._counters.plus(eviction_count=done,
+                                             spilled_blocks=done if to_disk else 0)
         return done
 
     def evict(self, n: int) -> int:
@@ -330,8 +404,9 @@ class PagedKVCache:
     def clear(self) -> int:
         """Drop everything no request is using (first blocks too); returns blocks freed."""
         self.exact.clear()
-
-        return self._evict(self.manager.num_blocks, lambda block: (0.0,))
+        freed = self._evict(self.manager.num_blocks, lambda block: (0.0,), spill=False)
+        self.tree.drop_disk()
+        return freed
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -343,6 +418,8 @@ class PagedKVCache:
             tree_nodes=sum(1 for _ in self.tree.nodes()),
             tree_tokens=self.tree.num_tokens,
             exact_entries=len(self.exact),
+            disk_tokens=sum(len(n.tokens) - len(n.blocks) * self.block_size
+                            for n, _ in self.tree.nodes() if n.on_disk),
         )
 
     # ---- state (the snapshot) --------------------------------------------------------------
@@ -350,46 +427,24 @@ class PagedKVCache:
     def reset(self) -> None:
         """Empty the cache: every block free, tree, exact index and counters new. Blocks that
         callers still hold are freed too, so only call it when no request is running."""
-        self.tree = RadixTree(self.block_size)
+        self.tree = self.new_tree()
         self.exact.clear()
         self._sessions = {}
         self._counters = Counters(sessions=self._sessions)
         self.manager.reset()
 
     def restore(self, tree: RadixTree, counters: Counters) -> None:
-        """Adopt a tree rebuilt from a snapshot over blocks already imported into this cache's
-        manager (`BlockManager.import_blocks`), and the counters saved with it."""
+        """Adopt a tree rebuilt from the index file (its blocks on disk, or already imported
+        into this cache's manager) and the counters saved with it."""
         self.tree = tree
         self._sessions = dict(counters.sessions)
         self._counters = replace(counters, sessions=self._sessions)
 
     def check_integrity(self) -> None:
         """Raise CacheIntegrityError if pool, tree and exact index disagree."""
+        from kvchat.cache.integrity import check_cache
+
         try:
-            self.tree.check()
-            self.exact.check(self.block_size)
-            mgr = self.manager
-            free_list = list(mgr.free_ids)
-            free = set(free_list)
-            assert len(free_list) == len(free), "duplicate ids in the free list"
-            # block id -> the namespace of the node holding it
-            in_tree = {b.block_id: node.namespace for node, _ in self.tree.nodes()
-                       for b in node.blocks}
-            for block in mgr.blocks:
-                bid = block.block_id
-                assert block.ref_count >= 0, f"negative ref count on {block!r}"
-                if mgr.is_free(bid):
-                    assert bid in free, f"block {bid} marked free but not in free list"
-                    assert bid not in in_tree, f"block {bid} both free and in the tree"
-                    assert block.ref_count == 0, f"free block {bid} is referenced"
-                else:
-                    assert bid in in_tree, f"block {bid} allocated but owned by nothing"
-            assert len(free) + len(in_tree) == mgr.num_blocks, "free + used != total"
-            for _, entry in self.exact.items():
-                for block in entry.blocks:
-                    assert block.block_id in in_tree, "exact entry points at an evicted block"
-                    assert in_tree[block.block_id] == entry.namespace, (
-                        f"exact entry of namespace {entry.namespace!r} reads a block of "
-                        f"{in_tree[block.block_id]!r}")
+            check_cache(self)
         except AssertionError as exc:
             raise CacheIntegrityError(str(exc)) from exc

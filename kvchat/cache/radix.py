@@ -1,7 +1,11 @@
 """Radix tree (compressed prefix trie) over token ids, mapping prefixes to pool blocks.
 
 Invariants (checked by `check`):
-- every node starts at a block-aligned position; its blocks cover exactly its edge tokens;
+- every node starts at a block-aligned position; it has one key per block of its edge
+  (`block_keys`: chained over the namespace and every token through the block); its resident
+  blocks (in the pool) are a prefix of those, the rest are on disk, in the BlockStore;
+- no resident block lies below an on-disk one, so a path from a root is resident up to some
+  point and on disk after it;
 - a node that ends mid-block is a leaf (children start at block boundaries);
 - each block belongs to exactly one node;
 - every node belongs to one namespace, that of the root it hangs from.
@@ -19,16 +23,20 @@ block. Siblings may therefore share up to block_size - 1 leading tokens.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Mapping, Sequence
-from itertools import pairwise
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from kvchat.cache.blocks import Block
 
+from kvchat.cache.block_keys import next_key, root_key
+
+RootKey = Callable[[str], str]  # namespace -> the start of its key chain (`root_key`)
+
 
 class Node:
-    __slots__ = ("parent", "children", "tokens", "blocks", "start", "owners", "namespace")
+    __slots__ = ("parent", "children", "tokens", "blocks", "keys", "start", "owners",
+                 "namespace")
 
     def __init__(self, parent: Node | None, start: int, tokens: list[int], blocks: list[Block],
                  namespace: str = ""):
@@ -36,13 +44,19 @@ class Node:
         self.namespace = namespace
         self.start = start
         self.tokens = tokens
-        self.blocks = blocks
+        self.blocks = blocks  # the resident ones: a prefix of the edge's blocks
+        self.keys: list[str] = []  # one per block of the edge, resident or on disk
         self.children: dict[int, list[Node]] = {}
         self.owners: set[str] = set()  # session ids whose sequences pass through this node
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def on_disk(self) -> int:
+        """Blocks of this edge that are only on disk."""
+        return len(self.keys) - len(self.blocks)
 
     @property
     def is_leaf(self) -> bool:
@@ -72,13 +86,34 @@ def _tokens(node: Node) -> list[int]:
     return node.tokens
 
 
-class PrefixMatch(NamedTuple):
-    """Longest cached prefix of a token sequence."""
+class DiskBlock(NamedTuple):
+    """A matched block that is only on disk: block number `nth` of `node`'s edge."""
 
-    matched: int  # tokens whose K/V are cached
-    blocks: list[Block]  # covering positions [0, matched); the last may hold more tokens
+    node: Node
+    nth: int
+
+    @property
+    def key(self) -> str:
+        return self.node.keys[self.nth]
+
+
+class PrefixMatch(NamedTuple):
+    """Longest cached prefix of a token sequence, through both tiers."""
+
+    matched: int  # tokens whose K/V are cached, in the pool or on disk
+    blocks: list[Block]  # resident blocks from position 0 on; the last may hold more tokens
     node: Node | None  # node where the match ended (None when matched == 0)
     at_leaf_end: bool  # the match consumed a whole leaf edge (an insert can extend it in place)
+    disk: tuple[DiskBlock, ...] = ()  # the matched blocks after `blocks`, on disk, in order
+
+    def resident(self, block_size: int) -> int:
+        """Matched tokens whose K/V are in the pool."""
+        return len(self.blocks) * block_size if self.disk else self.matched
+
+
+def _default_root_key(namespace: str) -> str:
+    """Keys of a tree no disk tier reads: unique per namespace, tied to no model."""
+    return root_key({}, namespace)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], b_from: int) -> int:
@@ -90,8 +125,10 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], b_from: int) -> int:
 
 
 class RadixTree:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, root_key: RootKey | None = None) -> None:
         self.block_size = block_size
+        self._root_key = root_key or _default_root_key
+        self._root_keys: dict[str, str] = {}
         self.roots: dict[str, Node] = {"": Node(None, 0, [], [])}
         self._leaves: set[Node] = set()
         self.merges = 0  # node merges so far (eviction watches it: merges move blocks)
@@ -107,64 +144,40 @@ class RadixTree:
             root = self.roots[namespace] = Node(None, 0, [], [], namespace)
         return root
 
+    def root_key(self, namespace: str) -> str:
+        key = self._root_keys.get(namespace)
+        if key is None:
+            key = self._root_keys[namespace] = self._root_key(namespace)
+        return key
+
+    def _rekey(self, node: Node, first: int) -> None:
+        """Recompute the node's keys from block `first` on (its tokens there changed)."""
+        bs = self.block_size
+        del node.keys[first:]
+        if first:
+            prev = node.keys[first - 1]
+        elif node.parent is not None and not node.parent.is_root:
+            prev = node.parent.keys[-1]
+        else:
+            prev = self.root_key(node.namespace)
+        for i in range(first, -(-len(node.tokens) // bs)):
+            prev = next_key(prev, node.tokens[i * bs : (i + 1) * bs])
+            node.keys.append(prev)
+
+    def graft(self, parent: Node | None, namespace: str, tokens: list[int]) -> Node:
+        """Add a node whose blocks are all on disk under `parent` (None: the namespace's root),
+        keys computed (the index file's rebuild, which adds a node's children after it)."""
+        above = parent or self._root(namespace)
+        node = Node(above, above.end if parent else 0, tokens, [], above.namespace)
+        above.add_child(node)
+        self._rekey(node, 0)
+        self._leaves.discard(above)
+        self._leaves.add(node)
+        return node
+
     def _top(self) -> list[Node]:
         """The roots' children: every namespace's first edges."""
         return [c for root in self.roots.values() for c in root.child_list()]
-
-    # ---- plain-data form (the snapshot) --------------------------------------------------------
-
-    def export(self) -> tuple[list[Block], list[dict[str, Any]]]:
-        """The tree as plain data: its blocks in depth-first order, and the root's children as
-        nested records {"start", "blocks" (indices into that list), "owners", "children"}; the
-        roots' children also name their "namespace" (their descendants share it)."""
-        blocks: list[Block] = []
-        top: list[dict[str, Any]] = []
-        stack = [(c, top) for c in reversed(self._top())]
-        while stack:  # no recursion: a long chain of branch points must not hit the limit
-            node, siblings = stack.pop()
-            rec: dict[str, Any] = {
-                "start": node.start,
-                "blocks": list(range(len(blocks), len(blocks) + len(node.blocks))),
-                "owners": sorted(node.owners),
-                "children": [],
-            }
-            if node.parent is not None and node.parent.is_root:
-                rec["namespace"] = node.namespace
-            blocks.extend(node.blocks)
-            siblings.append(rec)
-            stack.extend((c, rec["children"]) for c in reversed(node.child_list()))
-        return blocks, top
-
-    @classmethod
-    def from_records(
-        cls, block_size: int, records: Sequence[Mapping[str, Any]], blocks: Sequence[Block]
-    ) -> RadixTree:
-        """Rebuild the tree `export` described over `blocks` (which already hold their tokens):
-        edges are read from the blocks, first-block flags set; records without a "namespace"
-        (older snapshots) are namespace "". Raises ValueError when the records do not describe
-        a valid tree over those blocks."""
-        tree = cls(block_size)
-        try:
-            # roots in the order the records name them, so nodes() iterates as before
-            tops = [(rec, tree._root(str(rec.get("namespace", "")))) for rec in records]
-            stack = tops[::-1]
-            while stack:
-                rec, parent = stack.pop()
-                own = [blocks[int(i)] for i in rec["blocks"]]
-                node = Node(parent, int(rec["start"]), [t for b in own for t in b.token_ids], own,
-                            parent.namespace)
-                node.owners = {str(o) for o in rec.get("owners", [])}
-                for i, block in enumerate(own):
-                    block.is_first_block = node.start == 0 and i == 0
-                parent.add_child(node)
-                children = list(rec["children"])
-                if not children:
-                    tree._leaves.add(node)
-                stack.extend((c, node) for c in reversed(children))
-            tree.check()
-        except (KeyError, IndexError, TypeError, AssertionError) as exc:
-            raise ValueError(f"not a radix tree ({type(exc).__name__}: {exc})") from exc
-        return tree
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -192,15 +205,19 @@ class RadixTree:
             return PrefixMatch(0, [], None, False)
         node, pos = root, 0
         blocks: list[Block] = []
+        disk: list[DiskBlock] = []
         bs = self.block_size
         while True:
             child, n = self._best_child(node, tokens, pos)
             if child is None:
-                return PrefixMatch(pos, blocks, node if pos else None, pos > 0 and node.is_leaf)
+                return PrefixMatch(pos, blocks, node if pos else None, pos > 0 and node.is_leaf,
+                                   tuple(disk))
             pos += n
-            blocks.extend(child.blocks[: -(-n // bs)])
+            used = -(-n // bs)
+            blocks.extend(child.blocks[:used])
+            disk.extend(DiskBlock(child, i) for i in range(len(child.blocks), used))
             if n < len(child.tokens):
-                return PrefixMatch(pos, blocks, child, False)
+                return PrefixMatch(pos, blocks, child, False, tuple(disk))
             node = child
 
     # ---- mutation ----------------------------------------------------------------------------
@@ -271,6 +288,7 @@ class RadixTree:
             leaf.owners.add(owner)
         self._leaves.discard(parent)
         parent.add_child(leaf)
+        self._rekey(leaf, 0)
         self._leaves.add(leaf)
 
     def _extend_leaf(self, leaf: Node, tokens: Sequence[int], blocks: Sequence[Block]) -> None:
@@ -288,6 +306,7 @@ class RadixTree:
         # no re-sort among siblings: a leaf is never a prefix of a sibling (it would have been
         # extended instead), so growing it cannot move it past one
         leaf.tokens.extend(tokens[old_end:])
+        self._rekey(leaf, (old_end - leaf.start) // bs)  # the old last block may have grown
 
     def _split(self, node: Node, at: int) -> Node:
         """Split node's edge at absolute block-aligned position `at`; returns the upper part."""
@@ -296,6 +315,7 @@ class RadixTree:
         upper = Node(node.parent, node.start, node.tokens[:cut], node.blocks[: cut // bs],
                      node.namespace)
         upper.owners = set(node.owners)
+        upper.keys, node.keys = node.keys[: cut // bs], node.keys[cut // bs :]
         parent = node.parent
         assert parent is not None
         parent.remove_child(node)
@@ -307,33 +327,80 @@ class RadixTree:
         return upper
 
     def pop_leaf_block(self, leaf: Node) -> Block:
-        """Drop the last block of a leaf (eviction); removes the node when it empties and merges
-        a parent left with a single child, so the trie stays compressed."""
+        """`pop_block` of a leaf."""
         if not leaf.is_leaf or leaf.is_root:
             raise ValueError("only leaf blocks can be evicted")
-        key = leaf.tokens[0]
-        block = leaf.blocks.pop()
-        del leaf.tokens[len(leaf.blocks) * self.block_size :]
-        if not leaf.blocks:
-            parent = leaf.parent
-            assert parent is not None
-            parent.remove_child(leaf, key)
-            self._leaves.discard(leaf)
-            if parent.is_root:
-                if parent.is_leaf and parent.namespace:  # an empty namespace leaves no trace
-                    del self.roots[parent.namespace]
-            elif parent.is_leaf:
-                self._leaves.add(parent)
-            elif len(parent.child_list()) == 1:
-                self._merge_single_child(parent)
+        return self.pop_block(leaf)
+
+    def pop_block(self, node: Node) -> Block:
+        """Drop the node's last resident block and all after it (on disk: the rest of its edge
+        and its descendants); see `truncate`."""
+        if node.is_root or not node.blocks or any(c.blocks for c in node.child_list()):
+            raise ValueError("only a last resident block can be evicted")
+        block = node.blocks[-1]
+        self.truncate(node, len(node.blocks) - 1)
         return block
+
+    def spill_block(self, node: Node) -> Block:
+        """Move the node's last resident block to the disk tier: it leaves `blocks` (the
+        caller frees it), its tokens and key stay."""
+        if node.is_root or not node.blocks or any(c.blocks for c in node.child_list()):
+            raise ValueError("only a last resident block can be spilled")
+        return node.blocks.pop()
+
+    def attach_block(self, node: Node, block: Block) -> None:
+        """Make the node's first on-disk block resident again, in `block` (a disk hit)."""
+        i = len(node.blocks)
+        if i >= len(node.keys):
+            raise ValueError("the node has no block on disk")
+        bs = self.block_size
+        block.token_ids = node.tokens[i * bs : (i + 1) * bs]
+        block.is_first_block = node.start == 0 and i == 0
+        node.blocks.append(block)
+
+    def truncate(self, node: Node, n_blocks: int) -> None:
+        """Keep the node's first n_blocks blocks (all resident ones among them stay); the
+        rest of its edge and every descendant go, none of which may hold resident blocks
+        beyond those kept. A node left empty is removed."""
+        key = node.tokens[0]
+        del node.blocks[n_blocks:]
+        for child in node.child_list():
+            self._drop_subtree(child)
+        del node.tokens[n_blocks * self.block_size :]
+        del node.keys[n_blocks:]
+        if node.tokens:
+            self._leaves.add(node)
+            return
+        parent = node.parent
+        assert parent is not None
+        parent.remove_child(node, key)
+        self._leaves.discard(node)
+        if parent.is_root:
+            if parent.is_leaf and parent.namespace:  # an empty namespace leaves no trace
+                del self.roots[parent.namespace]
+        elif parent.is_leaf:
+            self._leaves.add(parent)
+        elif len(parent.child_list()) == 1:
+            self._merge_single_child(parent)
+
+    def _drop_subtree(self, top: Node) -> None:
+        """Remove a subtree that holds no resident block (it is only on disk)."""
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            assert not node.blocks, "dropping a subtree with resident blocks"
+            self._leaves.discard(node)
+            stack.extend(node.child_list())
+        assert top.parent is not None
+        top.parent.remove_child(top)
 
     def _merge_single_child(self, node: Node) -> None:
         self.merges += 1
         (child,) = node.child_list()
         node.remove_child(child)
         node.tokens.extend(child.tokens)
-        node.blocks.extend(child.blocks)
+        node.blocks.extend(child.blocks)  # a parent with blocks on disk has no resident child
+        node.keys.extend(child.keys)
         node.owners |= child.owners
         for grandchild in child.child_list():
             node.add_child(grandchild)
@@ -341,19 +408,14 @@ class RadixTree:
             self._leaves.discard(child)
             self._leaves.add(node)
 
-    def remove(self, tokens: Sequence[int], namespace: str = "") -> list[Block]:
-        """Remove the leaf that ends exactly at `tokens` (if no one holds its blocks) and return
-        its blocks for the caller to free. Returns [] when there is no such unheld leaf."""
-        match = self.find_prefix(tokens, namespace)
-        leaf = match.node
-        if leaf is None or match.matched != len(tokens) or not match.at_leaf_end:
-            return []
-        if any(b.ref_count for b in leaf.blocks):
-            return []
-        out = []
-        while leaf.blocks:
-            out.append(self.pop_leaf_block(leaf))
-        return out
+    def drop_disk(self) -> int:
+        """Forget every block that is only on disk; returns how many went."""
+        frontier = [n for n, _ in self.nodes()
+                    if n.on_disk and (n.parent is None or n.parent.is_root or not n.parent.on_disk)]
+        dropped = sum(n.on_disk for n, _ in self.nodes())
+        for node in frontier:
+            self.truncate(node, len(node.blocks))
+        return dropped
 
     def clear(self) -> None:
         self.roots = {"": Node(None, 0, [], [])}
@@ -383,38 +445,6 @@ class RadixTree:
 
     def check(self) -> None:
         """Raise AssertionError if a structural invariant is broken."""
-        bs = self.block_size
-        seen: set[int] = set()
-        leaves = set()
-        for node, _ in self.nodes():
-            assert node.tokens, "empty non-root node"
-            assert node.start % bs == 0, f"node starts mid-block at {node.start}"
-            assert node.parent is not None
-            assert node.namespace == node.parent.namespace, "node outside its parent's namespace"
-            expected_start = node.parent.end if not node.parent.is_root else 0
-            assert node.start == expected_start, "child does not start where its parent ends"
-            assert len(node.blocks) == -(-len(node.tokens) // bs), "blocks do not cover the edge"
-            joined: list[int] = []
-            for i, block in enumerate(node.blocks):
-                assert block.block_id not in seen, f"block {block.block_id} in two nodes"
-                seen.add(block.block_id)
-                assert block.ref_count >= 0
-                assert block.is_first_block == (node.start == 0 and i == 0), "first-block flag"
-                joined.extend(block.token_ids)
-            assert joined == node.tokens, "block tokens disagree with the edge"
-            if node.children:
-                assert node.end % bs == 0, "inner node ends mid-block"
-                for key, group in node.children.items():
-                    assert group and all(c.tokens[0] == key for c in group)
-                    assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
-            else:
-                leaves.add(node)
-        assert "" in self.roots, "namespace \"\" has no root"
-        for namespace, root in self.roots.items():
-            assert root.is_root and root.namespace == namespace, "root of another namespace"
-            assert not root.tokens and not root.blocks, "a root holds tokens"
-            assert root.children or not namespace, f"empty namespace {namespace!r} kept"
-            for key, group in root.children.items():
-                assert group and all(c.tokens[0] == key for c in group)
-                assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
-        assert leaves == self._leaves, "leaf set out of date"
+        from kvchat.cache.integrity import check_tree
+
+        check_tree(self)

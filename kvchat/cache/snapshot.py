@@ -17,22 +17,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvchat.cache.radix import RadixTree
 from kvchat.cache.stats import Counters
+from kvchat.cache.tree_index import SnapshotMismatch, export_blocks, tree_from_blocks
 
 if TYPE_CHECKING:
     from kvchat.cache.kvcache import PagedKVCache
 
 SNAPSHOT_VERSION = 1
 
+__all__ = ["SNAPSHOT_VERSION", "SnapshotMismatch", "export_state", "import_state"]
 
-class SnapshotMismatch(ValueError):
-    """The snapshot does not fit this cache (shape, size or version)."""
+
 
 
 def export_state(cache: PagedKVCache) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     mgr = cache.manager
-    order, tree = cache.tree.export()
+    order, tree = export_blocks(cache.tree)
     index = {b.block_id: i for i, b in enumerate(order)}
     exact = []
     tensors: dict[str, torch.Tensor] = {}
@@ -94,7 +94,7 @@ def _import(cache: PagedKVCache, meta: dict[str, Any], tensors: dict[str, torch.
         )
     kv = [(tensors[f"k.{layer}"], tensors[f"v.{layer}"]) for layer in range(mgr.n_layers)]
     blocks = mgr.import_blocks(records, kv)
-    cache.restore(RadixTree.from_records(cache.block_size, meta["tree"], blocks),
+    cache.restore(tree_from_blocks(cache.new_tree(), meta["tree"], blocks),
                   Counters.counters_from_json(meta["counters"]))
     for rec in meta["exact"]:
         logits = tensors[rec["logits"]] if rec["logits"] else None

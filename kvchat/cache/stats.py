@@ -98,6 +98,11 @@ class Counters:
     lookup_tokens: int = 0
     eviction_count: int = 0
     stored_tokens: int = 0
+    disk_hits: int = 0  # lookups whose hit was (partly) loaded from the disk tier
+    disk_hit_tokens: int = 0  # of hit_tokens, those loaded from disk
+    disk_loads: int = 0  # blocks read back from disk
+    disk_failures: int = 0  # blocks on disk that could not be served (pruned)
+    spilled_blocks: int = 0  # evicted blocks written to disk instead of dropped
     sessions: Mapping[str, SessionCounters] = field(default_factory=dict)
 
     @property
@@ -141,6 +146,11 @@ class CacheStats(Counters):
     tree_nodes: int
     tree_tokens: int
     exact_entries: int
+    disk_tokens: int = 0  # of tree_tokens, those only on disk
+
+    @property
+    def memory_hit_tokens(self) -> int:
+        return self.hit_tokens - self.disk_hit_tokens
 
     @property
     def counters(self) -> Counters:
@@ -159,6 +169,7 @@ class CacheStats(Counters):
             "tree_nodes": self.tree_nodes,
             "tree_tokens": self.tree_tokens,
             "exact_entries": self.exact_entries,
+            "disk_tokens": self.disk_tokens,
             "sessions": {sid: s.to_json() for sid, s in sorted(self.sessions.items())},
             "pool": {**self.pool.to_json(), "cached_tokens": self.tree_tokens},
         }
@@ -173,6 +184,7 @@ class CacheStats(Counters):
             tree_nodes=int(data["tree_nodes"]),
             tree_tokens=int(data["tree_tokens"]),
             exact_entries=int(data["exact_entries"]),
+            disk_tokens=int(data.get("disk_tokens", 0)),
         )
 
     @classmethod
@@ -185,8 +197,10 @@ class CacheStats(Counters):
         tree_nodes: int,
         tree_tokens: int,
         exact_entries: int,
+        disk_tokens: int = 0,
     ) -> CacheStats:
         """The counters with the pool, tree and exact-index state beside them."""
         stats = cls(sessions=dict(counters.sessions), policy=policy, pool=pool,
-                    tree_nodes=tree_nodes, tree_tokens=tree_tokens, exact_entries=exact_entries)
+                    tree_nodes=tree_nodes, tree_tokens=tree_tokens, exact_entries=exact_entries,
+                    disk_tokens=disk_tokens)
         return replace(stats, **{name: getattr(counters, name) for name in _COUNTS})

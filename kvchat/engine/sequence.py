@@ -42,7 +42,7 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens (EOS included when the model emitted it)
     prompt_tokens: int
     cache_hit_tokens: int
-    hit_source: str  # exact | radix | miss | off
+    hit_source: str  # exact | radix | disk | miss | off
     computed_tokens: int  # prompt tokens this request ran through the model
     prefill_ms: float
     ttft_ms: float
@@ -51,6 +51,7 @@ class GenerationResult:
     finish_reason: str  # stop | length | interrupted | error
     stored_tokens: int  # tokens of prompt + reply now cached
     step_logits: list[torch.Tensor] | None = None
+    disk_hit_tokens: int = 0  # of cache_hit_tokens, those loaded back from the disk tier
 
     @property
     def completion_tokens(self) -> int:
@@ -209,6 +210,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             stored_tokens=stored,
             step_logits=self.step_logits,
+            disk_hit_tokens=self.lookup.disk_tokens if self.lookup is not None else 0,
         )
 
     def __repr__(self) -> str:

@@ -128,7 +128,7 @@ def nodes_from_meta(meta: Mapping[str, Any]) -> tuple[NodeView, ...]:
     """The radix tree as a snapshot recorded it. A snapshot holds no requests, so every
     reference count is 0."""
     try:
-        block_tokens = [list(map(int, b["tokens"])) for b in meta["blocks"]]
+        block_tokens = [list(map(int, b["tokens"])) for b in meta.get("blocks", [])]
         # only the top records name their namespace; their descendants share it
         namespace_of: dict[int, str] = {}
         stack = [(rec, str(rec.get("namespace", ""))) for rec in meta["tree"]]
@@ -138,10 +138,13 @@ def nodes_from_meta(meta: Mapping[str, Any]) -> tuple[NodeView, ...]:
             stack.extend((child, namespace) for child in rec["children"])
 
         def view(rec: Mapping[str, Any], kids: tuple[NodeView, ...]) -> NodeView:
-            ids = [int(i) for i in rec["blocks"]]
-            tokens = tuple(t for i in ids for t in block_tokens[i])
+            if "tokens" in rec:  # version 2: tokens and block keys per node
+                tokens, n_blocks = tuple(map(int, rec["tokens"])), len(rec["keys"])
+            else:
+                ids = [int(i) for i in rec["blocks"]]
+                tokens, n_blocks = tuple(t for i in ids for t in block_tokens[i]), len(ids)
             owners = tuple(sorted(str(o) for o in rec.get("owners", [])))
-            return NodeView(int(rec["start"]), tokens, len(ids), 0, owners, kids,
+            return NodeView(int(rec["start"]), tokens, n_blocks, 0, owners, kids,
                             namespace_of[id(rec)])
 
         return _freeze(list(meta["tree"]), lambda r: list(r["children"]), view)
@@ -168,7 +171,8 @@ def stats_from_meta(meta: Mapping[str, Any], nodes: Sequence[NodeView]) -> Cache
             Counters.counters_from_json(dict(meta.get("counters", {}))),
             policy=str(meta.get("policy", "?")),
             pool=PoolStats.from_json(
-                pool | {"block_size": meta["block_size"], "used_blocks": len(meta["blocks"])}
+                pool | {"block_size": meta["block_size"],
+                        "used_blocks": meta.get("resident_blocks", len(meta.get("blocks", [])))}
             ),
             tree_nodes=sum(1 for _ in walk(nodes)),
             tree_tokens=sum(n.n_tokens for n in walk(nodes)),

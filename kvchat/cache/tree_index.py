@@ -1,0 +1,165 @@
+"""The tiered cache's state as plain data: an index of the tree, its K/V in the disk tier.
+
+`export_index` first makes the disk tier hold every block of the tree (`disk_tier.persist`),
+then returns JSON-ready meta: the tree with each node's tokens and block keys, counters and the
+policy's state; no K/V, which lives in the BlockStore. `import_index` rebuilds that tree in an
+empty cache with every block on disk: no pool allocation and no block file read, so start-up
+time does not grow with the cache; blocks load on their first hit. Exact entries are not kept:
+their blocks are on disk after a restart, and the radix tree serves those prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvchat.cache import disk_tier
+from kvchat.cache.radix import Node, RadixTree
+from kvchat.cache.stats import Counters
+
+if TYPE_CHECKING:
+    from kvchat.cache.blocks import Block
+    from kvchat.cache.kvcache import PagedKVCache
+
+class SnapshotMismatch(ValueError):
+    """Saved cache state does not fit this cache (shape, size, version or keys)."""
+
+
+INDEX_VERSION = 2  # version 1 (`snapshot`) held the K/V of every used block in one file
+
+
+
+def tree_records(tree: RadixTree) -> list[dict[str, Any]]:
+    """The roots' children as nested records {"start", "tokens", "keys", "owners",
+    "children"}; the roots' children also name their "namespace"."""
+    top: list[dict[str, Any]] = []
+    tops = [c for root in tree.roots.values() for c in root.child_list()]
+    stack = [(c, top) for c in reversed(tops)]
+    while stack:  # no recursion: a long chain of branch points must not hit the limit
+        node, siblings = stack.pop()
+        rec: dict[str, Any] = {"start": node.start, "tokens": list(node.tokens),
+                               "keys": list(node.keys), "owners": sorted(node.owners),
+                               "children": []}
+        if node.parent is not None and node.parent.is_root:
+            rec["namespace"] = node.namespace
+        siblings.append(rec)
+        stack.extend((c, rec["children"]) for c in reversed(node.child_list()))
+    return top
+
+
+def tree_from_records(tree: RadixTree, records: Sequence[Mapping[str, Any]]) -> RadixTree:
+    """Fill the empty `tree` with the records' nodes, every block on disk. Keys are recomputed
+    from the tokens: records made under another fingerprint or namespace do not match. Raises
+    ValueError when the records do not describe a valid tree."""
+    try:
+        stack: list[tuple[Mapping[str, Any], Node | None, str]] = [
+            (rec, None, str(rec.get("namespace", ""))) for rec in reversed(records)]
+        while stack:
+            rec, parent, namespace = stack.pop()
+            node = tree.graft(parent, namespace, [int(t) for t in rec["tokens"]])
+            if int(rec["start"]) != node.start:
+                raise AssertionError("a node does not start where its parent ends")
+            if [str(k) for k in rec["keys"]] != node.keys:
+                raise AssertionError("block keys do not match this model or namespace")
+            node.owners = {str(o) for o in rec.get("owners", [])}
+            stack.extend((c, node, namespace) for c in reversed(list(rec["children"])))
+        tree.check()
+    except (KeyError, IndexError, TypeError, AssertionError) as exc:
+        raise ValueError(f"not a radix tree ({type(exc).__name__}: {exc})") from exc
+    return tree
+
+
+def export_index(cache: PagedKVCache) -> dict[str, Any]:
+    """Persist the blocks (when the cache has a disk tier) and return the index's meta."""
+    mgr = cache.manager
+    if cache.disk is not None and cache.disk.enabled:
+        disk_tier.persist(cache.disk, mgr, cache.tree)
+    return {
+        "version": INDEX_VERSION,
+        "block_size": cache.block_size,
+        "shape": [mgr.n_layers, mgr.n_kv_heads, mgr.head_dim],
+        "policy": cache.policy.name,
+        "policy_state": cache.policy.state(),
+        "tree": tree_records(cache.tree),
+        "counters": cache.stats().counters_json(),
+        "resident_blocks": mgr.num_blocks - mgr.num_free,  # `kvchat inspect`'s memory tier
+    }
+
+
+def import_index(cache: PagedKVCache, meta: Mapping[str, Any]) -> None:
+    """Rebuild the saved tree in an empty cache, every block on disk; raises SnapshotMismatch
+    if it does not fit or hold together, leaving the cache empty."""
+    try:
+        if meta.get("version") != INDEX_VERSION:
+            raise SnapshotMismatch(f"index version {meta.get('version')} is not "
+                                   f"{INDEX_VERSION}")
+        mgr = cache.manager
+        if meta["block_size"] != cache.block_size:
+            raise SnapshotMismatch("block size differs")
+        if list(meta["shape"]) != [mgr.n_layers, mgr.n_kv_heads, mgr.head_dim]:
+            raise SnapshotMismatch("K/V shape differs")
+        if mgr.num_free != mgr.num_blocks:
+            raise SnapshotMismatch("the cache is not empty")
+        tree = tree_from_records(cache.new_tree(), meta["tree"])
+        cache.restore(tree, Counters.counters_from_json(meta["counters"]))
+        cache.policy.restore(meta.get("policy_state") or {})
+        cache.check_integrity()
+    except SnapshotMismatch:
+        cache.reset()
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AssertionError) as exc:
+        cache.reset()
+        raise SnapshotMismatch(f"the index is damaged ({type(exc).__name__}: {exc})") from exc
+
+
+# ---- version 1: every block resident, K/V in one file (`snapshot`) ---------------------------
+
+
+def export_blocks(tree: RadixTree) -> tuple[list[Block], list[dict[str, Any]]]:
+    """The tree as plain data: its blocks in depth-first order, and the roots' children as
+    nested records {"start", "blocks" (indices into that list), "owners", "children"}; the
+    roots' children also name their "namespace". Every block must be resident."""
+    blocks: list[Block] = []
+    top: list[dict[str, Any]] = []
+    tops = [c for root in tree.roots.values() for c in root.child_list()]
+    stack = [(c, top) for c in reversed(tops)]
+    while stack:
+        node, siblings = stack.pop()
+        if node.on_disk:
+            raise ValueError("a version 1 snapshot cannot hold blocks that are on disk")
+        rec: dict[str, Any] = {
+            "start": node.start,
+            "blocks": list(range(len(blocks), len(blocks) + len(node.blocks))),
+            "owners": sorted(node.owners),
+            "children": [],
+        }
+        if node.parent is not None and node.parent.is_root:
+            rec["namespace"] = node.namespace
+        blocks.extend(node.blocks)
+        siblings.append(rec)
+        stack.extend((c, rec["children"]) for c in reversed(node.child_list()))
+    return blocks, top
+
+
+def tree_from_blocks(tree: RadixTree, records: Sequence[Mapping[str, Any]],
+                     blocks: Sequence[Block]) -> RadixTree:
+    """Fill the empty `tree` with `export_blocks`' records over `blocks` (which already hold
+    their tokens); records without a "namespace" are namespace "". Raises ValueError when the
+    records do not describe a valid tree over those blocks."""
+    try:
+        stack: list[tuple[Mapping[str, Any], Node | None, str]] = [
+            (rec, None, str(rec.get("namespace", ""))) for rec in reversed(records)]
+        while stack:
+            rec, parent, namespace = stack.pop()
+            own = [blocks[int(i)] for i in rec["blocks"]]
+            node = tree.graft(parent, namespace, [t for b in own for t in b.token_ids])
+            if int(rec["start"]) != node.start:
+                raise AssertionError("a node does not start where its parent ends")
+            for block in own:
+                tree.attach_block(node, block)
+            node.owners = {str(o) for o in rec.get("owners", [])}
+            stack.extend((c, node, namespace) for c in reversed(list(rec["children"])))
+        tree.check()
+    except (KeyError, IndexError, TypeError, AssertionError) as exc:
+        raise ValueError(f"not a radix tree ({type(exc).__name__}: {exc})") from exc
+    return tree
