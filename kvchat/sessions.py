@@ -8,7 +8,8 @@ whatever the umask: transcripts and the cache tree hold prompt text):
     cache/kv-<id>.safetensors   the used blocks' K/V and stored logits, named by index.json
     cache/set-aside/            snapshots that did not match or did not parse (never deleted)
     .history                    the REPL's input history
-    .lock                       held by the process using this dir
+    .lock                       held by the process using this dir: its pid, and a server's
+                                address and access token (0600)
 
 Every write is atomic (temp file, fsync, rename): an interrupted save leaves the previous state,
 a failed one (read-only folder, full disk) raises SessionWriteError saying what to do.
@@ -29,7 +30,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 from kvchat.cache.stats import ratio
 from kvchat.errors import KvchatError
@@ -318,8 +319,69 @@ def sweep_temp_files(root: Path) -> None:
                     item.unlink()
 
 
+class LockHolder(NamedTuple):
+    """Who holds a sessions dir, as its lock file says: a `kvchat serve` also records where it
+    listens and its access token (the file is 0600, so only the owner reads the token)."""
+
+    pid: int
+    what: str
+    since: str
+    url: str | None = None
+    token: str | None = None
+
+    def describe(self) -> str:
+        return f"pid {self.pid} ({self.what}, since {self.since})"
+
+
+class HeldLock:
+    """The lock a process holds; `publish` records the address and token of a server."""
+
+    def __init__(self, fh: IO[str], holder: LockHolder) -> None:
+        self._fh = fh
+        self.holder = holder
+        self._write()
+
+    def publish(self, url: str, token: str | None) -> None:
+        self.holder = self.holder._replace(url=url, token=token)
+        self._write()
+
+    def _write(self) -> None:
+        with contextlib.suppress(OSError):  # who holds it is a courtesy; the flock is the lock
+            self._fh.seek(0)
+            self._fh.truncate()
+            # a line for people, then the line kvchat reads back
+            self._fh.write(f"{self.holder.describe()}\n{json.dumps(self.holder._asdict())}\n")
+            self._fh.flush()
+
+
+def _parse_holder(text: str) -> LockHolder | None:
+    try:
+        data = json.loads(text.splitlines()[-1])
+        return LockHolder(int(data["pid"]), str(data["what"]), str(data["since"]),
+                          data.get("url"), data.get("token"))
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None  # an older kvchat's plain line, or a torn write
+
+
+def lock_holder(root: Path) -> LockHolder | None:
+    """Who holds the sessions dir now, or None when nobody does (the lock is free, or the dir
+    has no lock file). Reads without taking the lock for more than an instant."""
+    path = Path(root) / ".lock"
+    try:
+        fh = os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "r")
+    except OSError:
+        return None
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: its holder wrote who it is
+            return _parse_holder(fh.read().strip()) or LockHolder(0, "another process", "?")
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return None
+
+
 @contextlib.contextmanager
-def sessions_lock(root: Path, what: str, wait_s: float = 3.0) -> Iterator[None]:
+def sessions_lock(root: Path, what: str, wait_s: float = 3.0) -> Iterator[HeldLock]:
     """Hold the sessions dir for this process; a second process waits briefly, then is told
     who holds it. Taking it makes the dir private and sweeps orphan temp files."""
     path = private_dir(root) / ".lock"
@@ -336,18 +398,15 @@ def sessions_lock(root: Path, what: str, wait_s: float = 3.0) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     fh.seek(0)
-                    holder = fh.read().strip() or "another process"
+                    text = fh.read().strip()
+                    found = _parse_holder(text)
+                    holder = found.describe() if found else text or "another process"
                     raise SessionsLocked(
                         f"The sessions dir {root} is in use by {holder}. Close that kvchat, or "
                         "point this one at another folder with --sessions-dir."
                     ) from None
                 time.sleep(0.1)
         sweep_temp_files(root)
-        with contextlib.suppress(OSError):  # who holds it is a courtesy; the flock is the lock
-            fh.seek(0)
-            fh.truncate()
-            fh.write(f"pid {os.getpid()} ({what}, since {time.strftime('%H:%M:%S')})")
-            fh.flush()
-        yield
+        yield HeldLock(fh, LockHolder(os.getpid(), what, time.strftime("%H:%M:%S")))
     finally:
         fh.close()  # closing drops the flock

@@ -4,7 +4,15 @@ app.py holds the Typer app and how errors reach the user; options.py the option 
 shared by commands; each command is a module of its own that registers itself on the app.
 """
 
-from kvchat.cli import batch, chat, inspect_cmd, models, serve, verify  # noqa: F401 (register)
+from kvchat.cli import (  # noqa: F401 (register)
+    batch,
+    chat,
+    detach,
+    inspect_cmd,
+    models,
+    serve,
+    verify,
+)
 from kvchat.cli.app import app, main
 from kvchat.cli.options import reflow, reflow_help
 

@@ -22,12 +22,21 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvchat.cli.app import INTERRUPT_EXIT_CODE, app, stderr, stdout
-from kvchat.cli.options import MaxTokensOption, runtime_options
+from kvchat.cli.attach_options import (
+    ConnectOption,
+    LazyRuntimeOptions,
+    StandaloneOption,
+    TokenOption,
+    lazy_runtime_options,
+)
+from kvchat.cli.options import MaxTokensOption
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
     from kvchat.batch import BadLine, BatchItem, BatchRun
-    from kvchat.runtime import Runtime, RuntimeOptions
+    from kvchat.cache.stats import CacheStats
+    from kvchat.client import Attachment
+    from kvchat.runtime import Runtime
 
 
 @dataclass
@@ -48,7 +57,7 @@ class _Plan:
 
 
 @app.command()
-@runtime_options()
+@lazy_runtime_options()
 def batch(
     file: Annotated[
         Path, typer.Argument(help="JSONL requests: prompt / messages / OpenAI batch lines.",
@@ -81,8 +90,11 @@ def batch(
     fail_fast: Annotated[
         bool, typer.Option("--fail-fast", help="Stop at the first line that fails.")
     ] = False,
+    connect: ConnectOption = None,
+    token: TokenOption = None,
+    standalone: StandaloneOption = False,
     *,
-    options: RuntimeOptions,
+    options: LazyRuntimeOptions,
 ) -> None:
     """Run a file of requests through the shared cache with batched decoding.
 
@@ -91,11 +103,13 @@ def batch(
 
     Every line gets one row with its "line" number, written as soon as it finishes. Ctrl-C or
     SIGTERM writes a row for every line and saves the cache; --resume finishes a killed run.
-    """
-    from kvchat.config import SamplingParams
-    from kvchat.runtime import Runtime
-    from kvchat.sessions import sessions_lock
 
+    While a kvchat server holds the sessions dir (or with --connect), the lines go to it and
+    are batched with whatever else it runs.
+    """
+    from kvchat.cli.attach_options import find_server
+
+    server = find_server(options.sessions_dir, connect, token, standalone)
     to_stdout = output is None or str(output) == "-"
     out_path = None if to_stdout else output
     ui = stderr() if to_stdout else stdout()
@@ -103,18 +117,19 @@ def batch(
     if plan.bad and fail_fast:
         raise typer.Exit(1)
     fixed_size = _batch_size_option(batch_size)
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
-    with sessions_lock(options.sessions_dir, "kvchat batch"), _terminate_as_interrupt():
-        runtime = Runtime.open(options)
-        if runtime.notice:
-            ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
-        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens)
-        run, interrupted = _run(runtime, plan, params, out_path, fail_fast, ui, size)
+    if server is not None:
+        with _terminate_as_interrupt():
+            run, interrupted = _run_attached(server, plan, (max_tokens, temperature, seed),
+                                             out_path, fail_fast, ui)
+    else:
+        run, interrupted = _run_standalone(options, plan, (max_tokens, temperature, seed),
+                                           fixed_size, out_path, fail_fast, ui)
     if interrupted:
         done = sum(r.error is None for r in run.results.values()) + len(plan.kept)
         again = f" kvchat batch {file} -o {out_path} --resume" if out_path else ""
         ui.print(f"[yellow]Interrupted: {done} line(s) finished and written; every other line "
-                 f"has a row saying it did not finish. The cache was saved.{again}[/yellow]")
+                 f"has a row saying it did not finish. The cache was saved.{again}[/yellow]",
+                 soft_wrap=True)
         raise typer.Exit(INTERRUPT_EXIT_CODE)
     if plan.bad or run.progress.failed:
         raise typer.Exit(1)
@@ -185,16 +200,68 @@ def torch_threads() -> int:
     return int(torch.get_num_threads())
 
 
-def _run(runtime: Runtime, plan: _Plan, params: Any, out_path: Path | None, fail_fast: bool,
-         ui: Console, batch_size: str) -> tuple[BatchRun, bool]:
-    """Run the plan, writing each row as it finishes; returns the run and whether it was
-    interrupted. The cache is saved however the run ends."""
-    from kvchat.batch import BatchRun, OutputError, RowWriter, bad_line_row, result_row
+def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
+                    defaults: tuple[int, float, int | None], fixed_size: int | None,
+                    out_path: Path | None, fail_fast: bool, ui: Console) -> tuple[Any, bool]:
+    """The lines through an engine in this process, under the sessions dir's lock."""
+    from kvchat.batch import BatchRun
+    from kvchat.config import SamplingParams
+    from kvchat.runtime import Runtime
+    from kvchat.sessions import sessions_lock
+
+    max_tokens, temperature, seed = defaults
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
+    with sessions_lock(options.sessions_dir, "kvchat batch"), _terminate_as_interrupt():
+        runtime = Runtime.open(options.build())
+        if runtime.notice:
+            ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
+        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens)
+
+        def start(update: Any) -> BatchRun:
+            return BatchRun(runtime.engine, plan.to_run, params, runtime.store, fail_fast,
+                            update)
+
+        return _run(plan, out_path, ui, size, start, runtime.cache.stats,
+                    lambda: _save(runtime, ui))
+
+
+def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, int | None],
+                  out_path: Path | None, fail_fast: bool, ui: Console) -> tuple[Any, bool]:
+    """The lines through a running server (which batches them and saves its own cache)."""
+    from kvchat.cli.batch_attached import AttachedRun, describe, server_stats
+    from kvchat.client import Client, ServerGone
+
+    describe(server, ui)
+    client = Client(server.url, server.token)
+    with client:
+        client.health()  # a server that is gone says so before any row is written
+
+        def start(update: Any) -> AttachedRun:
+            return AttachedRun(client, plan.to_run, defaults, fail_fast, update)
+
+        def stats() -> CacheStats | None:
+            with Client(server.url, server.token) as fresh:  # the run's client may be closed
+                return server_stats(fresh)
+
+        try:
+            return _run(plan, out_path, ui, "the server's", start, stats, lambda: None)
+        except ServerGone as exc:
+            again = f" kvchat batch FILE -o {out_path} --resume" if out_path else " --resume"
+            raise ServerGone(f"{exc} Every finished line has its row; once a server runs "
+                             f"again, finish the others with{again}.") from None
+
+
+def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
+         start: Any, stats: Any, save: Any) -> tuple[Any, bool]:
+    """Run the plan (`start(update)` makes the run), writing each row as it finishes; returns
+    the run and whether it was interrupted. `save` runs however the run ends."""
+    from kvchat.batch import OutputError, RowWriter, bad_line_row, result_row
+    from kvchat.client import ServerGone
     from kvchat.ui.batch_view import batch_progress, progress_rate, summary_table
 
     writer = RowWriter(plan.lines, out_path, sys.stdout if out_path is None else None,
                        keep=plan.kept)
-    failure: list[OutputError] = []
+    failure: list[KvchatError] = []
     interrupted = False
     started = time.perf_counter()
     with batch_progress(ui) as progress:
@@ -210,18 +277,18 @@ def _run(runtime: Runtime, plan: _Plan, params: Any, out_path: Path | None, fail
                 failure.append(exc)
                 run.stop()
 
-        run = BatchRun(runtime.engine, plan.to_run, params, runtime.store, fail_fast, update)
+        run = start(update)
         try:
             for line in plan.bad:
                 writer.write(line.line, bad_line_row(line))
             run.run()
         except KeyboardInterrupt:
             interrupted = True
-        except OutputError as exc:
+        except (OutputError, ServerGone) as exc:
             failure.append(exc)
         finally:
-            _finish(run, writer, failure, runtime, ui)
-    ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), runtime.cache.stats(),
+            _finish(run, writer, failure, save)
+    ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
                            time.perf_counter() - started, batch_size))
     for message in run.save_errors[:1]:
         ui.print(f"[yellow]{escape(message)}[/yellow]")
@@ -230,8 +297,7 @@ def _run(runtime: Runtime, plan: _Plan, params: Any, out_path: Path | None, fail
     return run, interrupted
 
 
-def _finish(run: BatchRun, writer: Any, failure: list[Any], runtime: Runtime,
-            ui: Console) -> None:
+def _finish(run: Any, writer: Any, failure: list[Any], save: Any) -> None:
     """Every line gets its row, the output is put in input order, the cache is saved."""
     from kvchat.batch import OutputError, result_row
 
@@ -241,6 +307,10 @@ def _finish(run: BatchRun, writer: Any, failure: list[Any], runtime: Runtime,
         writer.close()
     except OutputError as exc:
         failure.append(exc)
+    save()
+
+
+def _save(runtime: Runtime, ui: Console) -> None:
     try:
         runtime.save()
     except KvchatError as exc:

@@ -10,13 +10,12 @@ import typer
 from rich.markup import escape
 
 from kvchat.cli.app import app, stderr, stdout
-from kvchat.cli.options import (
-    SessionsDirOption,
-)
+from kvchat.cli.attach_options import ConnectOption, StandaloneOption, TokenOption
+from kvchat.cli.options import SessionsDirOption
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    pass
+    from kvchat.client import Attachment
 
 
 @app.command("inspect")
@@ -35,8 +34,13 @@ def inspect_snapshot(
         typer.Option("--session", "-s", help="Only the branches this session's turns went "
                      "through.", show_default=False),
     ] = None,
+    connect: ConnectOption = None,
+    token: TokenOption = None,
+    standalone: StandaloneOption = False,
 ) -> None:
-    """Show the saved cache (radix tree, exact index, stats) without loading the model."""
+    """Show the saved cache (radix tree, exact index, stats) without loading the model; while
+    a kvchat server holds the sessions dir (or with --connect), its live cache."""
+    from kvchat.cli.attach_options import find_server
     from kvchat.sessions import cache_dir, validate_name
     from kvchat.snapshots import INDEX, read_snapshot_meta
     from kvchat.ui import cache_view as cv
@@ -44,6 +48,10 @@ def inspect_snapshot(
 
     if session is not None:
         validate_name(session)
+    server = find_server(sessions_dir, connect, token, standalone)
+    if server is not None:
+        _inspect_server(server, as_json, depth, session)
+        return
     index = cache_dir(sessions_dir) / INDEX
     try:
         info = read_snapshot_meta(sessions_dir)
@@ -80,6 +88,32 @@ def inspect_snapshot(
         saved_at=meta.get("saved_at"),
     )
     stdout().print(inspect_view(facts, stats, nodes, exact, decode, depth or 6, 8, session))
+
+
+def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
+                    session: str | None) -> None:
+    """The live cache of a running server: /cache/tree, the document --json prints."""
+    from kvchat.client import Client
+    from kvchat.client import documents as docs
+    from kvchat.ui.views import SnapshotFacts, inspect_view
+
+    with Client(server.url, server.token) as client:
+        doc = client.cache_tree(depth if as_json else None, session)
+    if as_json:
+        typer.echo(json.dumps(doc, ensure_ascii=False))
+        return
+    snapshot, fingerprint = doc.get("snapshot", {}), doc.get("fingerprint", {})
+    facts = SnapshotFacts(
+        path=f"live cache of the server at {server.url}",
+        model=str(snapshot.get("model_label") or fingerprint.get("model", "?")),
+        dtype=str(fingerprint.get("dtype", "?")),
+        saved_at=snapshot.get("saved_at"),
+    )
+    stdout().print(inspect_view(facts, docs.stats_from_document(doc["stats"]),
+                                docs.nodes_from_document(doc["tree"]),
+                                docs.exact_from_document(doc["exact"]),
+                                docs.tokenizer_decoder(snapshot.get("tokenizer_file")),
+                                depth or 6, 8, session))
 
 
 def _snapshot_decoder(tokenizer_file: str | None) -> Any:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
 from kvchat.cli.app import app, stderr
-from kvchat.cli.options import (
-    runtime_options,
-)
+from kvchat.cli.options import runtime_options
+from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
     from kvchat.runtime import RuntimeOptions
+    from kvchat.server.auth import StartupAuth
 
 
 @app.command()
@@ -66,34 +67,83 @@ def serve(
                      "(with the timing risk of --share-cache inside the group). Undeclared "
                      "names are refused."),
     ] = None,
+    detach: Annotated[
+        bool, typer.Option("--detach", help="Run in the background (output in "
+                           "<sessions-dir>/serve.log); returns once the server answers. Stop it "
+                           "with `kvchat stop`.")
+    ] = False,
     *,
     options: RuntimeOptions,
 ) -> None:
     """Serve the model over HTTP: /generate, /v1/chat/completions (OpenAI), /cache/stats,
-    /cache/tree, /healthz. Stop with Ctrl-C or SIGTERM; the cache snapshot is saved then.
+    /cache/tree, /sessions, /metrics (Prometheus), /healthz. Stop with Ctrl-C, SIGTERM or
+    `kvchat stop`; the cache snapshot is saved then.
+
+    While it runs, `kvchat chat`, `batch` and `inspect` on the same --sessions-dir attach to
+    it (the dir's lock file, 0600, holds its address and access token).
 
     Requests need the access token (the admin: the whole cache and the sessions dir's
     sessions) or an API key (a tenant: its own salted cache, sessions and views)."""
+    from kvchat.server import bind_warning, startup_auth
+
+    access = startup_auth(token, api_keys or [], no_auth, share_cache, cache_salts or [])
+    if detach:
+        from kvchat.cli.detach import start_detached
+
+        start_detached(options.sessions_dir)
+        return
+    for warning in filter(None, (bind_warning(host, access.auth.enabled), access.warning)):
+        stderr().print(f"[bold yellow]Warning:[/bold yellow] [yellow]{escape(warning)}[/yellow]")
+    _serve(options, host, port, batch_size, max_tokens, access)
+
+
+def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_tokens: int,
+           access: StartupAuth) -> None:
     import uvicorn
 
     from kvchat.runtime import Runtime
-    from kvchat.server import Server, bind_warning, create_app, log_to_stderr, startup_auth
+    from kvchat.server import Server, create_app, log_to_stderr
     from kvchat.sessions import sessions_lock
 
-    access = startup_auth(token, api_keys or [], no_auth, share_cache, cache_salts or [])
-    for warning in filter(None, (bind_warning(host, access.auth.enabled), access.warning)):
-        stderr().print(f"[bold yellow]Warning:[/bold yellow] [yellow]{escape(warning)}[/yellow]")
-    with sessions_lock(options.sessions_dir, "kvchat serve"):
+    with sessions_lock(options.sessions_dir, "kvchat serve") as lock:
+        sock = _bind(host, port)
         runtime = Runtime.open(options)
         web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens,
                          auth=access.auth)
         if access.token_line:  # once, unwrapped, so that it can be copied
             stderr().print(escape(access.token_line), soft_wrap=True, highlight=False)
         log_to_stderr()
+        bound_host, bound_port = sock.getsockname()[:2]
+        server = Server(uvicorn.Config(web, host=host, port=bound_port, lifespan="on"))
+        url = f"http://{_url_host(bound_host)}:{bound_port}"
+        # attached clients find the server here: it is written before it answers
+        lock.publish(url, access.auth.admin_token)
         try:
-            Server(uvicorn.Config(web, host=host, port=port, lifespan="on")).run()
+            server.run(sockets=[sock])
         except KeyboardInterrupt:
             pass  # uvicorn re-raises the Ctrl-C it shut down on; stopping is what it asked for
         finally:
             # the lifespan saved already, unless a second Ctrl-C forced the exit
             web.state.engine.close()
+            sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise KvchatError(f"Cannot listen on {host}:{port} ({exc.strerror or exc}): another "
+                          "program uses that port, or the address is not this machine's. "
+                          "Pick another with --port (0: any free port).") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):  # listening everywhere: clients here use loopback
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,66 @@
+"""The options of commands that attach to a running `kvchat serve` (--connect, --token,
+--standalone), and the runtime options such a command builds only when it runs in-process:
+building them imports the runtime (torch, transformers), which an attached command never
+needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvchat.cli import options as shared
+
+if TYPE_CHECKING:
+    from kvchat.client import Attachment
+    from kvchat.runtime import RuntimeOptions
+
+ConnectOption = Annotated[
+    str | None,
+    typer.Option("--connect", help="Attach to the kvchat server at this URL (default: the "
+                 "server holding --sessions-dir, if one does).", show_default=False),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option("--token", envvar="KVCHAT_TOKEN", show_default=False,
+                 help="Access token for --connect (default: the one in the sessions dir's lock "
+                 "file)."),
+]
+StandaloneOption = Annotated[
+    bool,
+    typer.Option("--standalone", help="Load the model in this process even if a server holds "
+                 "the sessions dir (then refused, as the dir is in use)."),
+]
+
+
+class LazyRuntimeOptions:
+    """The runtime options' values; `build()` makes the RuntimeOptions (and checks them) only
+    for a command that runs in-process."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    @property
+    def sessions_dir(self) -> Path:
+        return Path(self.values.get("sessions_dir", Path("sessions")))
+
+    def build(self) -> RuntimeOptions:
+        return shared._runtime_options(**self.values, persist=True)
+
+
+def lazy_runtime_options() -> Any:
+    """`@runtime_options()`'s options, received as one `options: LazyRuntimeOptions`."""
+    family = shared._MODEL_FAMILY + shared._CACHE_FAMILY + shared._SESSIONS_FAMILY
+    return shared._option_family("options", family, _lazy)
+
+
+def _lazy(**values: Any) -> LazyRuntimeOptions:
+    return LazyRuntimeOptions(values)
+
+
+def find_server(sessions_dir: Path, connect: str | None, token: str | None,
+                standalone: bool) -> Attachment | None:
+    from kvchat.client import attachment
+
+    return attachment(sessions_dir, connect, token, standalone)

@@ -1,0 +1,182 @@
+"""An HTTP client of `kvchat serve` over httpx, importing neither torch nor transformers.
+
+Replies stream as server-sent events of /generate; closing a stream (or letting Ctrl-C
+interrupt it) drops the connection, which cancels the request on the server at its next step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from kvchat.errors import KvchatError
+
+# Generation can take minutes between two events on a slow device: no read timeout there.
+CONNECT_TIMEOUT_S = 5.0
+CALL_TIMEOUT_S = 60.0
+
+
+class ServerError(KvchatError):
+    """The server answered with an error (its {"error": {...}} body, made one paragraph)."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class ServerGone(KvchatError):
+    """The server cannot be reached, or went away mid-reply."""
+
+
+def _gone(url: str, exc: Exception) -> ServerGone:
+    return ServerGone(
+        f"The kvchat server at {url} cannot be reached ({type(exc).__name__}: {exc}). It was "
+        "stopped or killed: start it again with `kvchat serve`, or run this command with "
+        "--standalone.")
+
+
+def _error_from(response: httpx.Response) -> ServerError:
+    try:
+        body = json.loads(response.read() or b"{}")
+        error = body.get("error") or {}
+        kind, message = str(error.get("type", "error")), str(error.get("message", ""))
+    except (ValueError, AttributeError):
+        kind, message = "error", response.text[:200]
+    if response.status_code == 401:
+        message = (f"{message} The token comes from the sessions dir's lock file, --token or "
+                   "$KVCHAT_TOKEN.").strip()
+    return ServerError(response.status_code, kind, message or f"HTTP {response.status_code}")
+
+
+class ReplyStream:
+    """One streaming reply: iterate for text deltas; afterwards `result` holds the `done`
+    event's fields (or `error` what went wrong). `close()` cancels it on the server."""
+
+    def __init__(self, url: str, response: httpx.Response, context: Any) -> None:
+        self.url = url
+        self.result: dict[str, Any] | None = None
+        self.error: str | None = None
+        self._response = response
+        self._context = context
+        self._closed = False
+
+    def __iter__(self) -> Iterator[str]:
+        event = "message"
+        try:
+            for line in self._response.iter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[5:])
+                    if event == "token":
+                        yield str(data.get("text", ""))
+                    elif event == "done":
+                        self.result = data
+                    elif event == "error":
+                        self.error = str((data.get("error") or {}).get("message", data))
+                    event = "message"
+        except httpx.HTTPError as exc:
+            if not self._closed:
+                raise _gone(self.url, exc) from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Drop the connection: the server cancels the request if it is still running."""
+        if not self._closed:
+            self._closed = True
+            self._context.__exit__(None, None, None)
+
+
+class Client:
+    """`kvchat serve` at `url`, called with `token` (None: a server run with --no-auth)."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        timeout = httpx.Timeout(CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise _gone(self.url, exc) from None
+        if response.status_code >= 400:
+            raise _error_from(response)
+        return response.json()
+
+    # ---- generation ----
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /generate without streaming: the reply's fields."""
+        result: dict[str, Any] = self._call("POST", "/generate", json={**body, "stream": False},
+                                            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+        return result
+
+    def stream(self, body: dict[str, Any]) -> ReplyStream:
+        """POST /generate with "stream": true; errors before the first event raise here."""
+        context = self._http.stream("POST", "/generate", json={**body, "stream": True},
+                                    timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+        try:
+            response = context.__enter__()
+        except httpx.HTTPError as exc:
+            raise _gone(self.url, exc) from None
+        if response.status_code >= 400:
+            error = _error_from(response)
+            context.__exit__(None, None, None)
+            raise error
+        return ReplyStream(self.url, response, context)
+
+    # ---- the cache and the sessions ----
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/healthz")
+        return result
+
+    def cache_stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/cache/stats")
+        return result
+
+    def cache_tree(self, depth: int | None = None, session: str | None = None) -> dict[str, Any]:
+        params = {k: v for k, v in (("depth", depth), ("session", session)) if v is not None}
+        result: dict[str, Any] = self._call("GET", "/cache/tree", params=params)
+        return result
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """The caller's sessions: name, turns, updated."""
+        result: list[dict[str, Any]] = self._call("GET", "/sessions")["sessions"]
+        return result
+
+    def session(self, name: str) -> dict[str, Any] | None:
+        """A session's file as the server holds it (None: no such session)."""
+        try:
+            result: dict[str, Any] = self._call("GET", f"/sessions/{name}")
+        except ServerError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return result
+
+    def put_session(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Write a session (its system prompt, messages, tokens and turns) on the server."""
+        result: dict[str, Any] = self._call("PUT", f"/sessions/{doc['name']}", json=doc)
+        return result
+
+    def save(self) -> dict[str, Any]:
+        """Write the server's cache snapshot now; returns where and how many tokens."""
+        result: dict[str, Any] = self._call("POST", "/cache/save")
+        return result

@@ -1,0 +1,188 @@
+"""Attached commands, over loopback against a real `kvchat serve --detach` process on the tiny
+model: the lock file names the server, chat-like session turns and batches share the cache,
+inspect reads the live tree, a killed server loses no batch line, `kvchat stop` saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import pytest
+
+from kvchat.client import Client, ServerError
+from kvchat.sessions import lock_holder
+
+SYSTEM = "You are a terse assistant who answers in one short sentence about the sea."
+TIMEOUT_S = 120
+
+
+class Running(NamedTuple):
+    sessions: Path
+    url: str
+    token: str
+    pid: int
+
+
+def kvchat(*args: str, timeout: float = TIMEOUT_S, env: dict[str, str] | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvchat", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def start(model: Path, sessions: Path) -> Running:
+    done = kvchat("serve", "--detach", "--model", str(model), "--device", "cpu", "--port", "0",
+                  "--block-size", "4", "--cache-mb", "4", "--sessions-dir", str(sessions))
+    assert done.returncode == 0, done.stderr + done.stdout
+    holder = lock_holder(sessions)
+    assert holder is not None and holder.url and holder.token
+    assert holder.url in done.stdout
+    return Running(sessions, holder.url, holder.token, holder.pid)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    sessions = tmp_path_factory.mktemp("attach") / "sessions"
+    running = start(tiny_model_dir, sessions)
+    try:
+        yield running
+    finally:
+        if lock_holder(sessions) is not None:
+            kvchat("stop", "--sessions-dir", str(sessions))
+
+
+def write_lines(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_lock_file_names_the_server_and_the_token_is_required(server: Running) -> None:
+    lock = server.sessions / ".lock"
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+    assert server.token in lock.read_text()
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    assert httpx.get(f"{server.url}/cache/stats").status_code == 401
+    with Client(server.url, "wrong-token") as client, pytest.raises(ServerError) as err:
+        client.cache_stats()
+    assert err.value.status == 401 and "token" in str(err.value)
+    with Client(server.url, server.token) as client:
+        assert "pool" in client.cache_stats()
+
+
+def test_a_standalone_run_is_refused_while_the_server_holds_the_dir(server: Running,
+                                                                    tmp_path: Path) -> None:
+    lines = write_lines(tmp_path / "in.jsonl", [{"prompt": "hi", "max_tokens": 2}])
+    done = kvchat("batch", str(lines), "--standalone", "--sessions-dir", str(server.sessions))
+    assert done.returncode == 2
+    assert f"pid {server.pid} (kvchat serve" in " ".join(done.stderr.split())
+
+
+def test_batch_and_session_turns_share_hits_both_ways(server: Running, tmp_path: Path) -> None:
+    with Client(server.url, server.token) as client:
+        # a chat turn caches its system prompt; an attached batch then hits it
+        first = client.generate({"prompt": "Hello there.", "system": SYSTEM, "session": "sea",
+                                 "create_session": True, "max_tokens": 3})
+        assert first["session"] == "sea"
+        out = tmp_path / "out.jsonl"
+        lines = write_lines(tmp_path / "in.jsonl", [
+            {"id": "a", "system": SYSTEM, "prompt": "What is a wave?", "max_tokens": 3},
+            {"id": "b", "prompt": "A brand new question about rivers?", "system": "Be brief.",
+             "max_tokens": 3},
+        ])
+        done = kvchat("batch", str(lines), "-o", str(out), "--sessions-dir",
+                      str(server.sessions))
+        assert done.returncode == 0, done.stderr
+        assert "attached to" in done.stdout
+        rows = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [r["line"] for r in rows] == [1, 2]
+        assert rows[0]["cache_hit_tokens"] >= 16  # the system prompt the turn cached
+        assert {"input_digest", "ttft_ms", "finish_reason", "text"} <= set(rows[0])
+        # and the reverse: a session turn hits what the batch cached
+        turn = client.generate({"prompt": "A brand new question about rivers?",
+                                "system": "Be brief.", "session": "river",
+                                "create_session": True, "max_tokens": 3})
+        assert turn["cache_hit_tokens"] >= 16
+        names = [s["name"] for s in client.sessions()]
+        assert {"sea", "river"} <= set(names)
+        session = client.session("sea")
+        assert session is not None and session["system"] == SYSTEM and len(session["turns"]) == 1
+
+
+def test_attached_inspect_reads_the_live_tree_without_torch(server: Running) -> None:
+    argv = ["kvchat", "inspect", "--json", "--sessions-dir", str(server.sessions)]
+    code = (f"import sys\nfrom kvchat.cli import app\nsys.argv = {argv!r}\n"
+            "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('LOADED', 'torch' in sys.modules, 'transformers' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    doc_line, loaded = done.stdout.strip().splitlines()
+    assert loaded == "LOADED False False"
+    doc = json.loads(doc_line)
+    with Client(server.url, server.token) as client:
+        assert doc["tree"] == client.cache_tree()["tree"]
+    text = kvchat("inspect", "--sessions-dir", str(server.sessions))
+    assert text.returncode == 0 and "live cache of the server" in " ".join(text.stdout.split())
+
+
+def test_closing_a_stream_cancels_the_request_on_the_server(server: Running) -> None:
+    with Client(server.url, server.token) as client:
+        before = client.cache_stats()["server"]["cancelled"]
+        reply = client.stream({"prompt": "Count to a thousand, slowly.", "max_tokens": 2000})
+        for _ in reply:
+            break  # one delta, then hang up
+        reply.close()
+        deadline = time.monotonic() + 30
+        while client.cache_stats()["server"]["cancelled"] <= before:
+            assert time.monotonic() < deadline, "the server did not cancel the request"
+            time.sleep(0.05)
+
+
+def test_a_killed_server_loses_no_line_and_resume_finishes(tiny_model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    sessions = tmp_path / "sessions"
+    first = start(tiny_model_dir, sessions)
+    lines = write_lines(tmp_path / "in.jsonl", [
+        {"prompt": f"Question number {i}: tell me a long story.", "max_tokens": 400}
+        for i in range(12)])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "kvchat", "batch", str(lines), "-o", str(out),
+                             "--sessions-dir", str(sessions)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (out.exists() and out.read_text().strip()):  # the first rows are in
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(first.pid, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=TIMEOUT_S)
+    said = " ".join(output.split())
+    assert proc.returncode == 2, output
+    assert "cannot be reached" in said and "--resume" in said
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["line"] for r in rows) == list(range(1, 13))  # every line has its row
+    finished = [r for r in rows if "error" not in r]
+    assert len(finished) < 12
+    second = start(tiny_model_dir, sessions)
+    try:
+        done = kvchat("batch", str(lines), "-o", str(out), "--resume", "--sessions-dir",
+                      str(sessions))
+        assert done.returncode == 0, done.stdout + done.stderr
+        rows = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [r["line"] for r in rows] == list(range(1, 13))
+        assert all("error" not in r and r["finish_reason"] in ("stop", "length") for r in rows)
+    finally:
+        stopped = kvchat("stop", "--sessions-dir", str(sessions))
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"pid {second.pid}" in stopped.stdout
+    assert lock_holder(sessions) is None
+    assert (sessions / "cache" / "index.json").exists()  # the snapshot was saved on stop
+    assert stat.S_IMODE((sessions / "serve.log").stat().st_mode) == 0o600
