@@ -186,3 +186,46 @@ def test_a_killed_server_loses_no_line_and_resume_finishes(tiny_model_dir: Path,
     assert lock_holder(sessions) is None
     assert (sessions / "cache" / "index.json").exists()  # the snapshot was saved on stop
     assert stat.S_IMODE((sessions / "serve.log").stat().st_mode) == 0o600
+
+
+def test_an_attached_chat_runs_turns_and_commands_without_torch(server: Running) -> None:
+    argv = ["kvchat", "chat", "--session", "piped", "--max-tokens", "3", "--panels", "compact",
+            "--sessions-dir", str(server.sessions)]
+    code = (f"import sys\nfrom kvchat.cli import app\nsys.argv = {argv!r}\n"
+            "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('LOADED', 'torch' in sys.modules, 'transformers' in sys.modules)\n")
+    script = "Hello there.\n/system Be brief.\nHello again.\n/stats\n/tree\n/sessions\n" \
+             "/clear-cache\n/save\n/exit\n"
+    done = subprocess.run([sys.executable, "-c", code], input=script, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    out = " ".join(done.stdout.replace("│", " ").split())
+    assert out.endswith("LOADED False False")
+    assert f"server {server.url}" in out and "turn 1 ·" in out and "turn 2 ·" in out
+    assert "radix tree ·" in out and "piped" in out
+    assert "/clear-cache is not available here" in out
+    assert "Saved session piped and the cache snapshot" in out
+    with Client(server.url, server.token) as client:
+        session = client.session("piped")
+    assert session is not None and session["system"] == "Be brief."
+    assert len(session["turns"]) == 2
+
+
+def test_hanging_up_an_attached_reply_stops_it_on_the_server(server: Running) -> None:
+    from kvchat.client.chat import RemoteBackend
+    from kvchat.config import SamplingParams
+    from kvchat.ui.chat_backend import TurnDone
+
+    with Client(server.url, server.token) as client:
+        backend = RemoteBackend(client, "test")
+        session = backend.sessions.open("hang-up")
+        before = client.cache_stats()["server"]["cancelled"]
+        reply = backend.start(session, "Count to a thousand.", SamplingParams(max_new_tokens=2000))
+        for _ in reply:
+            break  # what Ctrl-C does in the REPL: close the stream
+        reply.close()
+        done = reply.finish()
+        assert isinstance(done, TurnDone)
+        assert done.turn.finish_reason == "interrupted" and done.turn.completion_tokens < 2000
+        assert session.turns == [done.turn]  # the server recorded the stopped turn
+        assert client.cache_stats()["server"]["cancelled"] == before + 1

@@ -7,19 +7,24 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvchat.cli.app import app, stdout
-from kvchat.cli.options import (
-    MaxTokensOption,
-    runtime_options,
+from kvchat.cli.attach_options import (
+    ConnectOption,
+    LazyRuntimeOptions,
+    StandaloneOption,
+    TokenOption,
+    lazy_runtime_options,
 )
+from kvchat.cli.options import MaxTokensOption
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
+    from kvchat.client import Attachment
     from kvchat.config import SamplingParams
     from kvchat.runtime import RuntimeOptions
 
 
 @app.command()
-@runtime_options()
+@lazy_runtime_options()
 def chat(
     session: Annotated[
         str | None,
@@ -42,10 +47,17 @@ def chat(
     panels: Annotated[
         str, typer.Option("--panels", help="What to show after each reply: off, compact, full.")
     ] = "full",
+    connect: ConnectOption = None,
+    token: TokenOption = None,
+    standalone: StandaloneOption = False,
     *,
-    options: RuntimeOptions,
+    options: LazyRuntimeOptions,
 ) -> None:
-    """Chat in a REPL; after each reply, panels show what the cache served."""
+    """Chat in a REPL; after each reply, panels show what the cache served.
+
+    While a kvchat server holds the sessions dir (or with --connect), the chat attaches to it:
+    its cache and sessions, shared with everything else it serves."""
+    from kvchat.cli.attach_options import find_server
     from kvchat.config import SamplingParams
     from kvchat.sessions import SessionStore, sessions_lock, validate_name
     from kvchat.ui.views import PANEL_MODES
@@ -56,11 +68,33 @@ def chat(
     params = SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
+    server = find_server(options.sessions_dir, connect, token, standalone)
+    if server is not None:
+        _attached_chat(server, options, name, system, params, panels)
+        return
     # The lock comes first: a second chat on the same folder fails before loading a model.
     with sessions_lock(options.sessions_dir, "kvchat chat"):
         store = SessionStore(options.sessions_dir)
         name = name or _new_session_name(store.names())
-        _run_chat(options, name, system, params, panels)
+        _run_chat(options.build(), name, system, params, panels)
+
+
+def _attached_chat(server: Attachment, options: LazyRuntimeOptions, name: str | None,
+                   system: str | None, params: SamplingParams, panels: str) -> None:
+    from kvchat.client import Client
+    from kvchat.client.chat import RemoteBackend
+    from kvchat.sessions import SessionStore
+    from kvchat.ui.repl import Chat
+    from kvchat.ui.terminal import make_reader
+
+    with Client(server.url, server.token) as client:
+        backend = RemoteBackend(client, server.found)
+        name = name or _new_session_name(backend.sessions.names())
+        session = backend.sessions.open(name)
+        if system is not None:
+            session.system = system
+        reader = make_reader(SessionStore(options.sessions_dir).history_file())
+        Chat(backend, session, params, stdout(), reader, panels).run()
 
 
 def _new_session_name(existing: list[str]) -> str:

@@ -47,13 +47,16 @@ async def list_sessions(state: State, tenant: Caller) -> dict[str, Any]:
 
 @router.get("/sessions/{name}")
 async def get_session(name: str, state: State, tenant: Caller) -> dict[str, Any]:
-    """One session as its file holds it (a 404 when there is none)."""
+    """One session as its file holds it (a 404 when there is none), once a turn of it in
+    flight is recorded: a client that hung up on a reply reads the turn it stopped."""
     sessions = state.sessions.of(tenant)
-    try:
-        session = await run_in_threadpool(sessions.get, _name(name), False)
-    except SessionError as exc:
-        raise api_error(exc) from exc
-    return session.to_json()
+    name = _name(name)
+    async with sessions.turn_locks.setdefault(name, asyncio.Lock()):
+        try:
+            session = await run_in_threadpool(sessions.get, name, False)
+        except SessionError as exc:
+            raise api_error(exc) from exc
+        return session.to_json()
 
 
 @router.put("/sessions/{name}")

@@ -17,12 +17,13 @@ from rich.table import Table
 from rich.text import Text
 
 from kvchat.errors import KvchatError
-from kvchat.sessions import Session, SessionError, SessionStore, validate_name
-from kvchat.turns import Branch, branches
+from kvchat.sessions import Session, SessionError, validate_name
 from kvchat.ui.cache_view import preview
 
 if TYPE_CHECKING:
     from kvchat.config import SamplingParams
+    from kvchat.turns import Branch
+    from kvchat.ui.chat_backend import Sessions
 
 MOVES: dict[str, tuple[str, str]] = {
     "retry": ("/retry", "regenerate the last reply (its prompt is an exact hit: no prefill)"),
@@ -36,7 +37,7 @@ class ConversationMoves:
     """Slash commands that move within a session's history; mixed into the REPL's Chat."""
 
     session: Session
-    store: SessionStore
+    store: Sessions
     params: SamplingParams
     _say: Callable[..., None]
     _decode: Callable[[Sequence[int]], str]
@@ -100,6 +101,8 @@ class ConversationMoves:
         self._enter(self.store.open(name))
 
     def _branches(self, arg: str) -> None:
+        from kvchat.turns import branches
+
         others = []
         for name in self.store.names():
             if name == self.session.name:

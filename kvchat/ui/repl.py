@@ -8,11 +8,12 @@ Ctrl-C while a reply streams stops that reply at the next step and keeps the REP
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rich.console import Console
 from rich.text import Text
@@ -20,17 +21,15 @@ from rich.text import Text
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionError, validate_name
 from kvchat.ui import views
-from kvchat.ui.cache_view import nodes_from_cache, preview
+from kvchat.ui.cache_view import preview
+from kvchat.ui.chat_backend import ChatBackend, LocalBackend, Reply, TurnDone, TurnFailed
 from kvchat.ui.chat_moves import MOVES, ConversationMoves
 from kvchat.ui.terminal import LineReader, WordWrap, cancel_on_sigint, typeahead_hidden
 
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
-    from kvchat.engine.engine import RequestHandle
-    from kvchat.engine.sequence import GenerationResult
     from kvchat.runtime import Runtime
-    from kvchat.sessions import Turn
 
 # The snapshot holds every cached block's K/V, so it is written every few turns rather than
 # after each one; the session file (small) is written after every turn.
@@ -106,9 +105,11 @@ def next_session_name(existing: list[str], prefix: str = "chat") -> str:
 
 
 class Chat(ConversationMoves):
+    """The REPL over a ChatBackend (a Runtime is wrapped in a LocalBackend)."""
+
     def __init__(
         self,
-        runtime: Runtime,
+        backend: ChatBackend | Runtime,
         session: Session,
         params: SamplingParams,
         console: Console,
@@ -116,8 +117,9 @@ class Chat(ConversationMoves):
         panels: str = "full",
         save_every: int = SAVE_EVERY,
     ) -> None:
-        self.rt = runtime
-        self.store = runtime.store
+        self.backend: ChatBackend = (cast("ChatBackend", backend) if hasattr(backend, "start")
+                                     else LocalBackend(cast("Runtime", backend)))
+        self.store = self.backend.sessions
         self.session = session
         self.params = params
         self.console = console
@@ -167,7 +169,7 @@ class Chat(ConversationMoves):
                 except KeyboardInterrupt:
                     self._say("(interrupted)", "yellow")
         finally:
-            self.save_all()
+            self.save_all(snapshot=self.backend.owns_cache)  # a server saves its own
 
     def handle(self, line: str) -> None:
         if not line.strip():
@@ -180,31 +182,19 @@ class Chat(ConversationMoves):
         if handler is None:
             self._say(unknown_command_hint(command.name), "yellow")
             return
+        why = self.backend.unavailable.get(command.name)
+        if why is not None:
+            self._say(f"/{command.name} is not available here: {why}", "yellow")
+            return
         try:
             handler(command.arg)
         except KvchatError as error:
             self._say(str(error), "red")
 
     def banner_lines(self) -> list[str]:
-        rt, s = self.rt, self.session
-        pool = rt.cache.manager.stats()
-        dtype = str(rt.engine.runner.dtype).replace("torch.", "")
-        lines = [
-            f"model    {rt.model_label}",
-            f"device   {rt.engine.device} · {dtype}",
-            f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
-            f"policy {rt.cache.policy.name}",
-            f"sessions {rt.options.sessions_dir}",
-        ]
-        if rt.notice:
-            lines.append(f"snapshot {rt.notice}")
-        elif rt.restored_tokens:
-            lines.append(f"snapshot restored {rt.restored_tokens:,} cached tokens")
-        else:
-            lines.append("snapshot none yet (written every few turns and on exit)")
-        lines.append(self._session_line())
-        if s.system:
-            lines.append(f"system   {preview(s.system, 60)}")
+        lines = [*self.backend.banner_lines(), self._session_line()]
+        if self.session.system:
+            lines.append(f"system   {preview(self.session.system, 60)}")
         lines.append(KEYS_LINE)
         return lines
 
@@ -217,75 +207,62 @@ class Chat(ConversationMoves):
     # ---- a turn ----
 
     def turn(self, text: str, params: SamplingParams | None = None) -> None:
-        from kvchat.engine.engine import PromptTooLongError
-        from kvchat.turns import prepare_turn
-
         out = self.console.file
-        engine = self.rt.engine
-        message = [{"role": "user", "content": text}]
         try:
-            turn = prepare_turn(engine.codec, message, params or self.params, self.session)
+            reply = self.backend.start(self.session, text, params or self.params)
         except KvchatError as error:
             self._say(str(error), "red")
             return
-        try:
-            handle = engine.submit(turn.request())
-        except PromptTooLongError as error:
-            turn.abort()
-            self._say(f"{error} Start over with /reset or /new.", "red")
-            return
-        except KvchatError as error:
-            turn.abort()
-            self._say(str(error), "red")
-            return
-        with cancel_on_sigint(handle.seq.cancel_event), typeahead_hidden():
+        # a local reply stops softly at the first Ctrl-C; a server's is hung up on
+        soft = (cancel_on_sigint(reply.cancel_event) if reply.cancel_event is not None
+                else contextlib.nullcontext())
+        with soft, typeahead_hidden():
             out.write(REPLY_PREFIX)
             out.flush()
-            self._stream(handle)
-        result = handle.result
-        if result is None:  # it failed before it ran
-            turn.abort()
-            self._say(str(handle.error or "The reply could not be generated."), "red")
+            self._stream(reply)
+        done = reply.finish()
+        if isinstance(done, TurnFailed):
+            self._say(done.message, "red")
             return
-        if result.finish_reason == "interrupted":
+        if done.turn.finish_reason == "interrupted":
             self.console.print(Text(" [stopped]", style="yellow"), end="")
         self.console.print()
-        self._after_turn(result, turn.commit(result))
+        self._after_turn(done)
 
-    def _after_turn(self, result: GenerationResult, turn: Turn | None) -> None:
-        assert turn is not None
+    def _after_turn(self, done: TurnDone) -> None:
+        turn = done.turn
         self._saving(lambda: self.store.save(self.session))
         self._turns_since_snapshot += 1
-        if self._turns_since_snapshot >= self.save_every:
+        if self._turns_since_snapshot >= self.save_every and self.backend.owns_cache:
             self._saving(self.save_snapshot)
-        if result.hit_source != "exact":
-            self._prefill_samples.append((result.computed_tokens, result.prefill_ms))
+        if done.hit_source != "exact":
+            self._prefill_samples.append((done.computed_tokens, done.prefill_ms))
         rate = views.prefill_rate(self._prefill_samples)
         view = views.TurnView(
             number=len(self.session.turns),
             prompt_tokens=turn.prompt_tokens,
             hit_tokens=turn.hit_tokens,
             source=turn.source,
-            ttft_ms=result.ttft_ms,
-            prefill_ms=result.prefill_ms,
+            ttft_ms=done.ttft_ms,
+            prefill_ms=done.prefill_ms,
             completion_tokens=turn.completion_tokens,
-            decode_tokens_per_s=result.decode_tokens_per_s,
+            decode_tokens_per_s=done.decode_tokens_per_s,
             finish_reason=turn.finish_reason,
             saved_ms=views.estimate_saved_ms(turn.hit_tokens, rate),
         )
         if self.panels != "off":
             self.console.print(
-                views.turn_panels(view, self._summary(), nodes_from_cache(self.rt.cache),
+                views.turn_panels(view, self._summary(), self.backend.nodes(),
                                   self._decode, self.panels, self.session.name)
             )
 
-    def _stream(self, handle: RequestHandle) -> None:
+    def _stream(self, reply: Reply) -> None:
         out = self.console.file
         # a terminal breaks lines mid-word at its edge; wrap between words instead
         wrap = WordWrap(out.write, self.console.width, len(REPLY_PREFIX)) \
             if self.console.is_terminal else None
         try:
-            for delta in handle:
+            for delta in reply:
                 text = views.printable(delta)
                 if wrap is not None:
                     wrap.feed(text)
@@ -293,9 +270,7 @@ class Chat(ConversationMoves):
                     out.write(text)
                 out.flush()
         except KeyboardInterrupt:
-            # A second Ctrl-C: the engine may be between steps; finishing the request now
-            # stores what it computed and sets its result.
-            handle.close()
+            reply.close()  # what was computed is kept
         finally:
             if wrap is not None:
                 wrap.close()
@@ -307,18 +282,18 @@ class Chat(ConversationMoves):
         self.console.print(Text(text, style=style or ""))
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.rt.engine.codec.decode(list(ids), skip_special_tokens=False)
+        return self.backend.decode(ids)
 
     def _summary(self) -> CacheStats:
-        return self.rt.cache.stats()
+        return self.backend.stats()
 
     def save_snapshot(self) -> None:
-        self.rt.save()
+        self.backend.save_snapshot()
         self._turns_since_snapshot = 0
 
-    def save_all(self) -> bool:
+    def save_all(self, snapshot: bool = True) -> bool:
         session = self._saving(lambda: self.store.save(self.session))
-        return self._saving(self.save_snapshot) and session
+        return self._saving(self.save_snapshot) and session if snapshot else session
 
     def _saving(self, save: Callable[[], object]) -> bool:
         """A save that fails (a full disk, a read-only folder) is reported and the chat goes
@@ -337,15 +312,11 @@ class Chat(ConversationMoves):
         self.console.print(views.help_view(list(COMMANDS.values()), KEYS))
 
     def _stats(self, arg: str) -> None:
-        try:
-            self.rt.cache.check_integrity()
-            integrity = "ok"
-        except AssertionError as error:
-            integrity = f"FAILED ({error})"
+        integrity = self.backend.integrity()
         self.console.print(views.stats_view(self._summary(), self.session.turns, integrity))
 
     def _tree(self, arg: str) -> None:
-        nodes = nodes_from_cache(self.rt.cache)
+        nodes = self.backend.nodes()
         self.console.print(
             views.tree_view(nodes, self._decode, depth=8, max_children=8,
                             highlight=self.session.name)
@@ -391,7 +362,7 @@ class Chat(ConversationMoves):
         self._say(f"Session {self.session.name} starts over; the shared cache is kept.")
 
     def _clear_cache(self, arg: str) -> None:
-        freed = self.rt.cache.clear()
+        freed = self.backend.clear_cache()
         self._say(f"Cleared the cache: {freed:,} blocks freed.")
 
     def _system(self, arg: str) -> None:
@@ -410,9 +381,9 @@ class Chat(ConversationMoves):
     def _save(self, arg: str) -> None:
         if not self.save_all():
             return
-        cached = self.rt.cache.stats().tree_tokens
+        cached = self._summary().tree_tokens
         self._say(f"Saved session {self.session.name} and the cache snapshot "
-                  f"({cached:,} tokens) in {self.rt.options.sessions_dir}.")
+                  f"({cached:,} tokens).")
 
     def _panels(self, arg: str) -> None:
         mode = arg.lower()

@@ -1,0 +1,191 @@
+"""What the chat loop talks to: a `ChatBackend`, either the runtime in this process
+(`LocalBackend`) or a resident server over HTTP (`kvchat.client.chat.RemoteBackend`).
+
+The REPL never touches an engine or a cache itself: it starts a turn and streams its `Reply`,
+reads stats and the tree for its panels, and keeps sessions through the backend's `sessions`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from kvchat.cache.stats import CacheStats
+    from kvchat.config import SamplingParams
+    from kvchat.engine.engine import RequestHandle
+    from kvchat.runtime import Runtime
+    from kvchat.sessions import Session, SessionStore, Turn
+    from kvchat.turns import PreparedTurn
+    from kvchat.ui.cache_view import NodeView
+
+
+class TurnDone(NamedTuple):
+    """A reply that ran (finished, or stopped and kept): the turn as the session recorded it,
+    and the timings the panels show."""
+
+    turn: Turn
+    ttft_ms: float
+    prefill_ms: float
+    computed_tokens: int  # prompt tokens the model had to prefill
+    decode_tokens_per_s: float
+    hit_source: str
+
+
+class TurnFailed(NamedTuple):
+    message: str
+
+
+class Reply(Protocol):
+    """A reply being generated: iterate for its text deltas; `finish()` then records it."""
+
+    # set by the first Ctrl-C to stop at the next step (None: Ctrl-C raises, and the loop
+    # calls close())
+    cancel_event: threading.Event | None
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def close(self) -> None:
+        """Stop now, keeping what was computed (a second Ctrl-C, or a server stream hung up)."""
+
+    def finish(self) -> TurnDone | TurnFailed:
+        """The outcome, once the deltas have ended; a TurnDone is in the session's turns."""
+
+
+class Sessions(Protocol):
+    """Session files: in the sessions dir, or on the server."""
+
+    def names(self) -> list[str]: ...
+
+    def exists(self, name: str) -> bool: ...
+
+    def open(self, name: str, create: bool = True) -> Session: ...
+
+    def save(self, session: Session) -> None: ...
+
+
+class ChatBackend(Protocol):
+    sessions: Sessions
+    owns_cache: bool  # the snapshot is this process's to save (not a server's)
+    unavailable: dict[str, str]  # slash command -> why it is not available here
+
+    def banner_lines(self) -> list[str]: ...
+
+    def start(self, session: Session, text: str, params: SamplingParams) -> Reply:
+        """Start the session's next turn; raises KvchatError when it cannot start."""
+
+    def stats(self) -> CacheStats: ...
+
+    def nodes(self) -> Sequence[NodeView]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def integrity(self) -> str: ...
+
+    def save_snapshot(self) -> None: ...
+
+    def clear_cache(self) -> int: ...
+
+
+# ---- in this process -----------------------------------------------------------------------
+
+
+class LocalReply:
+    def __init__(self, handle: RequestHandle, turn: PreparedTurn) -> None:
+        self.handle = handle
+        self.turn = turn
+        self.cancel_event: threading.Event | None = handle.seq.cancel_event
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.handle)
+
+    def close(self) -> None:
+        # the engine may be between steps; finishing now stores what it computed
+        self.handle.close()
+
+    def finish(self) -> TurnDone | TurnFailed:
+        result = self.handle.result
+        if result is None:  # it failed before it ran
+            self.turn.abort()
+            return TurnFailed(str(self.handle.error or "The reply could not be generated."))
+        turn = self.turn.commit(result)
+        assert turn is not None
+        return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
+                        result.decode_tokens_per_s, result.hit_source)
+
+
+class LocalBackend:
+    """The runtime (engine, cache, sessions dir) in this process."""
+
+    owns_cache = True
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.sessions: Sessions = runtime.store
+        self.unavailable: dict[str, str] = {}
+
+    @property
+    def store(self) -> SessionStore:
+        return self.rt.store
+
+    def banner_lines(self) -> list[str]:
+        rt = self.rt
+        pool = rt.cache.manager.stats()
+        dtype = str(rt.engine.runner.dtype).replace("torch.", "")
+        lines = [
+            f"model    {rt.model_label}",
+            f"device   {rt.engine.device} · {dtype}",
+            f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
+            f"policy {rt.cache.policy.name}",
+            f"sessions {rt.options.sessions_dir}",
+        ]
+        if rt.notice:
+            lines.append(f"snapshot {rt.notice}")
+        elif rt.restored_tokens:
+            lines.append(f"snapshot restored {rt.restored_tokens:,} cached tokens")
+        else:
+            lines.append("snapshot none yet (written every few turns and on exit)")
+        return lines
+
+    def start(self, session: Session, text: str, params: SamplingParams) -> Reply:
+        from kvchat.engine.engine import PromptTooLongError
+        from kvchat.turns import prepare_turn
+
+        engine = self.rt.engine
+        turn = prepare_turn(engine.codec, [{"role": "user", "content": text}], params, session)
+        try:
+            handle = engine.submit(turn.request())
+        except PromptTooLongError as error:
+            turn.abort()
+            raise KvchatError(f"{error} Start over with /reset or /new.") from None
+        except KvchatError:
+            turn.abort()
+            raise
+        return LocalReply(handle, turn)
+
+    def stats(self) -> CacheStats:
+        return self.rt.cache.stats()
+
+    def nodes(self) -> Sequence[NodeView]:
+        from kvchat.ui.cache_view import nodes_from_cache
+
+        return nodes_from_cache(self.rt.cache)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.rt.engine.codec.decode(list(ids), skip_special_tokens=False)
+
+    def integrity(self) -> str:
+        try:
+            self.rt.cache.check_integrity()
+            return "ok"
+        except AssertionError as error:
+            return f"FAILED ({error})"
+
+    def save_snapshot(self) -> None:
+        self.rt.save()
+
+    def clear_cache(self) -> int:
+        return int(self.rt.cache.clear())
