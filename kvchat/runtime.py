@@ -1,11 +1,14 @@
 """The long-lived pieces every command shares: the engine (model + shared cache) + sessions dir.
 
-`Runtime.open` loads the model, sizes the pool, and restores the cache snapshot when its
-fingerprint (model, config, tokenizer, dtype, block size) matches; `save` writes it back.
+`Runtime.open` loads the model, sizes the pool, opens the disk tier (a BlockStore in
+<sessions>/cache/store, or --store) and rebuilds the cache's tree from its index when the
+fingerprint (model, config, tokenizer, dtype, block size) matches: blocks stay on disk until
+first hit. `save` writes the new blocks and the index; `close` flushes and stops the tier.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import time
@@ -29,7 +32,24 @@ class RuntimeOptions:
     prefill_chunk: int = 512
     batch_size: int = 8  # sequences decoded together
     sessions_dir: Path = Path("sessions")
-    persist: bool = True  # load and save the snapshot under sessions_dir/cache
+    persist: bool = True  # load and save the cache under sessions_dir/cache
+    disk_cache_gb: float = 10.0  # the disk tier's budget; 0: evicted blocks are dropped
+    store_dir: Path | None = None  # the disk tier's folder (default: sessions_dir/cache/store)
+
+    def __post_init__(self) -> None:
+        import math
+
+        if not (math.isfinite(self.disk_cache_gb) and self.disk_cache_gb >= 0):
+            raise KvchatError(f"--disk-cache-gb must be 0 (off) or more, got "
+                              f"{self.disk_cache_gb}.")
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        return int(self.disk_cache_gb * (1 << 30)) if self.persist else 0
+
+    @property
+    def store_path(self) -> Path:
+        return self.store_dir or self.sessions_dir / "cache" / "store"
 
 
 def _digest(obj: Any) -> str:
@@ -72,6 +92,34 @@ class Runtime:
         self.restored_tokens = 0
         self.last_save: float | None = None
         self._fingerprint = fingerprint(engine, model_label) if engine.cache else {}
+        self.disk = self._open_disk_tier()
+
+    def _open_disk_tier(self) -> Any:
+        """The BlockStore evicted blocks spill to (None: no tier), given to the cache."""
+        if self.cache is None or not self.options.disk_budget_bytes:
+            return None
+        from kvchat.cache.block_file import BlockLayout
+        from kvchat.cache.store import BlockStore
+        from kvchat.sessions import SessionWriteError
+
+        try:
+            store = BlockStore(self.options.store_path, BlockLayout.of(self.cache.manager),
+                               self.options.disk_budget_bytes)
+        except (OSError, SessionWriteError) as exc:
+            self.notice = f"Disk cache tier off: {exc}"
+            return None
+        self.cache.use_store(store, self._fingerprint)
+        atexit.register(store.close)  # queued blocks reach the disk even without close()
+        return store
+
+    def take_notices(self) -> list[str]:
+        """One-line notices of the disk tier (blocks found damaged or missing), each once."""
+        return self.cache.take_notices() if self.cache is not None else []
+
+    def close(self) -> None:
+        """Write what the disk tier still has queued and stop its thread (idempotent)."""
+        if self.disk is not None:
+            self.disk.close()
 
     @classmethod
     def open(cls, options: RuntimeOptions) -> Runtime:
@@ -89,7 +137,7 @@ class Runtime:
         return self.engine.cache
 
     def restore(self) -> None:
-        if not self.options.persist or self.cache is None:
+        if not self.options.persist or self.cache is None or self.disk is None:
             return
         try:
             outcome = load_snapshot(self.options.sessions_dir, self.cache, self._fingerprint)
@@ -100,11 +148,12 @@ class Runtime:
         self.restored_tokens = outcome.cached_tokens
 
     def save(self) -> Path | None:
-        if not self.options.persist or self.cache is None:
+        if not self.options.persist or self.cache is None or self.disk is None:
             return None
         pool = self.cache.manager.stats()
         extra = {"tokenizer_file": tokenizer_file(self.engine.codec.tokenizer),
                  "model_label": self.model_label,
+                 "store_dir": str(self.options.store_path.resolve()),
                  # the pool's size is not in the blocks list; `kvchat inspect` shows occupancy
                  "pool": {"total_blocks": pool.total_blocks,
                           "bytes_per_block": pool.bytes_per_block}}

@@ -1,13 +1,12 @@
-"""The cache snapshot in a sessions dir: `cache/index.json` (tree, blocks, exact entries,
-stats, fingerprint; readable without torch) and the K/V file it names. Saves are atomic and
-private like every file of a sessions dir; a snapshot that does not match, parse or fit is set
-aside with a notice, never deleted."""
+"""The cache's index in a sessions dir: `cache/index.json` (the radix tree with each node's
+tokens and block keys, counters, fingerprint; readable without torch). The K/V live in the disk
+tier (`kvchat.cache.store`, `cache/store/` by default). Saves are atomic and private like every
+file of a sessions dir; an index that does not match, parse or fit is set aside with a notice,
+never deleted."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,14 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.sessions import (
-    FILE_MODE,
-    SessionWriteError,
     atomic_write,
     cache_dir,
     move_file,
-    open_private,
     private_dir,
-    write_error,
 )
 
 INDEX = "index.json"
@@ -41,7 +36,14 @@ class SnapshotInfo:
 
     @property
     def cached_tokens(self) -> int:
-        return sum(len(b["tokens"]) for b in self.meta.get("blocks", []))
+        if "blocks" in self.meta:  # version 1
+            return sum(len(b["tokens"]) for b in self.meta["blocks"])
+        stack, total = list(self.meta.get("tree", [])), 0
+        while stack:
+            rec = stack.pop()
+            total += len(rec.get("tokens", []))
+            stack.extend(rec.get("children", []))
+        return total
 
 
 def read_snapshot_meta(root: Path) -> SnapshotInfo | None:
@@ -50,13 +52,14 @@ def read_snapshot_meta(root: Path) -> SnapshotInfo | None:
     if not path.exists():
         return None
     meta = json.loads(path.read_text())
-    if not isinstance(meta, dict) or "tree" not in meta or "kv_file" not in meta:
-        raise ValueError("index.json lacks the tree or the K/V file name")
+    if not isinstance(meta, dict) or "tree" not in meta:
+        raise ValueError("index.json lacks the tree")
     return SnapshotInfo(path, meta)
 
 
 def set_aside_snapshot(root: Path) -> Path:
-    """Move the whole current snapshot (index and K/V files) into cache/set-aside/<stamp>/."""
+    """Move the index (and a version 1 snapshot's K/V files) into cache/set-aside/<stamp>/;
+    the disk tier's folder stays: its blocks are keyed by what they depend on."""
     folder = cache_dir(root)
     target = folder / "set-aside" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     for part in (folder / "set-aside", target):
@@ -76,50 +79,29 @@ class SnapshotLoad:
 
 def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
                   extra: dict[str, Any]) -> Path:
-    """Write the cache to <root>/cache atomically: the K/V file first under a fresh name, then
-    index.json pointing at it (the switch), then old K/V files go. A failed write raises
-    SessionWriteError and leaves the previous snapshot as it was, with no new file beside it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    from kvchat.cache.snapshot import export_state
+    """Persist the cache: its blocks into the disk tier (only those not stored yet: a save
+    costs the turn's new blocks), then index.json, the tree with block keys, atomically. A
+    failed write raises SessionWriteError and leaves the previous index as it was."""
+    from kvchat.cache.tree_index import export_index
 
     folder = private_dir(cache_dir(private_dir(Path(root))))
-    meta, tensors = export_state(cache)
-    snap_id = uuid.uuid4().hex[:12]
-    kv_name = f"kv-{snap_id}.safetensors"
-    kv_path, tmp = folder / kv_name, folder / f".{kv_name}.tmp"
+    meta = export_index(cache)
     meta.update(extra)
-    meta.update(fingerprint=fingerprint, kv_file=kv_name, snapshot_id=snap_id, saved_at=time.time())
-    try:
-        os.close(open_private(tmp, os.O_WRONLY))  # 0600 from the start, whatever the umask
-        save_file(tensors, str(tmp), metadata={"snapshot_id": snap_id})
-        os.chmod(tmp, FILE_MODE)  # safetensors may have replaced the file with its own
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, kv_path)
-        atomic_write(folder / INDEX, json.dumps(meta).encode(), "the cache snapshot's index")
-    except (OSError, SafetensorError, SessionWriteError) as exc:
-        for orphan in (tmp, kv_path):  # the old index still names the old K/V file
-            with contextlib.suppress(OSError):
-                orphan.unlink()
-        if isinstance(exc, SessionWriteError):
-            raise
-        raise write_error("the cache snapshot's K/V", kv_path, exc) from exc
-    for old in folder.glob("kv-*.safetensors"):
-        if old.name != kv_name:
-            with contextlib.suppress(OSError):
-                old.unlink()
+    meta.update(fingerprint=fingerprint, snapshot_id=uuid.uuid4().hex[:12], saved_at=time.time())
+    atomic_write(folder / INDEX, json.dumps(meta).encode(), "the cache index")
     return folder / INDEX
 
 
-def load_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any]) -> SnapshotLoad:
-    """Fill an empty cache from the snapshot when its fingerprint matches. A snapshot that does
-    not match, parse or fit is set aside with a one-line notice; never a crash, never deleted."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _old_files(root: Path) -> bool:
+    """K/V files of a version 1 snapshot, which the disk tier replaced."""
+    return any(cache_dir(root).glob("kv-*.safetensors"))
 
-    from kvchat.cache.snapshot import SnapshotMismatch, import_state
+
+def load_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any]) -> SnapshotLoad:
+    """Rebuild the cache's tree from index.json, every block on disk (loaded when first hit),
+    when its fingerprint matches. An index that does not match, parse or fit, and a version 1
+    snapshot (one K/V file), are set aside with a one-line notice; never a crash."""
+    from kvchat.cache.tree_index import SnapshotMismatch, import_index
 
     try:
         info = read_snapshot_meta(root)
@@ -127,18 +109,22 @@ def load_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any]) -> Snapsh
         where = set_aside_snapshot(root)
         return SnapshotLoad(False, f"Cache snapshot unreadable ({exc}); set aside in {where}.")
     if info is None:
+        if _old_files(root):
+            set_aside_snapshot(root)
         return SnapshotLoad(False, None)
+    if info.meta.get("version") == 1 or "kv_file" in info.meta:
+        where = set_aside_snapshot(root)
+        return SnapshotLoad(False, "The cache snapshot is in the old single-file format; it "
+                                   f"was set aside in {where} and the cache starts empty.")
     if info.fingerprint != fingerprint:
         differ = sorted(k for k in fingerprint.keys() | info.fingerprint.keys()
                         if fingerprint.get(k) != info.fingerprint.get(k))
         where = set_aside_snapshot(root)
         return SnapshotLoad(False, f"Cache snapshot was made with a different "
                                    f"{', '.join(differ)}; set aside in {where}.")
-    kv_path = info.path.parent / str(info.meta["kv_file"])
     try:
-        tensors = load_file(str(kv_path))
-        import_state(cache, info.meta, tensors)
-    except (OSError, SafetensorError, SnapshotMismatch, ValueError) as exc:
+        import_index(cache, info.meta)
+    except SnapshotMismatch as exc:
         where = set_aside_snapshot(root)
         return SnapshotLoad(False, f"Cache snapshot not loaded ({exc}); set aside in {where}.")
     return SnapshotLoad(True, None, info.cached_tokens)

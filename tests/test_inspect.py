@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -73,17 +74,20 @@ def test_json_schema_matches_the_cache_that_was_saved(saved):
     result = invoke("inspect", "--sessions-dir", str(root), "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    assert set(doc) == {"fingerprint", "snapshot", "stats", "pool", "tree", "exact"}
+    assert set(doc) == {"fingerprint", "snapshot", "stats", "pool", "tree", "exact", "tiers"}
     assert doc["fingerprint"] == FINGERPRINT
     assert doc["snapshot"]["path"] == str(root / "cache" / "index.json")
     assert doc["snapshot"]["tokenizer_file"].endswith("tokenizer.json")
 
     decode = inspect_cmd._snapshot_decoder(doc["snapshot"]["tokenizer_file"])
     assert doc["tree"] == cv.tree_json(cv.nodes_from_cache(cache), decode)
-    assert doc["exact"] == cv.exact_json(cv.exact_from_cache(cache), decode)
-    stats = cache.stats()
+    assert doc["exact"] == []  # exact entries do not outlive the process
+    stats = replace(cache.stats(), exact_entries=0)
     assert doc["stats"] == stats.to_json()  # the live cache's numbers, in /cache/stats' schema
     assert CacheStats.from_json(doc["stats"]) == stats
+    assert doc["tiers"]["memory"]["blocks"] == stats.pool.used_blocks
+    assert doc["tiers"]["disk"] == {"blocks": 0, "bytes": 0, "budget_bytes": 0, "tokens": 0,
+                                    "path": str(root / "cache" / "store")}
     assert doc["stats"]["sessions"]["alpha"]["lookups"] == 2
     assert doc["pool"] == doc["stats"]["pool"] == {
         "block_size": 4, "total_blocks": stats.pool.total_blocks,
@@ -110,7 +114,6 @@ def test_session_filter_and_depth(saved):
     assert len(nodes) == 2 and all("beta" in n["owners"] for n in nodes)
     assert len(doc["tree"][0]["children"]) == 1
     assert doc["snapshot"]["session"] == "beta"
-    assert len(doc["exact"]) == 1  # beta's one prompt; alpha's two are on the other branch
     shallow = json.loads(invoke("inspect", "--sessions-dir", str(root), "--json", "--depth",
                                 "1").output)
     assert shallow["tree"][0]["children"] == []
@@ -128,7 +131,6 @@ def test_text_view_shows_tree_pool_sessions_and_exact_index(saved):
     assert f"used {stats.pool.used_blocks} / {stats.pool.total_blocks:,} blocks" in out
     assert f"radix tree · 3 nodes · {stats.tree_tokens} tok" in out
     assert '"<|im_start|…' in out and " alpha, beta" in out
-    assert "exact index · 3 entries" in out
 
 
 def test_previews_fall_back_to_token_ids_without_a_tokenizer(saved, tmp_path):
@@ -168,11 +170,11 @@ def test_no_snapshot_is_a_clear_message(tmp_path):
     "content",
     [
         "{not json",
-        json.dumps({"tree": [], "blocks": []}),  # no kv_file
+        json.dumps({"blocks": []}),  # no tree
         json.dumps({"tree": [{"start": 0, "blocks": [7], "children": []}], "blocks": [],
                     "kv_file": "kv.safetensors", "block_size": 4}),
     ],
-    ids=["not-json", "no-kv-file", "dangling-block"],
+    ids=["not-json", "no-tree", "dangling-block"],
 )
 def test_damaged_index_is_a_clear_error_and_is_left_alone(tmp_path, content):
     index = tmp_path / "cache" / "index.json"

@@ -47,7 +47,7 @@ def umask(request: pytest.FixtureRequest) -> Iterator[int]:
 
 
 class FakeCache:
-    """Stands in for the cache: save_snapshot writes whatever export_state returns."""
+    """Stands in for the cache: save_snapshot writes whatever export_index returns."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -59,15 +59,12 @@ class FakeCache:
 
 @pytest.fixture(autouse=True)
 def fake_export(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
+    import kvchat.cache.tree_index
 
-    import kvchat.cache.snapshot
+    def export_index(cache: FakeCache) -> dict[str, Any]:
+        return {"tree": [], "version": cache.version}
 
-    def export_state(cache: FakeCache) -> tuple[dict[str, Any], dict[str, Any]]:
-        meta = {"tree": [], "blocks": [], "version": cache.version}
-        return meta, {"k": torch.full((64, 8), float(cache.version))}
-
-    monkeypatch.setattr(kvchat.cache.snapshot, "export_state", export_state)
+    monkeypatch.setattr(kvchat.cache.tree_index, "export_index", export_index)
 
 
 def save(root: Path, cache: FakeCache) -> Path:
@@ -90,7 +87,7 @@ def test_everything_kvchat_writes_is_private_whatever_the_umask(umask, tmp_path)
         history = store.history_file()
         cache = FakeCache()
         save(root, cache.fill())
-        save(root, cache.fill())  # a second save replaces the K/V file and index.json
+        save(root, cache.fill())  # a second save replaces index.json
         assert read_snapshot_meta(root).meta["version"] == 2
         (root / "beta.json").write_text("{not json")
         os.chmod(root / "beta.json", 0o600)  # as kvchat wrote it, before it was damaged
@@ -104,7 +101,6 @@ def test_everything_kvchat_writes_is_private_whatever_the_umask(umask, tmp_path)
     assert {p.relative_to(root).as_posix() for p in dirs} >= {".", "cache", "cache/set-aside"}
     names = {p.name for p in files}
     assert {"alpha.json", ".history", ".lock", "index.json"} <= names
-    assert any(n.startswith("kv-") and n.endswith(".safetensors") for n in names)
     assert {str(p): oct(mode(p)) for p in dirs} == {str(p): "0o700" for p in dirs}
     assert {str(p): oct(mode(p)) for p in files} == {str(p): "0o600" for p in files}
 
@@ -254,7 +250,7 @@ def test_a_snapshot_in_a_read_only_dir_says_what_to_do_and_keeps_the_old_one(
     make_read_only(read_only, tmp_path / "cache")
     with pytest.raises(SessionWriteError) as exc:
         save(tmp_path, cache.fill())
-    assert_clear(exc, "the cache snapshot's K/V", str(tmp_path / "cache"), "not writable")
+    assert_clear(exc, "the cache index", str(tmp_path / "cache"), "not writable")
     assert snapshot_files(tmp_path) == before
 
 
@@ -326,50 +322,18 @@ def test_threads_writing_one_file_each_leave_a_whole_version(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["index.json"]
 
 
-def partial_save_file(error: Exception):
-    """safetensors' save_file that writes a few bytes, then fails."""
-
-    def save_file(tensors, filename, metadata=None) -> None:
-        with open(filename, "wb") as fh:
-            fh.write(b"\x00" * 64)
-        raise error
-
-    return save_file
-
-
-@pytest.mark.parametrize("kind", ["oserror", "safetensors"])
-def test_a_full_disk_during_a_snapshot_keeps_the_previous_one(kind, monkeypatch, tmp_path):
-    import safetensors.torch
-    from safetensors import SafetensorError
-
+def test_a_full_disk_while_writing_the_index_keeps_the_previous_one(monkeypatch, tmp_path):
     cache = FakeCache()
     save(tmp_path, cache.fill())
     before = snapshot_files(tmp_path)
-    cache.fill()
-    error = (OSError(errno.ENOSPC, "No space left on device") if kind == "oserror" else
-             SafetensorError("Error while serializing: I/O error: No space left on device "
-                             "(os error 28)"))
-    monkeypatch.setattr(safetensors.torch, "save_file", partial_save_file(error))
-    with pytest.raises(SessionWriteError) as exc:
-        save(tmp_path, cache)
-    assert_clear(exc, "the cache snapshot's K/V", "the disk is full", "unchanged")
-    assert snapshot_files(tmp_path) == before  # no temp file, no new K/V file, same index
-    monkeypatch.setattr(safetensors.torch, "save_file", REAL_SAVE_FILE)
-    save(tmp_path, cache)  # and the next save works
-    assert read_snapshot_meta(tmp_path).meta["version"] == 2
-    assert len([n for n in snapshot_files(tmp_path) if n.startswith("kv-")]) == 1
-
-
-def test_a_full_disk_while_writing_the_index_removes_the_new_kv_file(monkeypatch, tmp_path):
-    cache = FakeCache()
-    save(tmp_path, cache.fill())
-    before = snapshot_files(tmp_path)
-    monkeypatch.setattr(os, "write", fail_after(0))  # the K/V file is written by safetensors
+    monkeypatch.setattr(os, "write", fail_after(0))
     with pytest.raises(SessionWriteError) as exc:
         save(tmp_path, cache.fill())
     monkeypatch.setattr(os, "write", REAL_WRITE)
-    assert_clear(exc, "the cache snapshot's index", "the disk is full")
+    assert_clear(exc, "the cache index", "the disk is full")
     assert snapshot_files(tmp_path) == before
+    save(tmp_path, cache)  # and the next save works
+    assert read_snapshot_meta(tmp_path).meta["version"] == 2
 
 
 # ---- orphan temp files ---------------------------------------------------------------------

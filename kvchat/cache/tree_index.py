@@ -83,6 +83,7 @@ def export_index(cache: PagedKVCache) -> dict[str, Any]:
         "tree": tree_records(cache.tree),
         "counters": cache.stats().counters_json(),
         "resident_blocks": mgr.num_blocks - mgr.num_free,  # `kvchat inspect`'s memory tier
+        "disk_tokens": cache.stats().disk_tokens,
     }
 
 

@@ -77,6 +77,7 @@ def inspect_snapshot(
                  "model_label": meta.get("model_label"),
                  "tokenizer_file": meta.get("tokenizer_file")}
         doc = cv.inspect_document(fingerprint, where, stats, nodes, exact, decode, depth, session)
+        doc["tiers"] = _tiers(meta, stats, sessions_dir)
         # one line: token lists make an indented dump thousands of lines long
         typer.echo(json.dumps(doc, ensure_ascii=False))
         return
@@ -114,6 +115,18 @@ def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
                                 docs.exact_from_document(doc["exact"]),
                                 docs.tokenizer_decoder(snapshot.get("tokenizer_file")),
                                 depth or 6, 8, session))
+
+
+def _tiers(meta: dict[str, Any], stats: Any, sessions_dir: Path) -> dict[str, Any]:
+    """The memory tier as saved, the disk tier from its own index (torch-free: no block file
+    is opened)."""
+    from kvchat.cache.store_index import read_disk_tier
+
+    store = Path(meta.get("store_dir") or sessions_dir / "cache" / "store")
+    memory = {"blocks": stats.pool.used_blocks, "total_blocks": stats.pool.total_blocks,
+              "tokens": stats.tree_tokens - stats.disk_tokens}
+    return {"memory": memory, "disk": {**read_disk_tier(store).to_json(), "path": str(store),
+                                       "tokens": stats.disk_tokens}}
 
 
 def _snapshot_decoder(tokenizer_file: str | None) -> Any:

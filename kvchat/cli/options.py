@@ -67,6 +67,17 @@ SessionsDirOption = Annotated[
         file_okay=False,
     ),
 ]
+DiskCacheGbOption = Annotated[
+    float,
+    typer.Option("--disk-cache-gb", help="Disk tier budget in GiB: blocks evicted from the pool "
+                 "are kept on disk and loaded back on a hit, and the cache persists across "
+                 "runs. 0 turns it off (evicted blocks are dropped, nothing is saved).", min=0),
+]
+StoreOption = Annotated[
+    Path | None,
+    typer.Option("--store", help="Folder of the disk tier (default: <sessions-dir>/cache/store).",
+                 file_okay=False, show_default=False),
+]
 MaxTokensOption = Annotated[
     int, typer.Option("--max-tokens", help="Most tokens to generate per reply.", min=1)
 ]
@@ -91,12 +102,17 @@ _CACHE_FAMILY = (
     _option("cache_mb", CacheMbOption, 1024.0),
     _option("prefill_chunk", PrefillChunkOption, 512),
 )
-_SESSIONS_FAMILY = (_option("sessions_dir", SessionsDirOption, Path("sessions")),)
+_SESSIONS_FAMILY = (
+    _option("sessions_dir", SessionsDirOption, Path("sessions")),
+    _option("disk_cache_gb", DiskCacheGbOption, 10.0),
+    _option("store", StoreOption, None),
+)
 
 
 def runtime_options(*, persist: bool = True) -> Callable[[Command], Command]:
     """Add --model, --dtype, --device, --policy, --block-size, --cache-mb, --prefill-chunk and,
-    when the command loads and saves the cache snapshot (`persist`), --sessions-dir to a
+    when the command loads and saves the cache (`persist`), --sessions-dir, --disk-cache-gb
+    and --store to a
     command, which receives them as one keyword argument `options: RuntimeOptions`."""
     family = _MODEL_FAMILY + _CACHE_FAMILY + (_SESSIONS_FAMILY if persist else ())
     return _option_family("options", family, functools.partial(_runtime_options, persist=persist))
@@ -112,6 +128,8 @@ def _runtime_options(
     cache_mb: float,
     prefill_chunk: int,
     sessions_dir: Path = Path("sessions"),
+    disk_cache_gb: float = 10.0,
+    store: Path | None = None,
     persist: bool,
 ) -> RuntimeOptions:
     """The one place these options become a RuntimeOptions. A bad value (an unknown policy, a
@@ -122,7 +140,7 @@ def _runtime_options(
     cache = CacheConfig(block_size=block_size, cache_mb=cache_mb, policy=policy)
     return RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
                           prefill_chunk=prefill_chunk, sessions_dir=sessions_dir,
-                          persist=persist)
+                          persist=persist, disk_cache_gb=disk_cache_gb, store_dir=store)
 
 
 def _option_family(

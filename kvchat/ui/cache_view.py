@@ -177,6 +177,7 @@ def stats_from_meta(meta: Mapping[str, Any], nodes: Sequence[NodeView]) -> Cache
             tree_nodes=sum(1 for _ in walk(nodes)),
             tree_tokens=sum(n.n_tokens for n in walk(nodes)),
             exact_entries=len(meta.get("exact", [])),
+            disk_tokens=int(meta.get("disk_tokens", 0)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _damaged(exc) from exc
