@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+from prometheus_client import Histogram
+
 from kvchat.cache.stats import CacheStats
 from kvchat.engine.codec import ChatCodec
 from kvchat.engine.engine import Engine, RequestCancelled, RequestHandle
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_BATCH_SIZE = 8
+# Time to first token spans a cached hit (milliseconds) to a long prefill on a CPU (minutes).
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                  120.0)
 
 
 class EngineStopped(KvchatError):
@@ -191,6 +196,9 @@ class EngineWorker:
         self.engine: Engine = runtime.engine
         self.engine.batch_size = batch_size
         self.counters = ServerCounters()
+        # observed on the engine thread, read by /metrics (prometheus_client locks it)
+        self.ttft = Histogram("kvchat:time_to_first_token_seconds", "Time to first token of "
+                              "requests that finished.", buckets=TTFT_BUCKETS_S, registry=None)
         self.tenants: dict[str, TenantCounters] = {}  # engine thread only
         self.info = ModelInfo(runtime.model_label, model_id(runtime), str(self.engine.device),
                               fingerprint(self.engine, runtime.model_label))
@@ -356,6 +364,7 @@ class EngineWorker:
             handle.fail(event.error or RequestCancelled("The request did not run."))
             return
         self.counters.completed += 1
+        self.ttft.observe(event.result.ttft_ms / 1000)
         self.tenants[handle.tenant] = self.tenants.get(handle.tenant,
                                                        TenantCounters()).after(event.result)
         self._record(handle, event.result)
