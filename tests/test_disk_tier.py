@@ -4,7 +4,12 @@ come back on a hit (HitSource.DISK) with the K/V they had; damaged files are nev
 from __future__ import annotations
 
 import json
+import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _cache_helpers import assert_hit_correct, make_tiered_cache, ref_kv
@@ -12,6 +17,12 @@ from _cache_helpers import assert_hit_correct, make_tiered_cache, ref_kv
 from kvchat.cache.kvcache import HitSource, PagedKVCache
 from kvchat.cache.store_index import block_path
 from kvchat.cache.tree_index import export_index, import_index
+from kvchat.config import CacheConfig, SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.sequence import GenerationResult, Request
+from kvchat.engine.verify import compare
+from kvchat.responses import result_fields
+from kvchat.runtime import Runtime, RuntimeOptions
 
 BS = 4
 A = list(range(1, 15))  # 14 tokens: 3 full blocks and a partial one
@@ -136,3 +147,176 @@ def test_clear_forgets_both_tiers(tmp_path: Path) -> None:
     assert cache.peek(A) == 0 and list(cache.tree.nodes()) == []
     assert cache.disk is not None
     cache.disk.close()
+
+
+# ---- through the engine and the runtime, on the tiny model ---------------------------------
+
+ATOL = 1e-4
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 250) for _ in range(n)]
+
+
+def run(engine: Engine, ids: list[int], max_new: int = 6) -> GenerationResult:
+    return engine.generate(Request(ids, SamplingParams(max_new_tokens=max_new),
+                                   record_logits=True))
+
+
+def assert_same(cold: GenerationResult, warm: GenerationResult) -> None:
+    equal, first, diff = compare(cold, warm)
+    assert equal, f"tokens diverge at {first}: {cold.token_ids} vs {warm.token_ids}"
+    assert diff <= ATOL, f"max |logit diff| {diff}"
+
+
+def tiered_runtime(model: Any, tokenizer: Any, root: Path, num_blocks: int = 24,
+                   policy: str = "lru") -> Runtime:
+    config = CacheConfig(BS, num_blocks=num_blocks, policy=policy)
+    engine = Engine.create(model, tokenizer, config)
+    rt = Runtime(engine, RuntimeOptions(cache=config, sessions_dir=root), "tiny")
+    rt.restore()
+    return rt
+
+
+@pytest.mark.parametrize("policy", ["lru", "sink-lru", "h2o"])
+def test_cached_equals_cold_with_hits_from_disk_after_a_restart(tiny_model, tiny_tokenizer,
+                                                                tmp_path, policy):
+    a = tiered_runtime(tiny_model, tiny_tokenizer, tmp_path, policy=policy)
+    prompts = [prompt(i, 30 + 3 * i) for i in range(3)]
+    for p in prompts:
+        run(a.engine, p)
+    a.cache.evict(a.cache.manager.num_blocks)  # all to disk (sink-lru and h2o keep first blocks)
+    assert a.cache.manager.num_free >= a.cache.manager.num_blocks - len(prompts)
+    a.save()
+    a.close()
+    b = tiered_runtime(tiny_model, tiny_tokenizer, tmp_path, policy=policy)
+    assert b.restored_tokens > 0 and b.cache.manager.num_free == b.cache.manager.num_blocks
+    cold_engine = b.engine.without_cache()
+    for p in prompts:
+        longer = p + [5, 6, 7]
+        warm = run(b.engine, longer)
+        assert warm.hit_source == "disk" and warm.cache_hit_tokens == len(p)
+        assert warm.disk_hit_tokens >= len(p) - BS
+        assert_same(run(cold_engine, longer), warm)
+        b.cache.check_integrity()
+    fields = result_fields(warm)
+    assert fields["disk_hit_tokens"] == warm.disk_hit_tokens
+    assert b.cache.stats().disk_hit_tokens >= sum(len(p) - BS for p in prompts)
+    assert b.cache.stats().disk_hits == len(prompts)
+    b.close()
+
+
+def test_a_corrupt_block_is_recomputed_correctly(tiny_model, tiny_tokenizer, tmp_path):
+    a = tiered_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    p = prompt(7, 40)
+    run(a.engine, p)
+    a.save()
+    a.close()
+    store = tmp_path / "cache" / "store"
+    files = sorted((store / "blocks").rglob("*.kvb"))
+    assert files
+    for f in files:  # every block damaged: nothing may be served
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    b = tiered_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    warm = run(b.engine, p + [9])
+    assert warm.hit_source == "miss" and warm.disk_hit_tokens == 0
+    assert_same(run(b.engine.without_cache(), p + [9]), warm)
+    assert any("not used" in n for n in b.take_notices())
+    b.cache.check_integrity()
+    b.close()
+
+
+def test_saving_writes_only_the_new_blocks(tiny_model, tiny_tokenizer, tmp_path):
+    rt = tiered_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=64)
+    history = prompt(3, 40)
+    run(rt.engine, history)
+    rt.save()
+    assert rt.disk is not None
+    before = rt.disk.stats().writes
+    run(rt.engine, history + [1, 2, 3, 4, 5, 6, 7, 8])
+    rt.save()
+    new = rt.disk.stats().writes - before
+    assert 0 < new <= 6  # the turn's blocks (and the grown partial one), not the whole history
+    rt.close()
+
+
+def test_inspect_reports_both_tiers_without_torch(tiny_model, tiny_tokenizer, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvchat import cli
+
+    rt = tiered_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    run(rt.engine, prompt(4, 50))
+    rt.cache.evict(4)
+    rt.save()
+    rt.close()
+    out = CliRunner().invoke(cli.app, ["inspect", "--sessions-dir", str(tmp_path), "--json"])
+    assert out.exit_code == 0, out.output
+    tiers = json.loads(out.output)["tiers"]
+    assert tiers["disk"]["blocks"] >= 4 and tiers["disk"]["bytes"] > 0
+    assert tiers["disk"]["budget_bytes"] == 10 << 30 and 0 < tiers["disk"]["tokens"] <= 4 * BS
+    assert tiers["memory"]["blocks"] > 0
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from kvchat.config import CacheConfig, SamplingParams
+from kvchat.engine.sequence import Request
+from kvchat.runtime import Runtime, RuntimeOptions
+root, model = Path(sys.argv[1]), sys.argv[2]
+cfg = CacheConfig(4, num_blocks=16)
+rt = Runtime.open(RuntimeOptions(model=model, device="cpu", cache=cfg, sessions_dir=root))
+for i in range(1000):
+    ids = [(i * 7 + j) % 250 for j in range(40)]
+    rt.engine.generate(Request(ids, SamplingParams(max_new_tokens=2)))
+    if i % 3 == 0:
+        rt.save()
+    print("turn", i, flush=True)
+"""
+
+
+def test_a_sigkill_during_write_behind_leaves_a_consistent_cache(tiny_model_dir, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(tiny_model_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    turns = 0
+    for line in proc.stdout:  # kill it mid-run, saves and spills in flight
+        turns += line.startswith("turn")
+        if turns >= 8:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert turns >= 8, "the child did not run"
+    rt = Runtime.open(RuntimeOptions(model=str(tiny_model_dir), device="cpu",
+                                     cache=CacheConfig(BS, num_blocks=16), sessions_dir=tmp_path))
+    rt.cache.check_integrity()
+    assert rt.restored_tokens > 0, (rt.notice, sorted(p.name for p in tmp_path.rglob("*")))
+    cold = rt.engine.without_cache()
+    for i in range(8):
+        ids = [(i * 7 + j) % 250 for j in range(40)] + [3]
+        warm = run(rt.engine, ids)
+        assert_same(run(cold, ids), warm)
+        rt.cache.check_integrity()
+    assert rt.cache.stats().disk_hit_tokens > 0
+    rt.close()
+
+
+def test_two_processes_writing_the_same_blocks(tmp_path: Path) -> None:
+    first = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
+    second = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
+    for cache in (first, second):
+        put(cache, A)
+        cache.evict(8)
+    for cache in (first, second):
+        assert cache.disk is not None
+        cache.disk.flush()
+    hit = look(second, A + [1])
+    assert hit.source is HitSource.DISK and hit.matched == len(A)
+    for cache in (first, second):
+        assert cache.disk is not None
+        cache.disk.close()
+    assert not list(tmp_path.rglob("*.tmp"))
