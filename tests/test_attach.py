@@ -229,3 +229,23 @@ def test_hanging_up_an_attached_reply_stops_it_on_the_server(server: Running) ->
         assert done.turn.finish_reason == "interrupted" and done.turn.completion_tokens < 2000
         assert session.turns == [done.turn]  # the server recorded the stopped turn
         assert client.cache_stats()["server"]["cancelled"] == before + 1
+
+
+@pytest.mark.parametrize("args, torch_free", [
+    (["--help"], True),
+    (["inspect", "--sessions-dir", "{tmp}/none"], True),
+    (["models", "--model", "{model}", "--device", "cpu"], False),
+], ids=["help", "inspect", "models"])
+def test_light_commands_do_not_import_modeling_code(args: list[str], torch_free: bool,
+                                                    tiny_model_dir: Path, tmp_path: Path) -> None:
+    argv = ["kvchat", *(a.format(tmp=tmp_path, model=tiny_model_dir) for a in args)]
+    code = (f"import sys\nfrom kvchat.cli import app\nsys.argv = {argv!r}\n"
+            "try:\n    app()\nexcept SystemExit:\n    pass\n"
+            "print('LOADED', 'torch' in sys.modules, 'transformers' in sys.modules,"
+            " 'transformers.modeling_utils' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    loaded = done.stdout.strip().splitlines()[-1].split()
+    assert loaded[0] == "LOADED" and loaded[3] == "False", done.stdout + done.stderr
+    if torch_free:
+        assert loaded[1:3] == ["False", "False"]
