@@ -320,3 +320,14 @@ def test_two_processes_writing_the_same_blocks(tmp_path: Path) -> None:
         assert cache.disk is not None
         cache.disk.close()
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_the_hit_panel_shows_memory_and_disk_tokens() -> None:
+    from rich.console import Console
+
+    from kvchat.ui.views import TurnView, hit_panel
+
+    turn = TurnView(3, 100, 80, "disk", 20.0, 15.0, 4, 50.0, "stop", None, disk_hit_tokens=60)
+    console = Console(width=80, record=True, color_system=None)
+    console.print(hit_panel(turn))
+    assert "memory 20 tok · disk 60 tok" in console.export_text()

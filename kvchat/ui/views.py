@@ -89,13 +89,14 @@ class TurnView:
     number: int
     prompt_tokens: int
     hit_tokens: int
-    source: str  # exact | radix | miss
+    source: str  # exact | radix | disk | miss
     ttft_ms: float
     prefill_ms: float
     completion_tokens: int
     decode_tokens_per_s: float
     finish_reason: str
     saved_ms: float | None  # estimated prefill time the hit tokens saved
+    disk_hit_tokens: int = 0  # of hit_tokens, those loaded back from the disk tier
 
     @property
     def computed_tokens(self) -> int:
@@ -141,6 +142,9 @@ def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
         f"reply {t.completion_tokens:,} tok · {t.decode_tokens_per_s:,.0f} tok/s · "
         f"{t.finish_reason}",
     ]
+    disk = t.disk_hit_tokens
+    if disk:  # the hit came (partly) from the disk tier: say how much
+        lines.insert(2, f"memory {t.hit_tokens - disk:,} tok · disk {disk:,} tok")
     return Panel(
         Text("\n".join(lines)), title=f"turn {t.number} · cache", title_align="left",
         expand=False,
