@@ -331,3 +331,20 @@ def test_the_hit_panel_shows_memory_and_disk_tokens() -> None:
     console = Console(width=80, record=True, color_system=None)
     console.print(hit_panel(turn))
     assert "memory 20 tok · disk 60 tok" in console.export_text()
+
+
+def test_bench_tiers_measures_every_figure_on_the_tiny_model(tiny_model, tiny_tokenizer):
+    from rich.console import Console
+
+    from kvchat.bench.tiers import bench_tiers
+    from kvchat.ui.bench_view import tiers_table
+
+    res = bench_tiers(tiny_model, tiny_tokenizer, small=1024, large=3072, prompt_tokens=128,
+                      pool_tokens=128, trials=1)
+    assert res.hit_rate_tier > res.hit_rate_no_tier  # prefixes reloaded from disk
+    assert min(res.save_ratio, res.open_ratio, res.disk_vs_memory, res.cold_vs_disk) > 0
+    console = Console(width=160, record=True, color_system=None)
+    console.print(tiers_table(res))
+    text = console.export_text()
+    assert "save after one turn" in text and "token hit rate" in text
+    assert json.loads(json.dumps(res.to_json()))["save_ratio"] == res.save_ratio

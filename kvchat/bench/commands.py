@@ -254,3 +254,27 @@ def policies(
     _emit(as_dict(rows), policies_table(rows), as_json)
     if plot:
         _err().print(f"plot: {plot_policies(rows, plot)}")
+
+
+@bench_app.command()
+def tiers(
+    small: Annotated[int, typer.Option(min=1, help="Cached tokens of the small cache.")] = 1000,
+    large: Annotated[int, typer.Option(min=1, help="Cached tokens of the large cache.")] = 20_000,
+    prompt_tokens: Annotated[int, typer.Option(min=2, help="Prompt length for TTFT.")] = 1024,
+    trials: Trials = 3,
+    model: Model = None,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    as_json: Json = False,
+) -> None:
+    """The disk tier: save time after one turn with a small vs a large cache, start-up with a
+    large saved cache vs none, time to first token from disk vs a memory hit vs cold, and the
+    hit rate of prefixes that need 4x the pool with the tier and without."""
+    from kvchat.bench.tiers import bench_tiers
+    from kvchat.ui.bench_view import tiers_table
+
+    lm = _load(model, dtype, device)
+    with _status("bench tiers") as progress:
+        res = bench_tiers(lm.model, lm.tokenizer, small, large, prompt_tokens, trials=trials,
+                          progress=progress)
+    _emit(res.to_json(), tiers_table(res), as_json)

@@ -355,3 +355,70 @@ def plot_policies(rows: Sequence[PolicyRow], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ---- bench tiers ---------------------------------------------------------------------------
+
+
+class TiersFigures(Protocol):
+    """`kvchat bench tiers` (kvchat.bench.tiers.TiersResult)."""
+
+    @property
+    def small_tokens(self) -> int: ...
+    @property
+    def large_tokens(self) -> int: ...
+    @property
+    def save_small(self) -> Timing: ...
+    @property
+    def save_large(self) -> Timing: ...
+    @property
+    def open_empty(self) -> Timing: ...
+    @property
+    def open_large(self) -> Timing: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def ttft_cold(self) -> Timing: ...
+    @property
+    def ttft_memory(self) -> Timing: ...
+    @property
+    def ttft_disk(self) -> Timing: ...
+    @property
+    def pool_tokens(self) -> int: ...
+    @property
+    def distinct_prefix_tokens(self) -> int: ...
+    @property
+    def hit_rate_tier(self) -> float: ...
+    @property
+    def hit_rate_no_tier(self) -> float: ...
+    @property
+    def save_ratio(self) -> float: ...
+    @property
+    def open_ratio(self) -> float: ...
+    @property
+    def disk_vs_memory(self) -> float: ...
+    @property
+    def cold_vs_disk(self) -> float: ...
+
+
+def tiers_table(r: TiersFigures) -> Table:
+    """The disk tier's costs and gains, each line against its target."""
+    t = Table(title="Disk tier (medians)", box=box.SIMPLE_HEAD)
+    for name in ("measure", "baseline", "with the tier", "ratio", "target"):
+        t.add_column(name, justify="left" if name == "measure" else "right")
+    t.add_row("save after one turn", f"{r.small_tokens:,} tok: {_time(r.save_small)}",
+              f"{r.large_tokens:,} tok: {_time(r.save_large)}",
+              _ratio(r.save_ratio, r.save_ratio <= 2), "≤ 2x")
+    t.add_row("start-up (runtime open)", f"empty: {_time(r.open_empty)}",
+              f"{r.large_tokens:,} tok: {_time(r.open_large)}",
+              _ratio(r.open_ratio, r.open_ratio <= 1.5), "≤ 1.5x")
+    t.add_row(f"TTFT {r.prompt_tokens:,}-tok prompt, disk vs memory hit",
+              f"memory: {_time(r.ttft_memory)}", f"disk: {_time(r.ttft_disk)}",
+              _ratio(r.disk_vs_memory, r.disk_vs_memory <= 3), "≤ 3x")
+    t.add_row("TTFT, cold vs disk hit", f"cold: {_time(r.ttft_cold)}",
+              f"disk: {_time(r.ttft_disk)}", _ratio(r.cold_vs_disk, r.cold_vs_disk >= 5),
+              "≥ 5x faster")
+    t.add_row(f"token hit rate, prefixes {r.distinct_prefix_tokens:,} tok over a "
+              f"{r.pool_tokens:,}-tok pool", f"no tier: {r.hit_rate_no_tier:.1%}",
+              f"tier: {r.hit_rate_tier:.1%}", Text("–"), "higher")
+    return t
