@@ -249,3 +249,14 @@ def test_light_commands_do_not_import_modeling_code(args: list[str], torch_free:
     assert loaded[0] == "LOADED" and loaded[3] == "False", done.stdout + done.stderr
     if torch_free:
         assert loaded[1:3] == ["False", "False"]
+
+
+def test_connect_takes_the_token_from_the_environment(server: Running, tmp_path: Path) -> None:
+    args = ("inspect", "--json", "--connect", server.url, "--sessions-dir", str(tmp_path))
+    refused = kvchat(*args, env={"KVCHAT_TOKEN": ""})
+    assert refused.returncode == 2 and "token" in " ".join(refused.stderr.split())
+    done = kvchat(*args, env={"KVCHAT_TOKEN": server.token})
+    assert done.returncode == 0, done.stderr
+    assert "tree" in json.loads(done.stdout)
+    done = kvchat("inspect", "--json", "--connect", server.url, "--standalone")
+    assert done.returncode == 2 and "give one of them" in " ".join(done.stderr.split())

@@ -113,7 +113,7 @@ def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
     stdout().print(inspect_view(facts, docs.stats_from_document(doc["stats"]),
                                 docs.nodes_from_document(doc["tree"]),
                                 docs.exact_from_document(doc["exact"]),
-                                docs.tokenizer_decoder(snapshot.get("tokenizer_file")),
+                                _snapshot_decoder(snapshot.get("tokenizer_file")),
                                 depth or 6, 8, session))
 
 
@@ -132,16 +132,6 @@ def _tiers(meta: dict[str, Any], stats: Any, sessions_dir: Path) -> dict[str, An
 def _snapshot_decoder(tokenizer_file: str | None) -> Any:
     """Decode edge previews with the tokenizer file alone (no transformers, no torch); None
     when it is not recorded or no longer there (previews then show token ids)."""
-    if not tokenizer_file or not Path(tokenizer_file).is_file():
-        return None
-    from tokenizers import Tokenizer
+    from kvchat.client.documents import tokenizer_decoder
 
-    try:
-        tokenizer = Tokenizer.from_file(tokenizer_file)
-    except Exception:  # a damaged tokenizer file only costs the previews
-        return None
-
-    def decode(ids: Any) -> str:
-        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
-
-    return decode
+    return tokenizer_decoder(tokenizer_file)
