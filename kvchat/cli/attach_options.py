@@ -39,6 +39,10 @@ class LazyRuntimeOptions:
     for a command that runs in-process."""
 
     def __init__(self, values: dict[str, Any]) -> None:
+        from kvchat.config import CacheConfig  # torch-free: a bad value fails before anything
+
+        CacheConfig(block_size=values["block_size"], cache_mb=values["cache_mb"],
+                    policy=values["policy"])
         self.values = values
 
     @property
