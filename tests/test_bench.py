@@ -102,7 +102,7 @@ def test_batch_all_kinds(tiny_model_dir):
                                     "generate,generate_batch", "--new-tokens", "2",
                                     "--model", str(tiny_model_dir)], env={"COLUMNS": "140"})
     assert res.exit_code == 0, res.output
-    for text in ("unaligned", "16 lines", "kvchat:", "vs generate_batch", "reuse", "ideal"):
+    for text in ("unaligned", "16 lines", "kvchat:", "generate_batch", "reuse", "ideal", "ref."):
         assert text in res.stdout
 
 

@@ -156,10 +156,9 @@ def _batch_cells(r: BatchBench, c: Contender) -> list[RenderableType]:
         *[_ratio(r.speedup(peer, c.name)) if peer != c.name else Text("") for peer in PEERS],
         "–" if c.prefill_tokens is None else f"{c.prefill_tokens:,}",
         "" if reuse is None else f"{reuse:.1%}",
-        "reference" if c.name == GENERATE and c.outputs else
+        "ref." if c.name == GENERATE and c.outputs else
         "–" if same is None else
-        Text(f"yes ({same}/{r.requests})" if same == r.requests else f"{same}/{r.requests}",
-             style="green" if same == r.requests else "red"),
+        Text(f"{same}/{r.requests}", style="green" if same == r.requests else "red"),
     ]
 
 
@@ -169,12 +168,13 @@ def batch_table(suite: BatchSuite) -> RenderableType:
     then the ideal row: what a perfect prefix cache computes and hits."""
     t = Table(title=f"Batch workloads, {suite.new_tokens} new tokens per request, greedy",
               box=box.SIMPLE_HEAD)
-    t.add_column("kind", no_wrap=True)
-    t.add_column("runner", no_wrap=True)
+    t.add_column("kind")
+    t.add_column("runner")
     t.add_column("wall", justify="right")
     for peer in PEERS:
-        t.add_column(f"vs {peer.removeprefix('model.')}", justify="right")
-    for col in ("prefill computed", "reuse", "identical"):
+        name = peer.removeprefix("model.")
+        t.add_column(f"vs\n{name}", justify="right")
+    for col in ("prefill\ncomputed", "reuse", "identical"):
         t.add_column(col, justify="right")
     notes: dict[str, str] = {}
     for r in suite.kinds:
@@ -183,7 +183,7 @@ def batch_table(suite: BatchSuite) -> RenderableType:
         rows = [_batch_cells(r, c) for c in r.contenders]
         rows.append([Text("ideal", style="dim"), "", *["" for _ in PEERS],
                      Text(f"{r.ideal_prefill:,}", style="dim"),
-                     Text(f"{r.ideal_hits:,} tok", style="dim"), ""])
+                     Text(f"{r.ideal_hits:,}", style="dim"), ""])
         for i, cells in enumerate(rows):
             # the kind's facts, one a row; the last row takes what is left
             facts = about[i:] if i == len(rows) - 1 else about[i:i + 1]
@@ -192,7 +192,8 @@ def batch_table(suite: BatchSuite) -> RenderableType:
     t.caption = ("vs <peer>: the peer's wall time over the row's. reuse: cache-hit tokens over "
                  "the ideal's (per line, its longest prefix shared with any earlier line; over "
                  "100% where cached generated tokens match a later prompt). identical: lines "
-                 "whose greedy tokens equal model.generate's.")
+                 "whose greedy tokens equal model.generate's (ref.). ideal: the prefill and "
+                 "cache-hit tokens of a perfect prefix cache.")
     settings = Text("\n".join(f"{name}: {note}" for name, note in notes.items()), style="dim")
     return Group(t, settings)
 
