@@ -25,6 +25,7 @@ from kvchat.bench_results import GENERATE, BatchBench, BatchSuite, Contender
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.autobatch import choose_batch_size
 from kvchat.engine.engine import Engine
+from kvchat.engine.past import kv_shape
 from kvchat.engine.sequence import Request
 
 RUNNERS = ("kvchat", "generate_batch", "generate")  # names for --skip; generate = GENERATE
@@ -84,19 +85,27 @@ def _request_index(request_id: str) -> int:
     return int(digits) if digits else 0
 
 
+def default_pool_tokens(model: Any, block_size: int) -> int:
+    """Tokens the default --cache-mb holds on this model: the pool `kvchat batch` bounds its
+    automatic batch size by (the bench's own pool is sized to the workload instead)."""
+    n_layers, kv_heads, head_dim = kv_shape(model.config)
+    per_token = 2 * n_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+    return CacheConfig(block_size).blocks_for(per_token) * block_size
+
+
 def run_kvchat(
     model: Any, tokenizer: Any, prompts: Prompts, new: int, batch_size: int | None = None,
     block_size: int = BLOCK_SIZE, remember: Path | None = None,
 ) -> Contender:
     """A fresh engine at its defaults, the pool sized to hold the whole workload so nothing is
     evicted. batch_size None: chosen as `kvchat batch` does by default (auto: decode steps
-    measured once, kept in `remember`), before the clock starts."""
+    measured once, kept in `remember`, bounded by the default pool), before the clock starts."""
     longest = max(len(p) for p in prompts) + new
     blocks = (len(prompts) + 2) * (longest + block_size) // block_size
     engine = Engine.create(model, tokenizer, CacheConfig(block_size, num_blocks=blocks))
     if batch_size is None:
         choice = choose_batch_size(engine.runner, "kvchat bench batch", remember,
-                                   blocks * block_size, longest)
+                                   default_pool_tokens(model, block_size), longest)
         engine.batch_size, how = choice.size, choice.describe()
     else:
         engine.batch_size, how = batch_size, f"{batch_size} (--batch-size)"
