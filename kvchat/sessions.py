@@ -345,6 +345,12 @@ class HeldLock:
         self.holder = self.holder._replace(url=url, token=token)
         self._write()
 
+    def withdraw(self) -> None:
+        """Forget the address and token (the server is gone); the last holder stays named."""
+        if self.holder.url is not None or self.holder.token is not None:
+            self.holder = self.holder._replace(url=None, token=None)
+            self._write()
+
     def _write(self) -> None:
         with contextlib.suppress(OSError):  # who holds it is a courtesy; the flock is the lock
             self._fh.seek(0)
@@ -407,6 +413,10 @@ def sessions_lock(root: Path, what: str, wait_s: float = 3.0) -> Iterator[HeldLo
                     ) from None
                 time.sleep(0.1)
         sweep_temp_files(root)
-        yield HeldLock(fh, LockHolder(os.getpid(), what, time.strftime("%H:%M:%S")))
+        held = HeldLock(fh, LockHolder(os.getpid(), what, time.strftime("%H:%M:%S")))
+        try:
+            yield held
+        finally:
+            held.withdraw()  # no token outlives the server on disk
     finally:
         fh.close()  # closing drops the flock

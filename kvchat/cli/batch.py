@@ -118,7 +118,7 @@ def batch(
         raise typer.Exit(1)
     fixed_size = _batch_size_option(batch_size)
     if server is not None:
-        with _terminate_as_interrupt():
+        with terminate_as_interrupt():
             run, interrupted = _run_attached(server, plan, (max_tokens, temperature, seed),
                                              out_path, fail_fast, ui)
     else:
@@ -211,7 +211,7 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
 
     max_tokens, temperature, seed = defaults
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
-    with sessions_lock(options.sessions_dir, "kvchat batch"), _terminate_as_interrupt():
+    with sessions_lock(options.sessions_dir, "kvchat batch"), terminate_as_interrupt():
         runtime = Runtime.open(options.build())
         if runtime.notice:
             ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
@@ -318,9 +318,9 @@ def _save(runtime: Runtime, ui: Console) -> None:
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (timeout, systemd, docker stop) stops the run as Ctrl-C does: rows written,
-    cache saved, exit 130."""
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (timeout, systemd, docker stop, `kvchat stop`) stops the run as Ctrl-C does:
+    rows written, cache saved, exit 130; every `finally` runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

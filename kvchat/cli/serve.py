@@ -101,11 +101,13 @@ def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_t
            access: StartupAuth) -> None:
     import uvicorn
 
+    from kvchat.cli.batch import terminate_as_interrupt
     from kvchat.runtime import Runtime
     from kvchat.server import Server, create_app, log_to_stderr
     from kvchat.sessions import sessions_lock
 
-    with sessions_lock(options.sessions_dir, "kvchat serve") as lock:
+    # uvicorn re-raises the signal it stopped on: as KeyboardInterrupt, the lock is left cleanly
+    with sessions_lock(options.sessions_dir, "kvchat serve") as lock, terminate_as_interrupt():
         sock = _bind(host, port)
         runtime = Runtime.open(options)
         web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens,
