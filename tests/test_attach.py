@@ -261,3 +261,31 @@ def test_connect_takes_the_token_from_the_environment(server: Running, tmp_path:
     assert "tree" in json.loads(done.stdout)
     done = kvchat("inspect", "--json", "--connect", server.url, "--standalone")
     assert done.returncode == 2 and "give one of them" in " ".join(done.stderr.split())
+
+
+def test_ctrl_c_in_an_attached_chat_stops_the_reply_on_the_server(server: Running) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    env = dict(os.environ, TERM="dumb")
+    child = pexpect.spawn(sys.executable, ["-m", "kvchat", "chat", "--session", "tty",
+                                           "--max-tokens", "1500", "--panels", "compact",
+                                           "--sessions-dir", str(server.sessions)],
+                          env=env, encoding="utf-8", timeout=TIMEOUT_S, dimensions=(24, 100))
+    with Client(server.url, server.token) as client:
+        before = client.cache_stats()["server"]["cancelled"]
+        try:
+            child.expect_exact("tty> ")
+            child.sendline("Tell me a story.")
+            child.expect_exact("assistant> ")
+            child.expect(r"\S")  # the reply has started streaming
+            child.sendintr()
+            child.expect_exact("tty> ")
+            assert "[stopped]" in child.before
+            child.sendline("/exit")
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+        assert client.cache_stats()["server"]["cancelled"] == before + 1
+        session = client.session("tty")
+    assert session is not None
+    [turn] = session["turns"]
+    assert turn["finish_reason"] == "interrupted" and turn["completion_tokens"] < 1500
