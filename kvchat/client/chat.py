@@ -91,8 +91,9 @@ class RemoteReply:
             decode_s = (float(result["total_ms"]) - float(result["ttft_ms"])) / 1000
             rate = max(int(result["completion_tokens"]) - 1, 0) / decode_s if decode_s > 0 else 0
         source = str(result["hit_source"]) if result is not None else turn.source
+        disk = int(result.get("disk_hit_tokens", 0)) if result is not None else 0
         return TurnDone(turn, turn.ttft_ms, turn.prefill_ms,
-                        turn.prompt_tokens - turn.hit_tokens, rate, source)
+                        turn.prompt_tokens - turn.hit_tokens, rate, source, disk)
 
 
 class RemoteBackend:

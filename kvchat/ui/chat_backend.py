@@ -33,6 +33,7 @@ class TurnDone(NamedTuple):
     computed_tokens: int  # prompt tokens the model had to prefill
     decode_tokens_per_s: float
     hit_source: str
+    disk_hit_tokens: int = 0  # of the turn's hit tokens, those loaded back from disk
 
 
 class TurnFailed(NamedTuple):
@@ -114,7 +115,7 @@ class LocalReply:
         turn = self.turn.commit(result)
         assert turn is not None
         return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
-                        result.decode_tokens_per_s, result.hit_source)
+                        result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens)
 
 
 class LocalBackend:

@@ -249,6 +249,7 @@ class Chat(ConversationMoves):
             decode_tokens_per_s=done.decode_tokens_per_s,
             finish_reason=turn.finish_reason,
             saved_ms=views.estimate_saved_ms(turn.hit_tokens, rate),
+            disk_hit_tokens=done.disk_hit_tokens,
         )
         if self.panels != "off":
             self.console.print(
