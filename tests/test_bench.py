@@ -88,11 +88,10 @@ def test_batch_all_kinds(tiny_model_dir):
                   "--new-tokens", "2", "--skip", "generate_batch,generate", "--model",
                   str(tiny_model_dir)])
     assert r["new_tokens"] == 2 and [k["kind"] for k in r["kinds"]] == list(KINDS)
-    for i, k in enumerate(r["kinds"]):
+    for k in r["kinds"]:
         [kv] = k["contenders"]
-        # the automatic batch size, as kvchat batch picks it: measured once per run
-        assert kv["name"] == "kvchat"
-        assert f"(auto: measured {'now' if i == 0 else 'earlier'}" in kv["note"]
+        # the automatic batch size, as kvchat batch picks it by default
+        assert kv["name"] == "kvchat" and " (auto" in kv["note"]
         assert kv["prefill_tokens"] + kv["hit_tokens"] == k["prompt_tokens"]
         assert kv["identical_outputs"] is None and 0 < kv["reuse"] <= 1.5
     repeats = next(k for k in r["kinds"] if k["kind"] == "repeats")
@@ -207,3 +206,23 @@ def test_batch_bench_compares_with_generate_and_the_ideal():
     row = r.as_dict()["contenders"][0]
     assert row["speedup_vs"] == {"model.generate": 4.0, "generate_batch": None}
     assert row["identical_outputs"] == 2 and row["reuse"] == 0.75
+
+
+def test_batch_table_lists_each_runners_settings_once():
+    from rich.console import Console
+
+    from kvchat.bench_results import BatchBench, BatchSuite, Contender
+    from kvchat.ui.bench_view import batch_table
+
+    def kind(name: str, size: int) -> BatchBench:
+        ref = Contender("model.generate", 4.0, ((1,), (2,)), 20, note="one request at a time")
+        kv = Contender("kvchat", 1.0, ((1,), (3,)), 5, 12, f"batch_size={size} (auto)")
+        return BatchBench(name, 2, 20, 1, 6, 12, (kv, ref))
+
+    console = Console(width=140, record=True)
+    console.print(batch_table(BatchSuite(1, (kind("few-shot", 8), kind("repeats", 8),
+                                             kind("unaligned", 2)))))
+    text = console.export_text()
+    assert "kvchat: few-shot, repeats: batch_size=8 (auto); unaligned: batch_size=2 (auto)" in text
+    assert "model.generate: one request at a time" in text
+    assert text.count("1/2") == 3 and text.count("100.0%") == 3 and "4.00x" in text

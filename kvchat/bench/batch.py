@@ -106,7 +106,8 @@ def run_kvchat(
     if batch_size is None:
         choice = choose_batch_size(engine.runner, "kvchat bench batch", remember,
                                    default_pool_tokens(model, block_size), longest)
-        engine.batch_size, how = choice.size, choice.describe()
+        bounded = ", bounded by the default pool" if choice.bound < choice.best else ""
+        engine.batch_size, how = choice.size, f"{choice.size} (auto{bounded})"
     else:
         engine.batch_size, how = batch_size, f"{batch_size} (--batch-size)"
     params = SamplingParams(max_new_tokens=new)

@@ -162,6 +162,13 @@ def _batch_cells(r: BatchBench, c: Contender) -> list[RenderableType]:
     ]
 
 
+def _settings(name: str, by_note: dict[str, list[str]], n_kinds: int) -> str:
+    """One line per runner: its settings, and per kind where they differ (an automatic size)."""
+    if len(by_note) == 1 and len(next(iter(by_note.values()))) == n_kinds:
+        return f"{name}: {next(iter(by_note))}"
+    return f"{name}: " + "; ".join(f"{', '.join(kinds)}: {note}" for note, kinds in by_note.items())
+
+
 def batch_table(suite: BatchSuite) -> RenderableType:
     """One row per runner per workload kind: wall time, speed-up of the row's runner over each
     peer, prefill computed, kvchat's reuse against the ideal, outputs identical to generate;
@@ -176,7 +183,7 @@ def batch_table(suite: BatchSuite) -> RenderableType:
         t.add_column(f"vs\n{name}", justify="right")
     for col in ("prefill\ncomputed", "reuse", "identical"):
         t.add_column(col, justify="right")
-    notes: dict[str, str] = {}
+    notes: dict[str, dict[str, list[str]]] = {}  # runner -> its settings -> kinds run so
     for r in suite.kinds:
         t.add_section()
         about = [r.kind, f"{r.requests} lines", f"{r.prompt_tokens:,} tok"]
@@ -188,13 +195,16 @@ def batch_table(suite: BatchSuite) -> RenderableType:
             # the kind's facts, one a row; the last row takes what is left
             facts = about[i:] if i == len(rows) - 1 else about[i:i + 1]
             t.add_row(Text("\n".join(facts), style="" if i == 0 else "dim"), *cells)
-        notes.update((c.name, c.note) for c in r.contenders if c.note)
+        for c in r.contenders:
+            if c.note:
+                notes.setdefault(c.name, {}).setdefault(c.note, []).append(r.kind)
     t.caption = ("vs <peer>: the peer's wall time over the row's. reuse: cache-hit tokens over "
                  "the ideal's (per line, its longest prefix shared with any earlier line; over "
                  "100% where cached generated tokens match a later prompt). identical: lines "
                  "whose greedy tokens equal model.generate's (ref.). ideal: the prefill and "
                  "cache-hit tokens of a perfect prefix cache.")
-    settings = Text("\n".join(f"{name}: {note}" for name, note in notes.items()), style="dim")
+    settings = Text("\n".join(_settings(name, by_note, len(suite.kinds))
+                              for name, by_note in notes.items()), style="dim")
     return Group(t, settings)
 
 
