@@ -97,10 +97,11 @@ def test_batch_and_session_turns_share_hits_both_ways(server: Running, tmp_path:
             {"id": "b", "prompt": "A brand new question about rivers?", "system": "Be brief.",
              "max_tokens": 3},
         ])
-        done = kvchat("batch", str(lines), "-o", str(out), "--sessions-dir",
-                      str(server.sessions))
+        done = kvchat("batch", str(lines), "-o", str(out), "--cache-mb", "64",
+                      "--sessions-dir", str(server.sessions))
         assert done.returncode == 0, done.stderr
         assert "attached to" in done.stdout
+        assert "--cache-mb ignored" in done.stderr  # the server keeps its own settings
         rows = [json.loads(x) for x in out.read_text().splitlines()]
         assert [r["line"] for r in rows] == [1, 2]
         assert rows[0]["cache_hit_tokens"] >= 16  # the system prompt the turn cached

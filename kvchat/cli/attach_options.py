@@ -49,6 +49,12 @@ class LazyRuntimeOptions:
     def sessions_dir(self) -> Path:
         return Path(self.values.get("sessions_dir", Path("sessions")))
 
+    def ignored_when_attached(self) -> list[str]:
+        """The model and cache options given on the command line: a server keeps its own."""
+        family = shared._MODEL_FAMILY + shared._CACHE_FAMILY + shared._SESSIONS_FAMILY
+        return ["--" + p.name.replace("_", "-") for p in family
+                if p.name != "sessions_dir" and self.values.get(p.name, p.default) != p.default]
+
     def build(self) -> RuntimeOptions:
         return shared._runtime_options(**self.values, persist=True)
 
@@ -63,8 +69,21 @@ def _lazy(**values: Any) -> LazyRuntimeOptions:
     return LazyRuntimeOptions(values)
 
 
-def find_server(sessions_dir: Path, connect: str | None, token: str | None,
+def find_server(options: LazyRuntimeOptions | Path, connect: str | None, token: str | None,
                 standalone: bool) -> Attachment | None:
+    """The server to attach to (see `kvchat.client.attachment`); says which of `options` it
+    ignores then."""
     from kvchat.client import attachment
 
-    return attachment(sessions_dir, connect, token, standalone)
+    if isinstance(options, LazyRuntimeOptions):
+        sessions_dir, ignored = options.sessions_dir, options.ignored_when_attached()
+    else:
+        sessions_dir, ignored = options, []
+    server = attachment(sessions_dir, connect, token, standalone)
+    if server is not None and ignored:
+        from kvchat.cli.app import stderr
+
+        stderr().print(f"[yellow]{', '.join(ignored)} ignored: the server at {server.url} "
+                       "keeps its own model and cache settings (--standalone runs one of "
+                       "this command's own).[/yellow]")
+    return server

@@ -109,7 +109,7 @@ def batch(
     """
     from kvchat.cli.attach_options import find_server
 
-    server = find_server(options.sessions_dir, connect, token, standalone)
+    server = find_server(options, connect, token, standalone)
     to_stdout = output is None or str(output) == "-"
     out_path = None if to_stdout else output
     ui = stderr() if to_stdout else stdout()

@@ -68,7 +68,7 @@ def chat(
     params = SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
-    server = find_server(options.sessions_dir, connect, token, standalone)
+    server = find_server(options, connect, token, standalone)
     if server is not None:
         _attached_chat(server, options, name, system, params, panels)
         return
