@@ -4,9 +4,10 @@ replies and `kvchat batch`'s output rows use these."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvchat.engine.sequence import GenerationResult
+if TYPE_CHECKING:  # torch-free: an attached batch writes rows without loading the engine
+    from kvchat.engine.sequence import GenerationResult
 
 
 def result_fields(r: GenerationResult) -> dict[str, Any]:

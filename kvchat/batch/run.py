@@ -6,15 +6,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvchat.batch.requests import BatchItem
 from kvchat.cache.stats import ratio
 from kvchat.config import SamplingParams
-from kvchat.engine.engine import Engine, RequestCancelled
-from kvchat.engine.sequence import Event, Finished, GenerationResult
 from kvchat.errors import KvchatError
 from kvchat.sessions import SessionStore
-from kvchat.turns import PreparedTurn, merge_params, prepare_turn
+
+if TYPE_CHECKING:  # the engine (and torch) load only when a run starts in this process
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.sequence import Event, GenerationResult
+    from kvchat.turns import PreparedTurn
 
 
 @dataclass
@@ -66,6 +69,8 @@ class BatchRun:
         self.stopped = False
 
     def _submit(self, item: BatchItem) -> None:
+        from kvchat.turns import merge_params, prepare_turn
+
         try:
             params = merge_params(self.defaults, item.max_tokens, item.temperature,
                                   seed=item.seed)
@@ -83,6 +88,9 @@ class BatchRun:
             self._advance_session(item)
 
     def _event(self, item: BatchItem, turn: PreparedTurn, event: Event) -> None:
+        from kvchat.engine.engine import RequestCancelled
+        from kvchat.engine.sequence import Finished
+
         if not isinstance(event, Finished):
             return
         if event.result is None or event.error is not None:
