@@ -6,6 +6,7 @@ never deleted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -21,6 +22,7 @@ from kvchat.sessions import (
 )
 
 INDEX = "index.json"
+EXACT = "exact"  # beside the index: one file per exact entry's logits row
 
 
 @dataclass(frozen=True)
@@ -82,14 +84,47 @@ def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
     """Persist the cache: its blocks into the disk tier (only those not stored yet: a save
     costs the turn's new blocks), then index.json, the tree with block keys, atomically. A
     failed write raises SessionWriteError and leaves the previous index as it was."""
-    from kvchat.cache.tree_index import export_index
+    from kvchat.cache.tree_index import exact_logits, export_index
 
     folder = private_dir(cache_dir(private_dir(Path(root))))
     meta = export_index(cache)
+    _save_exact(folder / EXACT, exact_logits(cache))
     meta.update(extra)
     meta.update(fingerprint=fingerprint, snapshot_id=uuid.uuid4().hex[:12], saved_at=time.time())
     atomic_write(folder / INDEX, json.dumps(meta).encode(), "the cache index")
     return folder / INDEX
+
+
+def _save_exact(folder: Path, logits: dict[str, Any]) -> None:
+    """Each exact entry's logits row in a file of its own, written once (the name hashes the
+    prompt); files of entries that are gone are removed."""
+    from safetensors.torch import save
+
+    private_dir(folder, "the exact entries' folder")
+    for name, row in logits.items():
+        path = folder / f"{name}.safetensors"
+        if not path.exists():
+            data = save({"logits": row.detach().to("cpu").contiguous()})
+            atomic_write(path, data, "an exact entry's logits")
+    for old in folder.glob("*.safetensors"):
+        if old.stem not in logits:
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+
+def _exact_loader(folder: Path, device: Any) -> Any:
+    """Reads one saved logits row on first hit; None when it is missing or damaged."""
+
+    def load(name: str) -> Any:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(folder / f"{name}.safetensors"))["logits"].to(device)
+        except (OSError, SafetensorError, KeyError):
+            return None
+
+    return load
 
 
 def _old_files(root: Path) -> bool:
@@ -123,7 +158,8 @@ def load_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any]) -> Snapsh
         return SnapshotLoad(False, f"Cache snapshot was made with a different "
                                    f"{', '.join(differ)}; set aside in {where}.")
     try:
-        import_index(cache, info.meta)
+        loader = _exact_loader(cache_dir(root) / EXACT, cache.manager.devices[-1])
+        import_index(cache, info.meta, loader)
     except SnapshotMismatch as exc:
         where = set_aside_snapshot(root)
         return SnapshotLoad(False, f"Cache snapshot not loaded ({exc}); set aside in {where}.")

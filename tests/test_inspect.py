@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,8 +80,8 @@ def test_json_schema_matches_the_cache_that_was_saved(saved):
 
     decode = inspect_cmd._snapshot_decoder(doc["snapshot"]["tokenizer_file"])
     assert doc["tree"] == cv.tree_json(cv.nodes_from_cache(cache), decode)
-    assert doc["exact"] == []  # exact entries do not outlive the process
-    stats = replace(cache.stats(), exact_entries=0)
+    assert doc["exact"] == cv.exact_json(cv.exact_from_cache(cache), decode)
+    stats = cache.stats()
     assert doc["stats"] == stats.to_json()  # the live cache's numbers, in /cache/stats' schema
     assert CacheStats.from_json(doc["stats"]) == stats
     assert doc["tiers"]["memory"]["blocks"] == stats.pool.used_blocks
@@ -114,6 +113,7 @@ def test_session_filter_and_depth(saved):
     assert len(nodes) == 2 and all("beta" in n["owners"] for n in nodes)
     assert len(doc["tree"][0]["children"]) == 1
     assert doc["snapshot"]["session"] == "beta"
+    assert len(doc["exact"]) == 1  # beta's one prompt; alpha's two are on the other branch
     shallow = json.loads(invoke("inspect", "--sessions-dir", str(root), "--json", "--depth",
                                 "1").output)
     assert shallow["tree"][0]["children"] == []
@@ -131,6 +131,7 @@ def test_text_view_shows_tree_pool_sessions_and_exact_index(saved):
     assert f"used {stats.pool.used_blocks} / {stats.pool.total_blocks:,} blocks" in out
     assert f"radix tree · 3 nodes · {stats.tree_tokens} tok" in out
     assert '"<|im_start|…' in out and " alpha, beta" in out
+    assert "exact index · 3 entries" in out
 
 
 def test_previews_fall_back_to_token_ids_without_a_tokenizer(saved, tmp_path):

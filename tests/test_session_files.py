@@ -65,6 +65,7 @@ def fake_export(monkeypatch: pytest.MonkeyPatch) -> None:
         return {"tree": [], "version": cache.version}
 
     monkeypatch.setattr(kvchat.cache.tree_index, "export_index", export_index)
+    monkeypatch.setattr(kvchat.cache.tree_index, "exact_logits", lambda cache: {})
 
 
 def save(root: Path, cache: FakeCache) -> Path:

@@ -16,6 +16,8 @@ from kvchat.cache.store import ReadStatus
 
 if TYPE_CHECKING:
     from kvchat.cache.blocks import Block, BlockManager
+    from kvchat.cache.exact import ExactEntry
+    from kvchat.cache.kvcache import PagedKVCache
     from kvchat.cache.radix import DiskBlock, Node, RadixTree
     from kvchat.cache.store import BlockStore
 
@@ -96,11 +98,13 @@ def load(store: BlockStore, manager: BlockManager, tree: RadixTree,
 
 def persist(store: BlockStore, manager: BlockManager, tree: RadixTree) -> None:
     """Make the store hold every block of the tree, then wait until it is on disk: resident
-    blocks not stored yet are written (a stored one costs a lookup and a stat); on-disk blocks
+    blocks not stored yet are written (a stored one costs a dict lookup); on-disk blocks
     whose files the store evicted to stay in budget are pruned, since they cannot be served."""
     for node, _ in tree.nodes():
         for i, block in enumerate(node.blocks):
-            store.put(node.keys[i], block.token_ids, manager.block_tensors(block.block_id))
+            # listed blocks cost no stat here: a spill re-checks (put) before dropping one
+            if not store.contains(node.keys[i]):
+                store.put(node.keys[i], block.token_ids, manager.block_tensors(block.block_id))
     store.flush()  # written, and the store back within its budget: what is gone is gone
     prune: list[tuple[Node, int]] = []
     stack = [c for root in tree.roots.values() for c in root.child_list()]
@@ -116,3 +120,21 @@ def persist(store: BlockStore, manager: BlockManager, tree: RadixTree) -> None:
         # a sibling's removal may have merged this node into its parent: pruned next time
         if parent is not None and node in parent.children.get(node.tokens[0], ()):
             tree.truncate(node, gone)
+
+
+def revive_exact(cache: PagedKVCache, tokens: Sequence[int],
+                 namespace: str) -> tuple[ExactEntry | None, int]:
+    """An exact entry an earlier process saved, made live again on its first hit: its path
+    loaded from disk, its logits read. Returns the entry (None when its blocks or logits cannot
+    all be had: the prompt is then a radix hit at most) and the tokens loaded from disk."""
+    loader = cache.saved_exact.pop((namespace, tuple(tokens)), None)
+    logits = loader() if loader is not None else None
+    if logits is None:  # read first: a failed read leaves the path to the radix lookup
+        return None, 0
+    match = cache.tree.find_prefix(tokens, namespace)
+    resident = match.resident(bs := cache.block_size)
+    match = cache.load(match)
+    if match.matched < len(tokens):
+        return None, max(len(match.blocks) * bs - resident, 0)
+    cache.exact.put(tokens, match.blocks[: -(-len(tokens) // bs)], logits, namespace)
+    return cache.exact.get(tokens, namespace), len(tokens) - resident

@@ -99,6 +99,8 @@ class PagedKVCache:
         self._sessions: dict[str, SessionCounters] = {}  # updated in place: one per session
         self._counters = Counters(sessions=self._sessions)
         self.disk: BlockStore | None = None
+        # exact entries saved by an earlier process: (namespace, tokens) -> their logits' loader
+        self.saved_exact: dict[tuple[str, tuple[int, ...]], Callable[[], Any]] = {}
         self._root_key: Callable[[str], str] | None = None
         self._notices: list[str] = []
 
@@ -110,19 +112,15 @@ class PagedKVCache:
             raise ValueError("use_store needs an empty cache")
         fp = dict(fingerprint)
         self._root_key = lambda namespace: root_key(fp, namespace)
-        self.tree = RadixTree(self.block_size, self._root_key)
-        self.disk = store
+        self.tree, self.disk = self.new_tree(), store
 
-    def new_tree(self) -> RadixTree:
-        """An empty tree keyed like this cache's."""
+    def new_tree(self) -> RadixTree:  # an empty tree keyed like this cache's
         return RadixTree(self.block_size, self._root_key)
 
     def take_notices(self) -> list[str]:
         """One-line notices about the disk tier (damaged or missing blocks), each once."""
         out, self._notices = self._notices, []
-        if self.disk is not None:
-            out.extend(self.disk.take_notices())
-        return out
+        return out + (self.disk.take_notices() if self.disk is not None else [])
 
     @classmethod
     def create(
@@ -158,15 +156,15 @@ class PagedKVCache:
         least the last token to compute, since its logits are needed to sample."""
         n = len(tokens)
         entry = self.exact.get(tokens, namespace) if n else None
-        if entry is not None and entry.logits is not None:
-            matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
         disk = 0
+        if entry is None and (namespace, tuple(tokens)) in self.saved_exact:
+            entry, disk = disk_tier.revive_exact(self, tokens, namespace)
         if entry is not None and entry.logits is not None:
             matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
         else:
             match = self.tree.find_prefix(tokens, namespace)
             resident = match.resident(self.block_size)
-            match = self._load(match)
+            match = self.load(match)
             matched = min(match.matched, max(n - 1, 0))
             blocks = match.blocks[: _ceil_div(matched, self.block_size)]
             disk = max(matched - resident, 0)
@@ -190,7 +188,7 @@ class PagedKVCache:
         ref counts or the disk (schedulers)."""
         return self.tree.find_prefix(tokens, namespace).matched
 
-    def _load(self, match: PrefixMatch) -> PrefixMatch:
+    def load(self, match: PrefixMatch) -> PrefixMatch:
         """`match` with its on-disk blocks loaded back (see `disk_tier.load_match`)."""
         if not match.disk:
             return match
@@ -239,7 +237,7 @@ class PagedKVCache:
         if have != n - skip_tokens:
             raise ValueError(f"K/V covers {have} positions, expected {n - skip_tokens}")
         found = self.tree.find_prefix(tokens, namespace)
-        match = self._load(found)
+        match = self.load(found)
         # a path still partly on disk (no room to load it) cannot be extended: write nothing
         writable = not found.disk or not self.tree.find_prefix(tokens, namespace).disk
         m = match.matched
@@ -429,6 +427,7 @@ class PagedKVCache:
         callers still hold are freed too, so only call it when no request is running."""
         self.tree = self.new_tree()
         self.exact.clear()
+        self.saved_exact.clear()
         self._sessions = {}
         self._counters = Counters(sessions=self._sessions)
         self.manager.reset()

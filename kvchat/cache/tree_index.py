@@ -10,7 +10,9 @@ their blocks are on disk after a restart, and the radix tree serves those prompt
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvchat.cache import disk_tier
@@ -84,12 +86,31 @@ def export_index(cache: PagedKVCache) -> dict[str, Any]:
         "counters": cache.stats().counters_json(),
         "resident_blocks": mgr.num_blocks - mgr.num_free,  # `kvchat inspect`'s memory tier
         "disk_tokens": cache.stats().disk_tokens,
+        "exact": [{"tokens": list(tokens), "namespace": e.namespace, "blocks": len(e.blocks),
+                   "logits": exact_name(cache.tree, e.namespace, tokens)}
+                  for tokens, e in cache.exact.items() if e.logits is not None],
     }
 
 
-def import_index(cache: PagedKVCache, meta: Mapping[str, Any]) -> None:
-    """Rebuild the saved tree in an empty cache, every block on disk; raises SnapshotMismatch
-    if it does not fit or hold together, leaving the cache empty."""
+def exact_name(tree: RadixTree, namespace: str, tokens: Sequence[int]) -> str:
+    """The file name (without extension) of an exact entry's saved logits: it hashes the
+    chain's root key (model fingerprint and namespace) and the prompt, as block keys do."""
+    data = tree.root_key(namespace).encode() + b"\0" + ",".join(map(str, tokens)).encode()
+    return hashlib.sha256(data).hexdigest()[:40]
+
+
+def exact_logits(cache: PagedKVCache) -> dict[str, Any]:
+    """The exact entries' logits rows by file name (`exact_name`): what a save writes beside
+    the index, once per entry."""
+    return {exact_name(cache.tree, e.namespace, t): e.logits for t, e in cache.exact.items()
+            if e.logits is not None}
+
+
+def import_index(cache: PagedKVCache, meta: Mapping[str, Any],
+                 logits: Callable[[str], Any] = lambda name: None) -> None:
+    """Rebuild the saved tree in an empty cache, every block on disk; exact entries wait in
+    `cache.saved_exact` until first hit, when `logits(name)` reads theirs. Raises
+    SnapshotMismatch if the index does not fit or hold together, leaving the cache empty."""
     try:
         if meta.get("version") != INDEX_VERSION:
             raise SnapshotMismatch(f"index version {meta.get('version')} is not "
@@ -104,6 +125,9 @@ def import_index(cache: PagedKVCache, meta: Mapping[str, Any]) -> None:
         tree = tree_from_records(cache.new_tree(), meta["tree"])
         cache.restore(tree, Counters.counters_from_json(meta["counters"]))
         cache.policy.restore(meta.get("policy_state") or {})
+        for rec in meta.get("exact", []):
+            key = (str(rec.get("namespace", "")), tuple(int(t) for t in rec["tokens"]))
+            cache.saved_exact[key] = functools.partial(logits, str(rec["logits"]))
         cache.check_integrity()
     except SnapshotMismatch:
         cache.reset()

@@ -76,8 +76,8 @@ def inspect_snapshot(
         where = {"path": str(index), "saved_at": meta.get("saved_at"),
                  "model_label": meta.get("model_label"),
                  "tokenizer_file": meta.get("tokenizer_file")}
-        doc = cv.inspect_document(fingerprint, where, stats, nodes, exact, decode, depth, session)
-        doc["tiers"] = _tiers(meta, stats, sessions_dir)
+        doc = cv.inspect_document(fingerprint, where, stats, nodes, exact, decode, depth, session,
+                                  _disk_tier(meta, sessions_dir))
         # one line: token lists make an indented dump thousands of lines long
         typer.echo(json.dumps(doc, ensure_ascii=False))
         return
@@ -117,16 +117,12 @@ def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
                                 depth or 6, 8, session))
 
 
-def _tiers(meta: dict[str, Any], stats: Any, sessions_dir: Path) -> dict[str, Any]:
-    """The memory tier as saved, the disk tier from its own index (torch-free: no block file
-    is opened)."""
+def _disk_tier(meta: dict[str, Any], sessions_dir: Path) -> dict[str, Any]:
+    """The disk tier's files from its own index (torch-free: no block file is opened)."""
     from kvchat.cache.store_index import read_disk_tier
 
     store = Path(meta.get("store_dir") or sessions_dir / "cache" / "store")
-    memory = {"blocks": stats.pool.used_blocks, "total_blocks": stats.pool.total_blocks,
-              "tokens": stats.tree_tokens - stats.disk_tokens}
-    return {"memory": memory, "disk": {**read_disk_tier(store).to_json(), "path": str(store),
-                                       "tokens": stats.disk_tokens}}
+    return {**read_disk_tier(store).to_json(), "path": str(store)}
 
 
 def _snapshot_decoder(tokenizer_file: str | None) -> Any:

@@ -155,7 +155,9 @@ def nodes_from_meta(meta: Mapping[str, Any]) -> tuple[NodeView, ...]:
 def exact_from_meta(meta: Mapping[str, Any]) -> tuple[ExactView, ...]:
     try:
         return tuple(
-            ExactView(tuple(map(int, e["tokens"])), len(e["blocks"]), bool(e.get("logits")),
+            ExactView(tuple(map(int, e["tokens"])),
+                      e["blocks"] if isinstance(e["blocks"], int) else len(e["blocks"]),
+                      bool(e.get("logits")),
                       str(e.get("namespace", "")))
             for e in meta.get("exact", [])
         )
@@ -368,6 +370,7 @@ def inspect_document(
     decode: Decode | None = None,
     depth: int | None = None,
     session: str | None = None,
+    disk: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of `kvchat inspect --json` and the server's `/cache/tree` (schema in
     the README). `snapshot_info` holds "path", "saved_at", "model_label" and "tokenizer_file";
@@ -382,4 +385,14 @@ def inspect_document(
         "pool": stats_doc["pool"],
         "tree": tree_json(nodes, decode, depth),
         "exact": exact_json(exact, decode),
+        "tiers": tiers_json(stats, disk),
     }
+
+
+def tiers_json(stats: CacheStats, disk: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Both tiers: the pool's blocks and the tokens in it; the disk tier's files ("blocks",
+    "bytes", "budget_bytes", "path": None when not read) and the tokens only there."""
+    memory = {"blocks": stats.pool.used_blocks, "total_blocks": stats.pool.total_blocks,
+              "tokens": stats.tree_tokens - stats.disk_tokens}
+    files = dict(disk or {"blocks": None, "bytes": None, "budget_bytes": None, "path": None})
+    return {"memory": memory, "disk": {**files, "tokens": stats.disk_tokens}}
