@@ -179,7 +179,7 @@ def test_a_scheduler_wave_waits_only_for_its_own_namespace() -> None:
     from kvchat.engine.sequence import Request, Sequence
 
     cache: PagedKVCache = make_cache(num_blocks=16, block_size=BS)
-    scheduler = Scheduler(4, 512, cache.peek, BS)
+    scheduler = Scheduler(4, 512, cache.peek)
     shared = list(range(20))
     seqs = [Sequence(i, Request([*shared, 90 + i], namespace=ns), lambda e: None)
             for i, ns in enumerate(["alice", "alice", "bob"])]
