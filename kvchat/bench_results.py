@@ -279,6 +279,8 @@ class BatchSuite:
 
     new_tokens: int
     kinds: tuple[BatchBench, ...]
+    torch_threads: int = 0  # batched matmuls slow down sharply when threads outnumber free cores
 
     def as_dict(self) -> dict[str, Any]:
-        return {"new_tokens": self.new_tokens, "kinds": [k.as_dict() for k in self.kinds]}
+        return {"new_tokens": self.new_tokens, "torch_threads": self.torch_threads,
+                "kinds": [k.as_dict() for k in self.kinds]}

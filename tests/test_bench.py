@@ -88,6 +88,7 @@ def test_batch_all_kinds(tiny_model_dir):
                   "--new-tokens", "2", "--skip", "generate_batch,generate", "--model",
                   str(tiny_model_dir)])
     assert r["new_tokens"] == 2 and [k["kind"] for k in r["kinds"]] == list(KINDS)
+    assert r["torch_threads"] >= 1
     for k in r["kinds"]:
         [kv] = k["contenders"]
         # the automatic batch size, as kvchat batch picks it by default

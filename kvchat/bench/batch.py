@@ -176,7 +176,7 @@ def bench_batch(
     warm_up(model, tokenizer)
     # kvchat's automatic batch size is measured once per run, as `kvchat batch` does per model
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
-        return BatchSuite(new_tokens, tuple(
+        return BatchSuite(new_tokens, torch_threads=torch.get_num_threads(), kinds=tuple(
             bench_kind(model, tokenizer, kind,
                        build_workload(kind, tokenizer, requests, system_tokens),
                        new_tokens, batch_size, include, progress,

@@ -173,7 +173,8 @@ def batch_table(suite: BatchSuite) -> RenderableType:
     """One row per runner per workload kind: wall time, speed-up of the row's runner over each
     peer, prefill computed, kvchat's reuse against the ideal, outputs identical to generate;
     then the ideal row: what a perfect prefix cache computes and hits."""
-    t = Table(title=f"Batch workloads, {suite.new_tokens} new tokens per request, greedy",
+    threads = f", {suite.torch_threads} torch threads" if suite.torch_threads else ""
+    t = Table(title=f"Batch workloads, {suite.new_tokens} new tokens per request, greedy{threads}",
               box=box.SIMPLE_HEAD)
     t.add_column("kind")
     t.add_column("runner")
