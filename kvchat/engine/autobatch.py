@@ -3,8 +3,9 @@
 A decode step is bound by reading the weights, so on most devices it costs nearly the same for
 1 row or for many, until the batch's K/V and activations catch up. kvchat measures one decode
 step at a few batch sizes (once per model and device: the result is kept in the kvchat cache
-dir), takes the size past which doubling gains less than 10% throughput, and bounds it so that
-every row's K/V fits in the pool's budget.
+dir), takes the smallest size within 10% of the best throughput measured (one noisy point on a
+busy machine cannot stop the search early), and bounds it so that every row's K/V fits in the
+pool's budget.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvchat.engine.model_runner import ModelRunner
 from kvchat.engine.past import past_kv, wrap_past
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-GAIN = 1.10  # a doubling must buy this much more throughput to be worth it
+NEAR_BEST = 0.90  # the smallest size reaching this share of the best tokens per second
 CONTEXT = 64  # tokens of context per row while measuring
 
 
@@ -66,14 +67,11 @@ def measure_steps(runner: ModelRunner, sizes: tuple[int, ...] = SIZES,
 
 
 def best_size(measured: dict[int, float]) -> int:
-    """The size past which doubling the batch gains less than GAIN in tokens per second."""
-    sizes = sorted(measured)
-    best = sizes[0]
-    for size in sizes[1:]:
-        if size / measured[size] < GAIN * (best / measured[best]):
-            break
-        best = size
-    return best
+    """The smallest batch size whose tokens per second reach NEAR_BEST of the best measured:
+    past it, more rows add latency and memory for little throughput."""
+    throughput = {size: size / seconds for size, seconds in measured.items()}
+    top = max(throughput.values())
+    return min(size for size, rate in throughput.items() if rate >= NEAR_BEST * top)
 
 
 def choose_batch_size(runner: ModelRunner, key: str, remember: Path | None,
