@@ -253,12 +253,12 @@ class SessionStore:
             ) from exc
 
     def save(self, session: Session) -> None:
-        """Write the session's file; a session saved before it was opened becomes the open one."""
+        """Write the session's file; the session saved becomes the one `open` returns for its name."""
         path = self.path(session.name)
         session.updated = time.time()
         atomic_write(path, json.dumps(session.to_json()).encode(), f"session {session.name!r}")
         with self._lock:
-            self._open.setdefault(session.name, session)
+            self._open[session.name] = session  # the object last saved is what the file holds
 
     def names(self) -> list[str]:
         """Names of the saved sessions, sorted."""

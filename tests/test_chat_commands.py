@@ -304,9 +304,13 @@ def test_retry_rewind_fork_and_branches_reuse_the_tree(tiny_model, tiny_tokenize
     first = rewound.turns[0]
     kept = first.prompt_tokens + first.completion_tokens  # turn 1's prompt and reply
     assert rewound.tokens[:kept] == history[:kept]
-    # everything but the new message (and the reply's last token, never fed) was cached
-    assert rewound.turns[1].hit_tokens == kept - 1
     assert rewound.turns[1].start_tokens == kept
+    # all of turn 1 and the template around the new message were cached (by the turn that
+    # was rewound): only the new message itself was computed
+    old_prompt = history[: main.turns[1].prompt_tokens]
+    new_prompt = rewound.tokens[: rewound.turns[1].prompt_tokens]
+    shared = next(i for i, (a, b) in enumerate(zip(old_prompt, new_prompt)) if a != b)
+    assert shared > kept and rewound.turns[1].hit_tokens == shared
 
     used = rt.cache.stats().pool.used_blocks
     out, chat = run_chat(rt, "/fork side", "/branches", name="main", panels="off")
@@ -314,7 +318,8 @@ def test_retry_rewind_fork_and_branches_reuse_the_tree(tiny_model, tiny_tokenize
     assert chat.session.name == "side" and "read from the same cached blocks" in flat
     assert rt.cache.stats().pool.used_blocks == used  # forking copied nothing
     assert chat.session.tokens == rewound.tokens
-    assert re.search(r"main\s+[\d,]+", out)  # /branches lists the session it came from
+    # /branches lists the session it came from, sharing all of its history
+    assert re.search(rf"main[\s│]+{len(rewound.tokens):,}", out)
     out, chat = run_chat(rt, "where the fork goes", name="side", panels="off")
     side = chat.session
     assert side.turns[-1].hit_tokens == len(rewound.tokens) - 1  # the shared history hit

@@ -278,7 +278,7 @@ def test_inspect_document_filters_the_tree_by_session_but_not_the_stats():
     exact = (ExactView(tuple(range(20)), 2, True), ExactView((40, 41, 42), 1, False))
     where = {"path": "p", "saved_at": 1.0, "model_label": "m", "tokenizer_file": None}
     doc = cv.inspect_document({"model": "m"}, where, STATS, NODES, exact, letters, None, "demo")
-    assert set(doc) == {"fingerprint", "snapshot", "stats", "pool", "tree", "exact"}
+    assert set(doc) == {"fingerprint", "snapshot", "stats", "pool", "tiers", "tree", "exact"}
     assert doc["snapshot"] == {**where, "session": "demo"}
     assert doc["stats"] == STATS.to_json() and doc["pool"] == doc["stats"]["pool"]
     assert [n["n_tokens"] for n in doc["tree"]] == [16]
