@@ -253,7 +253,7 @@ class SessionStore:
             ) from exc
 
     def save(self, session: Session) -> None:
-        """Write the session's file; the session saved becomes the one `open` returns for its name."""
+        """Write the session's file; the session saved is the one `open` returns for its name."""
         path = self.path(session.name)
         session.updated = time.time()
         atomic_write(path, json.dumps(session.to_json()).encode(), f"session {session.name!r}")

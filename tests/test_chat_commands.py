@@ -309,7 +309,7 @@ def test_retry_rewind_fork_and_branches_reuse_the_tree(tiny_model, tiny_tokenize
     # was rewound): only the new message itself was computed
     old_prompt = history[: main.turns[1].prompt_tokens]
     new_prompt = rewound.tokens[: rewound.turns[1].prompt_tokens]
-    shared = next(i for i, (a, b) in enumerate(zip(old_prompt, new_prompt)) if a != b)
+    shared = next(i for i, (a, b) in enumerate(zip(old_prompt, new_prompt, strict=False)) if a != b)
     assert shared > kept and rewound.turns[1].hit_tokens == shared
 
     used = rt.cache.stats().pool.used_blocks

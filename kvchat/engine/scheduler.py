@@ -5,8 +5,9 @@ with a request of the same admission wave may wait one wave instead: the first c
 prefix and stores it right after its prefill, so the second finds it in the cache. Waiting
 leaves its row idle for one decode step, which costs its share of that step (the step costs
 about the same for any number of rows); it is worth it when the prefix it would not compute
-takes longer to prefill (`StepCosts`, measured as the engine runs), whatever the block size. An exact repeat of a wave-mate always waits: it then needs no forward at all (the first
-one's stored logits give its first token). Admitted prompts are prefilled one by one (long
+takes longer to prefill (`StepCosts`, measured as the engine runs), whatever the block size.
+An exact repeat of a wave-mate always waits: it then needs no forward at all (the first one's
+stored logits give its first token). Admitted prompts are prefilled one by one (long
 tails, exact hits, H2O, a wave of one) or together in one padded forward (short tails).
 """
 
