@@ -108,10 +108,10 @@ class LocalReply:
         self.handle.close()
 
     def finish(self) -> TurnDone | TurnFailed:
-        result = self.handle.result
-        if result is None:  # it failed before it ran
-            self.turn.abort()
-            return TurnFailed(str(self.handle.error or "The reply could not be generated."))
+        result, error = self.handle.result, self.handle.error
+        if result is None or error is not None:  # it failed before it ran, or while it did
+            self.turn.abort()  # what it computed is cached; the session is as it was
+            return TurnFailed(str(error or "The reply could not be generated."))
         turn = self.turn.commit(result)
         assert turn is not None
         return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
