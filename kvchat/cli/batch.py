@@ -315,6 +315,10 @@ def _save(runtime: Runtime, ui: Console) -> None:
         runtime.save()
     except KvchatError as exc:
         ui.print(f"[yellow]{escape(str(exc))}[/yellow]")
+    finally:
+        runtime.close()  # the disk tier's queued blocks reach the disk
+        for notice in runtime.take_notices():
+            ui.print(f"[yellow]{escape(notice)}[/yellow]")
 
 
 @contextlib.contextmanager

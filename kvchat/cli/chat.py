@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from kvchat.cli.app import app, stdout
 from kvchat.cli.attach_options import (
@@ -115,8 +116,14 @@ def _run_chat(
     from kvchat.ui.terminal import make_reader
 
     runtime = Runtime.open(options)
-    session = runtime.store.load(name)
+    session = runtime.store.open(name)
     if system is not None:
         session.system = system
     reader = make_reader(runtime.store.history_file())
-    Chat(runtime, session, params, stdout(), reader, panels).run()
+    console = stdout()
+    try:
+        Chat(runtime, session, params, console, reader, panels).run()
+    finally:
+        runtime.close()  # the disk tier's queued blocks reach the disk
+        for notice in runtime.take_notices():
+            console.print(f"[yellow]{escape(notice)}[/yellow]")
