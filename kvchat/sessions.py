@@ -18,12 +18,10 @@ a failed one (read-only folder, full disk) raises SessionWriteError saying what 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
 import re
-import stat
 import threading
 import time
 import uuid
@@ -34,10 +32,16 @@ from typing import IO, Any, NamedTuple
 
 from kvchat.cache.stats import ratio
 from kvchat.errors import KvchatError
+from kvchat.files import (
+    WriteError,
+    atomic_write,
+    open_private,
+    private_dir,
+    write_error,
+)
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always fullmatch: `$` lets "a\n" in
 RESERVED = {"cache", "set-aside"}
-DIR_MODE, FILE_MODE = 0o700, 0o600
 # Temp files of writes killed midway: ours (`.<name>.<pid>-<thread>.tmp`,
 # `.kv-<id>.safetensors.tmp`) and the one safetensors renames from (`.tmp` + 6 characters).
 _TEMP_RE = re.compile(r"\..+\.(\d+(-\d+)?|safetensors)\.tmp")
@@ -52,8 +56,8 @@ class SessionNotFound(SessionError):
     """A session asked for by name, without permission to create it, has no file."""
 
 
-class SessionWriteError(SessionError):
-    """A file in the sessions dir could not be written (read-only folder, full disk, ...)."""
+# A file in the sessions dir could not be written (read-only folder, full disk, ...).
+SessionWriteError = WriteError
 
 
 def validate_name(name: str) -> str:
@@ -63,73 +67,6 @@ def validate_name(name: str) -> str:
             "with a letter or digit (no path separators)."
         )
     return name
-
-
-def write_error(what: str, path: Path, exc: Exception, atomic: bool = True) -> SessionWriteError:
-    """The user's paragraph for a failed write (`atomic`: one that left any old version)."""
-    found = re.search(r"os error (\d+)", str(exc))  # how safetensors reports the errno
-    code = exc.errno if isinstance(exc, OSError) else int(found.group(1)) if found else None
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        advice = "the disk is full. Free some space and try again"
-    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        advice = (f"the folder is not writable. Make {path.parent} writable (chmod u+w), or "
-                  "point kvchat at another folder with --sessions-dir")
-    else:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        advice = f"{reason}. Check {path.parent}, or use another folder with --sessions-dir"
-    kept = " Any previous version of it is unchanged." if atomic else ""
-    return SessionWriteError(f"Could not write {what} ({path}): {advice}.{kept}")
-
-
-def private_dir(path: Path, what: str = "the sessions folder") -> Path:
-    """Create `path` 0700, or drop its group and other bits; its parents are the user's, as is."""
-    try:
-        if not path.is_dir():
-            path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-            os.chmod(path, DIR_MODE)  # mkdir's mode goes through the umask
-            return path
-    except OSError as exc:
-        raise write_error(what, path, exc, atomic=False) from exc
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:  # keep the owner's bits: a folder made read-only on purpose stays so
-        with contextlib.suppress(OSError):  # not ours to change: the writes then say why
-            os.chmod(path, mode & DIR_MODE)
-    return path
-
-
-def open_private(path: Path, flags: int) -> int:
-    """A file descriptor on `path`, created 0600 (existing files are tightened to 0600)."""
-    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-    with contextlib.suppress(OSError):  # only fails on another user's file: not ours to change
-        os.fchmod(fd, FILE_MODE)  # the umask may have cleared bits, or the file predates us
-    return fd
-
-
-def atomic_write(path: Path, data: bytes, what: str = "a file") -> None:
-    """Write data to path (0600, in a private folder) so that readers see the old file or the
-    new one, never a mix. On failure the temp file is removed and SessionWriteError raised."""
-    private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    try:
-        fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
-        try:
-            view = memoryview(data)
-            while view:  # os.write may write less than asked
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise write_error(what, path, exc) from exc
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dirfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
 
 
 # ---- sessions ------------------------------------------------------------------------------

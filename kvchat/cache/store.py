@@ -49,7 +49,7 @@ from kvchat.cache.store_index import (
     read_index,
     scan_blocks,
 )
-from kvchat.sessions import FILE_MODE, SessionWriteError, atomic_write, private_dir
+from kvchat.files import FILE_MODE, WriteError, atomic_write, private_dir
 
 if TYPE_CHECKING:
     import torch
@@ -262,7 +262,7 @@ class BlockStore:
             private_dir(folder, "the disk cache's quarantine folder")
             target = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{path.name}"
             os.replace(path, target)
-        except (OSError, SessionWriteError):
+        except (OSError, WriteError):
             with contextlib.suppress(OSError):
                 path.unlink()
             return "deleted"
@@ -439,7 +439,7 @@ class BlockStore:
                 doc = self._index.document(self.budget_bytes)
             try:
                 atomic_write(self.root / INDEX, json.dumps(doc).encode(), "the disk cache index")
-            except SessionWriteError as exc:
+            except WriteError as exc:
                 with self._cond:
                     self._index.dirty = True
                     self._notices.append(str(exc))

@@ -29,8 +29,8 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvchat.errors import KvchatError
+from kvchat.files import FILE_MODE, atomic_write, private_dir
 from kvchat.server.errors import ApiError, error_response
-from kvchat.sessions import FILE_MODE, atomic_write, private_dir
 
 SECRET_FILE = ".server-secret"
 TENANTS_DIR = "tenants"  # sessions/tenants/<tenant id>/: an API key's sessions
