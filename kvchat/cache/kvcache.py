@@ -31,17 +31,11 @@ from kvchat.cache.blocks import KV, Block, BlockManager
 from kvchat.cache.eviction import EvictionPolicy, make_policy
 from kvchat.cache.exact import ExactIndex
 from kvchat.cache.radix import Node, PrefixMatch, RadixTree
-from kvchat.cache.stats import CacheStats, Counters, PoolStats, SessionCounters
+from kvchat.cache.stats import CacheStats, Counters, SessionCounters
 from kvchat.config import CacheConfig
 
 if TYPE_CHECKING:
     from kvchat.cache.store import BlockStore
-
-__all__ = [
-    "CacheIntegrityError", "CacheStats", "Counters", "HitSource", "Lookup", "PagedKVCache",
-    "PoolStats", "SessionCounters", "StoreResult",
-]
-
 
 class CacheIntegrityError(AssertionError):
     """The cache's bookkeeping contradicts itself (a bug, never a user error)."""
@@ -284,13 +278,9 @@ class PagedKVCache:
                     path = keep + new
                     stored = end
                     self._counters = self._counters.plus(stored_tokens=end - m)
-            # Only entries with logits can answer a repeat without a forward pass; the radix
-            # tree already serves every other whole-prompt match, so none are kept without.
             if logits is not None:
-                key_len = n if logits_len is None else logits_len
-                if key_len <= stored:
-                    head = path[: _ceil_div(key_len, bs)]
-                    self.exact.put(tokens[:key_len], head, logits, namespace)
+                self._remember(tokens[: n if logits_len is None else logits_len], path, stored,
+                               logits, namespace)
         finally:
             for block in held:
                 block.release()
@@ -298,6 +288,13 @@ class PagedKVCache:
             for block in path:
                 block.acquire()
         return StoreResult(stored, stored - m, tuple(path), stored == n, evicted)
+
+    def _remember(self, prompt: Sequence[int], path: Sequence[Block], stored: int,
+                  logits: torch.Tensor, namespace: str) -> None:
+        # only entries with logits are kept: the tree serves every other whole-prompt match
+        if len(prompt) <= stored:
+            self.exact.put(prompt, list(path[: _ceil_div(len(prompt), self.block_size)]),
+                           logits, namespace)
 
     def _adopt(self, new: list[Block]) -> None:
         """The tree now owns these fresh blocks: without a reference (`hold` takes the
