@@ -1,12 +1,13 @@
-"""Sessions on disk: transcripts, the snapshot of the shared cache, and the lock.
+"""Sessions on disk: transcripts and the lock (the cache's files: kvchat/snapshots.py).
 
 Layout of a sessions dir (default ./sessions), private to its owner (folders 0700, files 0600,
 whatever the umask: transcripts and the cache tree hold prompt text):
     <name>.json                 one session: messages, token history, per-turn stats
-    cache/index.json            the cache snapshot's metadata (tree, blocks, exact entries, stats,
-                                fingerprint); readable without torch (`kvchat inspect`)
-    cache/kv-<id>.safetensors   the used blocks' K/V and stored logits, named by index.json
-    cache/set-aside/            snapshots that did not match or did not parse (never deleted)
+    tenants/<id>/<name>.json    a server tenant's sessions
+    cache/index.json            the cache's index (tree with tokens and block keys, exact entries,
+                                stats, fingerprint); readable without torch (`kvchat inspect`)
+    cache/store/, cache/exact/  the disk tier's block files and the exact entries' logits
+    cache/set-aside/            indexes and files that did not match or parse (never deleted)
     .history                    the REPL's input history
     .lock                       held by the process using this dir: its pid, and a server's
                                 address and access token (0600)

@@ -20,7 +20,6 @@ from kvchat.cache.radix import Node, RadixTree
 from kvchat.cache.stats import Counters
 
 if TYPE_CHECKING:
-    from kvchat.cache.blocks import Block
     from kvchat.cache.kvcache import PagedKVCache
 
 class SnapshotMismatch(ValueError):
@@ -138,53 +137,3 @@ def import_index(cache: PagedKVCache, meta: Mapping[str, Any],
 
 
 # ---- version 1: every block resident, K/V in one file (`snapshot`) ---------------------------
-
-
-def export_blocks(tree: RadixTree) -> tuple[list[Block], list[dict[str, Any]]]:
-    """The tree as plain data: its blocks in depth-first order, and the roots' children as
-    nested records {"start", "blocks" (indices into that list), "owners", "children"}; the
-    roots' children also name their "namespace". Every block must be resident."""
-    blocks: list[Block] = []
-    top: list[dict[str, Any]] = []
-    tops = [c for root in tree.roots.values() for c in root.child_list()]
-    stack = [(c, top) for c in reversed(tops)]
-    while stack:
-        node, siblings = stack.pop()
-        if node.on_disk:
-            raise ValueError("a version 1 snapshot cannot hold blocks that are on disk")
-        rec: dict[str, Any] = {
-            "start": node.start,
-            "blocks": list(range(len(blocks), len(blocks) + len(node.blocks))),
-            "owners": sorted(node.owners),
-            "children": [],
-        }
-        if node.parent is not None and node.parent.is_root:
-            rec["namespace"] = node.namespace
-        blocks.extend(node.blocks)
-        siblings.append(rec)
-        stack.extend((c, rec["children"]) for c in reversed(node.child_list()))
-    return blocks, top
-
-
-def tree_from_blocks(tree: RadixTree, records: Sequence[Mapping[str, Any]],
-                     blocks: Sequence[Block]) -> RadixTree:
-    """Fill the empty `tree` with `export_blocks`' records over `blocks` (which already hold
-    their tokens); records without a "namespace" are namespace "". Raises ValueError when the
-    records do not describe a valid tree over those blocks."""
-    try:
-        stack: list[tuple[Mapping[str, Any], Node | None, str]] = [
-            (rec, None, str(rec.get("namespace", ""))) for rec in reversed(records)]
-        while stack:
-            rec, parent, namespace = stack.pop()
-            own = [blocks[int(i)] for i in rec["blocks"]]
-            node = tree.graft(parent, namespace, [t for b in own for t in b.token_ids])
-            if int(rec["start"]) != node.start:
-                raise AssertionError("a node does not start where its parent ends")
-            for block in own:
-                tree.attach_block(node, block)
-            node.owners = {str(o) for o in rec.get("owners", [])}
-            stack.extend((c, node, namespace) for c in reversed(list(rec["children"])))
-        tree.check()
-    except (KeyError, IndexError, TypeError, AssertionError) as exc:
-        raise ValueError(f"not a radix tree ({type(exc).__name__}: {exc})") from exc
-    return tree

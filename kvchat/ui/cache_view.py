@@ -5,7 +5,7 @@ document of `kvchat inspect --json` and `/cache/tree` from `inspect_document`.
 
 Nothing here imports torch or Rich: `kvchat inspect` reads a snapshot with this module alone.
 Adapters from a snapshot raise SnapshotFormatError (a ValueError) when index.json does not
-have the shape `kvchat.cache.snapshot.export_state` writes.
+have the shape `kvchat.cache.tree_index.export_index` writes.
 """
 
 from __future__ import annotations
