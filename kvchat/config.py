@@ -50,6 +50,7 @@ class CacheConfig:
     num_blocks: int | None = None
     policy: str | None = None  # None: $EVICTION_POLICY, else lru
     max_exact_entries: int = 256
+    max_pinned: float = 0.5  # the most of the pool pinned prefixes may hold
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 4096:
@@ -60,6 +61,9 @@ class CacheConfig:
             raise ConfigError(f"The pool needs at least one block, got {self.num_blocks}.")
         if self.max_exact_entries < 0:
             raise ConfigError("max_exact_entries must be >= 0.")
+        if not 0.0 <= self.max_pinned <= 1.0:
+            raise ConfigError(f"--max-pinned must be between 0 and 1 (a fraction of the pool), "
+                              f"got {self.max_pinned}.")
         object.__setattr__(self, "policy", normalise_policy(self.policy))
 
     def blocks_for(self, bytes_per_token: int) -> int:

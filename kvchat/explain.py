@@ -2,19 +2,26 @@
 evicted (when, by which policy), or the cache holds a different continuation (diverged at token
 i: a changed date, a reordered system prompt).
 
-Torch-free: it walks either the live radix tree or the views `kvchat inspect` builds from a
-snapshot, through the two things both have, `.tokens` and `.children`.
+Torch-free: it walks a RadixTree, the live cache's or one `kvchat inspect` rebuilds from a
+snapshot's index, and remembers evicted blocks by their chained block keys (`block_keys`), which
+the tree already computed: recording an eviction costs no hashing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from kvchat.cache.block_keys import next_key
+
+if TYPE_CHECKING:
+    from kvchat.cache.radix import Node, RadixTree
+
+CONTEXT = 8  # tokens shown on each side of a divergence
 
 
 class MissReason(StrEnum):
@@ -24,21 +31,16 @@ class MissReason(StrEnum):
     DIVERGED = "diverged"  # the cache continues differently from the prompt
 
 
-class TreeNode(Protocol):
-    tokens: Any
-    children: Any
-
-
 @dataclass(frozen=True)
 class Explanation:
     reason: MissReason
-    cached: int  # leading prompt tokens the cache holds now
+    cached: int  # leading prompt tokens the cache holds now (pool or disk)
     prompt_tokens: int
     diverged_at: int | None = None  # first prompt token the closest cached sequence lacks
     cached_next: tuple[int, ...] = ()  # what the cache holds from there (a few tokens)
     evicted_through: int | None = None  # the prompt was cached up to here before eviction
     evicted_at: float | None = None  # unix time
-    evicted_by: str | None = None  # the eviction policy
+    evicted_by: str | None = None  # the eviction policy (or "clear")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"miss_reason": self.reason.value,
@@ -48,101 +50,139 @@ class Explanation:
                        evicted_by=self.evicted_by)
         return out
 
+    def describe(self, prompt: Sequence[int], decode: Callable[[list[int]], str] | None) -> str:
+        """One line for people: where the cached prefix ended and why; a divergence shows a
+        few decoded tokens on each side, cached text against new text."""
+        def show(ids: Sequence[int]) -> str:
+            return decode(list(ids)) if decode else " ".join(map(str, ids))
 
-class Tombstones:
-    """A bounded memory of evicted prefixes (a digest of the tokens through each evicted
-    block, oldest forgotten first), so a miss can say "evicted" instead of "cold"."""
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._dead: OrderedDict[tuple[str, int, str], tuple[float, str]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._dead)
-
-    def record(self, namespace: str, tokens: Sequence[int], policy: str,
-               when: float | None = None) -> None:
-        key = (namespace, len(tokens), _digest(tokens))
-        self._dead[key] = (time.time() if when is None else when, policy)
-        self._dead.move_to_end(key)
-        while len(self._dead) > self.capacity:
-            self._dead.popitem(last=False)
-
-    def forget(self, namespace: str, tokens: Sequence[int]) -> None:
-        """The prefix is cached again."""
-        self._dead.pop((namespace, len(tokens), _digest(tokens)), None)
-
-    def longest(self, namespace: str, prompt: Sequence[int], start: int
-                ) -> tuple[int, float, str] | None:
-        """The longest prefix of `prompt`, past `start` tokens, that was evicted."""
-        lengths = {n for ns, n, _ in self._dead if ns == namespace and start < n <= len(prompt)}
-        if not lengths:
-            return None
-        found = None
-        running = hashlib.sha256()
-        for i, tok in enumerate(prompt[: max(lengths)], start=1):
-            running.update(int(tok).to_bytes(8, "little", signed=True))
-            if i in lengths:
-                hit = self._dead.get((namespace, i, running.hexdigest()))
-                if hit is not None:
-                    found = (i, *hit)
-        return found
-
-    def to_json(self) -> list[list[Any]]:
-        return [[ns, n, d, t, p] for (ns, n, d), (t, p) in self._dead.items()]
-
-    @classmethod
-    def from_json(cls, rows: Iterable[Sequence[Any]], capacity: int = 4096) -> Tombstones:
-        out = cls(capacity)
-        for ns, n, d, t, p in rows:
-            out._dead[(str(ns), int(n), str(d))] = (float(t), str(p))
-        return out
+        n, c = self.prompt_tokens, self.cached
+        if self.reason is MissReason.HIT:
+            return f"all {c} reusable tokens of {n} were cached"
+        if self.reason is MissReason.COLD:
+            return (f"cold: nothing past token {c} of {n} was ever cached" if c
+                    else f"cold: none of the {n} prompt tokens was ever cached")
+        if self.reason is MissReason.EVICTED:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.evicted_at or 0))
+            return (f"evicted: tokens {c}-{self.evicted_through} of {n} were cached, then "
+                    f"evicted by {self.evicted_by} at {when}")
+        i = self.diverged_at or 0
+        head = show(prompt[max(i - CONTEXT, 0) : i])
+        return (f"diverged at token {i} of {n}: cached {head + show(self.cached_next)!r} "
+                f"vs new {head + show(prompt[i : i + CONTEXT])!r}")
 
 
-def _digest(tokens: Sequence[int]) -> str:
-    h = hashlib.sha256()
-    for tok in tokens:
-        h.update(int(tok).to_bytes(8, "little", signed=True))
-    return h.hexdigest()
-
-
-def _kids(node: TreeNode) -> Iterable[TreeNode]:
-    children = node.children
-    return children.values() if isinstance(children, Mapping) else children
-
-
-def walk_prompt(roots: Iterable[TreeNode], prompt: Sequence[int]
-                ) -> tuple[int, tuple[int, ...]]:
-    """How many leading tokens of `prompt` the tree holds, and what the tree holds right after
-    them on the closest path (empty when the cache ends there)."""
-    pos, level = 0, list(roots)
-    while pos < len(prompt):
-        child = next((c for c in level if len(c.tokens) and c.tokens[0] == prompt[pos]), None)
-        if child is None:
-            return pos, tuple(next(iter(level)).tokens[:8]) if level else ()
-        edge = child.tokens
-        i = 0
-        while i < len(edge) and pos < len(prompt) and edge[i] == prompt[pos]:
-            i, pos = i + 1, pos + 1
-        if i < len(edge):
-            return pos, tuple(edge[i : i + 8])
-        level = list(_kids(child))
-    return pos, ()
-
-
-def explain(prompt: Sequence[int], roots: Iterable[TreeNode], namespace: str = "",
+def explain(tree: RadixTree, prompt: Sequence[int], namespace: str = "",
             tombstones: Tombstones | None = None, exact: bool = False) -> Explanation:
-    """Where `prompt`'s cached prefix ends and why. `roots` are the top nodes of `namespace`
-    (a non-exact hit always leaves the last token to compute, so n - 1 cached is a full hit)."""
+    """Where `prompt`'s cached prefix ends in `namespace` and why. A non-exact hit always
+    leaves the last token to compute, so n - 1 cached tokens is a full hit; `exact` says the
+    exact index served the whole prompt."""
     n = len(prompt)
-    cached, after = walk_prompt(roots, prompt)
+    match = tree.find_prefix(prompt, namespace)
+    cached = match.matched
     if exact or cached >= n - 1:
-        return Explanation(MissReason.HIT, cached if not exact else n, n)
-    dead = tombstones.longest(namespace, prompt, cached) if tombstones is not None else None
+        return Explanation(MissReason.HIT, n if exact else cached, n)
+    dead = tombstones.longest(tree, namespace, prompt, cached) if tombstones else None
     if dead is not None:
         through, when, policy = dead
         return Explanation(MissReason.EVICTED, cached, n, evicted_through=through,
                            evicted_at=when, evicted_by=policy)
-    if after and cached:  # nothing in common at all is cold, not a divergence at token 0
+    after = _held_after(match.node, cached) if cached else ()
+    if after:
         return Explanation(MissReason.DIVERGED, cached, n, diverged_at=cached, cached_next=after)
-    return Explanation(MissReason.COLD, cached, n)
+    return Explanation(MissReason.COLD, cached, n)  # nothing in common, or the cache ends there
+
+
+def _held_after(node: Node | None, pos: int) -> tuple[int, ...]:
+    """Up to CONTEXT tokens the tree holds right after absolute position `pos`, where a walk
+    ended at `node`: the rest of its edge, then down its first children (empty at a leaf's
+    end)."""
+    out: list[int] = []
+    while node is not None and len(out) < CONTEXT:
+        out.extend(node.tokens[max(pos - node.start, 0) : max(pos - node.start, 0) + CONTEXT])
+        pos = node.end
+        children = node.child_list()
+        node = children[0] if children else None
+    return tuple(out[:CONTEXT])
+
+
+class Tombstones:
+    """A bounded memory of evicted blocks, the oldest forgotten first: for each, the key of the
+    block before it in its chain (`block_keys`: it names the namespace and every earlier
+    token), its tokens, and when and by which policy it went. A prompt's own key chain finds
+    them, and comparing tokens finds where inside an evicted block the prompt parts from it."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        # the block's own key -> (key before it, its tokens, when, policy)
+        self._dead: OrderedDict[str, tuple[str, tuple[int, ...], float, str]] = OrderedDict()
+        self._after: dict[str, set[str]] = {}  # key before -> evicted blocks that followed it
+
+    def __len__(self) -> int:
+        return len(self._dead)
+
+    def __bool__(self) -> bool:
+        return bool(self._dead)
+
+    def record(self, key: str, prev: str, tokens: Sequence[int], policy: str,
+               when: float | None = None) -> None:
+        self._forget(key)
+        self._dead[key] = (prev, tuple(tokens), time.time() if when is None else when, policy)
+        self._after.setdefault(prev, set()).add(key)
+        while len(self._dead) > self.capacity:
+            self._forget(next(iter(self._dead)))
+
+    def _forget(self, key: str) -> None:
+        old = self._dead.pop(key, None)
+        if old is not None:
+            group = self._after[old[0]]
+            group.discard(key)
+            if not group:
+                del self._after[old[0]]
+
+    def record_node_block(self, tree: RadixTree, node: Node, nth: int, policy: str) -> None:
+        """Block `nth` of `node`'s edge is going: remember it."""
+        bs = tree.block_size
+        if nth:
+            prev = node.keys[nth - 1]
+        elif node.parent is not None and not node.parent.is_root:
+            prev = node.parent.keys[-1]
+        else:
+            prev = tree.root_key(node.namespace)
+        self.record(node.keys[nth], prev, node.tokens[nth * bs : (nth + 1) * bs], policy)
+
+    def longest(self, tree: RadixTree, namespace: str, prompt: Sequence[int], start: int
+                ) -> tuple[int, float, str] | None:
+        """How far `prompt` ran through evicted blocks, when past `start` tokens: (through,
+        when, policy) of the block it got furthest in."""
+        bs, n = tree.block_size, len(prompt)
+        found: tuple[int, float, str] | None = None
+        prev = tree.root_key(namespace)
+        for lo in range(0, n, bs):
+            part = prompt[lo : lo + bs]
+            for key in self._after.get(prev, ()):
+                _, tokens, when, policy = self._dead[key]
+                through = lo + _common(tokens, part)
+                if through > max(start, lo) and (found is None or through > found[0]):
+                    found = (through, when, policy)
+            if len(part) < bs:
+                break
+            prev = next_key(prev, part)
+        return found
+
+    def to_json(self) -> list[list[Any]]:
+        return [[k, prev, list(t), w, p] for k, (prev, t, w, p) in self._dead.items()]
+
+    @classmethod
+    def from_json(cls, rows: Iterable[Sequence[Any]], capacity: int = 4096) -> Tombstones:
+        out = cls(capacity)
+        for key, prev, tokens, when, policy in rows:
+            out.record(str(key), str(prev), [int(t) for t in tokens], str(policy), float(when))
+        return out
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    i, n = 0, min(len(a), len(b))
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

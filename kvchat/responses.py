@@ -19,6 +19,9 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "cache_hit_tokens": r.cache_hit_tokens,  # from both tiers
         "disk_hit_tokens": r.disk_hit_tokens,
         "hit_source": r.hit_source,
+        "miss_reason": r.miss_reason,  # why the cached prefix ended there (`kvchat.explain`)
+        "diverged_at": r.diverged_at,
+        "miss_detail": r.miss_detail,
         "finish_reason": r.finish_reason,
         "ttft_ms": round(r.ttft_ms, 2),
         "total_ms": round(r.total_ms, 2),

@@ -153,6 +153,25 @@ def record_turn(
     return turn
 
 
+_PROBE = "kvchat-probe-5f0c2a"  # stands in for the first user message when finding the prefix
+
+
+def system_prefix(codec: ChatCodec, messages: Sequence[Message], prompt_ids: Sequence[int]
+                  ) -> list[int]:
+    """The leading tokens of `prompt_ids` that the conversation's system prompt decides: the
+    chat template's text before the first user message's content (the system message, or the
+    template's default one, and the user header), as tokenised in the prompt. What `/pin` and
+    `--pin-system` pin. Raises TurnError when the template puts nothing there."""
+    system = [dict(m) for m in messages if m["role"] == "system"][:1]
+    text = codec.render_chat([*system, {"role": "user", "content": _PROBE}],
+                             add_generation_prompt=False)
+    head = text[: text.find(_PROBE)] if _PROBE in text else ""
+    n = common_prefix(codec.encode(head), list(prompt_ids)) if head else 0
+    if not n:
+        raise TurnError("this conversation has no system prompt to pin (try /pin all)")
+    return list(prompt_ids[:n])
+
+
 @dataclass(frozen=True)
 class Branch:
     """Another session that shares a session's history: for how many tokens, then its own."""

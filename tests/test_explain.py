@@ -1,51 +1,108 @@
 """Why a prompt missed: cold, evicted (when, by which policy) or diverged at token i, including a
-divergence in the middle of a block, on the live tree and on a snapshot's views."""
+divergence in the middle of a block, on a live cache (its own eviction writes the tombstones)
+and on a tree rebuilt from a saved index, as `kvchat inspect --explain` does."""
 
 from __future__ import annotations
 
+import time
+
+from _cache_helpers import make_cache, store
+
+from kvchat.cache.radix import RadixTree
+from kvchat.cache.tree_index import tree_from_records, tree_records
 from kvchat.explain import MissReason, Tombstones, explain
-from kvchat.ui.cache_view import NodeView
+
+BS = 4
+SYSTEM = list(range(100, 110))  # 10 tokens: ends in the middle of a 4-token block
+A = SYSTEM + [1, 2, 3, 4, 5, 6]
+B = SYSTEM + [7, 8, 9]
 
 
-def node(tokens, *children) -> NodeView:
-    return NodeView(0, tuple(tokens), 1, 0, (), tuple(children))
+def cache_with(*seqs, num_blocks=32):
+    cache = make_cache(num_blocks=num_blocks, block_size=BS)
+    for seq in seqs:
+        store(cache, seq)
+    return cache
 
 
-SYSTEM = list(range(100, 140))  # 40 tokens: ends in the middle of a 16-token block
-TREE = [node(SYSTEM, node([1, 2, 3, 4, 5, 6]), node([7, 8, 9]))]
-
-
-def test_a_prompt_sharing_only_what_is_cached_is_a_hit():
-    e = explain(SYSTEM + [1, 2, 3, 4, 5, 6, 99], TREE)
-    assert e.reason is MissReason.HIT and e.cached == 46
+def test_a_prompt_sharing_all_that_is_cached_is_a_hit():
+    cache = cache_with(A, B)
+    e = cache.explain(A + [99])
+    assert (e.reason, e.cached, e.prompt_tokens) == (MissReason.HIT, 16, 17)
+    assert cache.explain(A, exact=True).cached == len(A)
 
 
 def test_cold_when_nothing_like_it_was_seen():
-    e = explain([5, 5, 5, 5], TREE)
+    cache = cache_with(A, B)
+    e = cache.explain([5, 5, 5, 5, 5])
     assert (e.reason, e.cached, e.diverged_at) == (MissReason.COLD, 0, None)
-    beyond = explain(SYSTEM + [7, 8, 9, 10, 11, 12], TREE)  # a cached path, then new ground
-    assert (beyond.reason, beyond.cached) == (MissReason.COLD, 43)
+    beyond = cache.explain(B + [10, 11, 12, 13])  # a cached path to its end, then new ground
+    assert (beyond.reason, beyond.cached) == (MissReason.COLD, len(B))
+    assert "cold" in beyond.describe(B + [10, 11, 12, 13], None)
 
 
 def test_diverged_in_the_middle_of_a_block_says_where_and_what_the_cache_holds():
-    changed = SYSTEM[:37] + [999] + SYSTEM[38:] + [1, 2]  # one token of the system prompt
-    e = explain(changed, TREE)
-    assert e.reason is MissReason.DIVERGED and e.diverged_at == 37 and e.cached == 37
-    assert e.cached_next[0] == SYSTEM[37]
-    at_branch = explain(SYSTEM + [1, 2, 3, 50, 51], TREE)  # parts inside a child's edge
-    assert (at_branch.diverged_at, at_branch.cached_next) == (43, (4, 5, 6))
+    cache = cache_with(A, B)
+    changed = SYSTEM[:6] + [999] + SYSTEM[7:] + [1, 2]  # token 6 of 10 changed: block 1 of 3
+    e = cache.explain(changed)
+    assert e.reason is MissReason.DIVERGED and e.diverged_at == 6 and e.cached == 6
+    assert e.cached_next[:4] == tuple(SYSTEM[6:10])
+    line = e.describe(changed, lambda ids: "".join(f"<{t}>" for t in ids))
+    assert "diverged at token 6" in line and "<106>" in line and "<999>" in line
+    inside = cache.explain(SYSTEM + [1, 2, 3, 50, 51])  # parts inside A's own edge
+    assert (inside.diverged_at, inside.cached_next) == (13, (4, 5, 6))
 
 
 def test_evicted_says_when_and_by_which_policy():
-    dead = Tombstones(capacity=8)
-    prompt = SYSTEM + [1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
-    dead.record("", prompt[:56], "lru", when=1700000000.0)
-    e = explain(prompt, TREE, tombstones=dead)
-    assert e.reason is MissReason.EVICTED and e.cached == 46
-    assert (e.evicted_through, e.evicted_at, e.evicted_by) == (56, 1700000000.0, "lru")
-    assert explain(prompt, TREE, namespace="tenant", tombstones=dead).reason is MissReason.COLD
-    restored = Tombstones.from_json(dead.to_json())
-    assert explain(prompt, TREE, tombstones=restored).reason is MissReason.EVICTED
-    for k in range(20):  # bounded: the oldest are forgotten
-        dead.record("", [k], "lru")
-    assert len(dead) == 8 and explain(prompt, TREE, tombstones=dead).reason is MissReason.COLD
+    cache = cache_with(A, num_blocks=5)  # A takes 4 blocks
+    before = time.time()
+    store(cache, [50 + i for i in range(11)])  # 3 blocks: A's last two go (leaf first)
+    e = cache.explain(A + [77])
+    assert e.reason is MissReason.EVICTED and e.cached == 8 and e.evicted_through == len(A)
+    assert e.evicted_by == "lru" and e.evicted_at is not None and e.evicted_at >= before
+    assert "evicted by lru" in e.describe(A + [77], None)
+    mid = cache.explain(A[:9] + [3, 3, 3])  # parts from an evicted block inside it
+    assert (mid.reason, mid.cached, mid.evicted_through) == (MissReason.EVICTED, 8, 9)
+    other = explain(cache.tree, A + [77], "tenant", cache.tombstones)
+    assert other.reason is MissReason.COLD  # another namespace's chain never matches
+
+
+def test_clear_is_named_as_the_cause():
+    cache = cache_with(A)
+    cache.clear()
+    e = cache.explain(A + [1])
+    assert (e.reason, e.evicted_by, e.evicted_through) == (MissReason.EVICTED, "clear", len(A))
+
+
+def test_tombstones_are_bounded_and_survive_a_round_trip():
+    cache = cache_with(A, num_blocks=5)
+    store(cache, [50 + i for i in range(11)])
+    saved = Tombstones.from_json(cache.tombstones.to_json(), capacity=cache.tombstones.capacity)
+    assert explain(cache.tree, A + [77], "", saved).reason is MissReason.EVICTED
+    small = Tombstones(capacity=2)
+    for k in range(5):
+        small.record(f"{k:064x}", f"{k + 1:064x}", [k], "lru")
+    assert len(small) == 2
+
+
+def test_a_snapshot_tree_explains_like_the_live_one():
+    cache = cache_with(A, B)
+    rebuilt = tree_from_records(RadixTree(BS), tree_records(cache.tree))
+    changed = SYSTEM[:6] + [999] + SYSTEM[7:]
+    assert explain(rebuilt, changed) == cache.explain(changed)
+    assert explain(rebuilt, B + [1, 2]) == cache.explain(B + [1, 2])
+
+
+def test_system_prefix_is_the_template_text_before_the_first_user_message(tiny_tokenizer):
+    from kvchat.engine.codec import ChatCodec
+    from kvchat.turns import system_prefix
+
+    codec = ChatCodec(tiny_tokenizer)
+    msgs = [{"role": "system", "content": "You answer in French."},
+            {"role": "user", "content": "hello there"}]
+    prompt = codec.encode_chat(msgs)
+    head = system_prefix(codec, msgs, prompt)
+    assert prompt[: len(head)] == head and 0 < len(head) < len(prompt)
+    assert "French" in codec.decode(head) and "hello" not in codec.decode(head)
+    other = codec.encode_chat([msgs[0], {"role": "user", "content": "something else"}])
+    assert other[: len(head)] == head  # what every conversation with this system prompt shares

@@ -261,3 +261,27 @@ class BlockManager:
     def block_tensors(self, block_id: int) -> list[KV]:
         """Views of one block in every layer (snapshots and tests)."""
         return [(self.k_pool[i][block_id], self.v_pool[i][block_id]) for i in range(self.n_layers)]
+
+
+def fill_span(
+    manager: BlockManager,
+    new: list[Block],
+    held: list[Block],
+    extend: bool,
+    span: tuple[int, int, int],
+    skip_tokens: int,
+    kv_per_layer: Sequence[KV],
+) -> None:
+    """Write positions [m, end) of a stored sequence (span = (base, m, end), base the start of
+    m's block) into the held leaf's last block and/or the new blocks; a branch that diverges
+    mid-block first copies the shared head of that block (see `PagedKVCache.store`)."""
+    base, m, end = span
+    targets = [held[-1], *new] if extend else new
+    if not extend and m > base:
+        manager.copy_tokens(held[-1], new[0], m - base)
+    window = [
+        (k[:, :, m - skip_tokens : end - skip_tokens],
+         v[:, :, m - skip_tokens : end - skip_tokens])
+        for k, v in kv_per_layer
+    ]
+    manager.write([b.block_id for b in targets], m - base, window)

@@ -1,18 +1,21 @@
-"""Eviction policies: one Protocol, three small classes.
+"""Eviction: policies (one Protocol, three small classes) and the leaf-first walk.
 
 Candidates handed to `select_victim` are always evictable leaf blocks (ref_count == 0, nothing
 cached after them), so no policy can orphan a longer cached prefix; the policy only ranks them.
+`leaf_first` takes them off the tree in the policy's order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import heapq
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvchat.config import normalise_policy
 
 if TYPE_CHECKING:
     from kvchat.cache.blocks import Block
+    from kvchat.cache.radix import Node, RadixTree
 
 
 class EvictionPolicy(Protocol):
@@ -103,3 +106,55 @@ POLICIES: dict[str, type[LRU]] = {"lru": LRU, "sink-lru": SinkLRU, "h2o": H2O}
 def make_policy(name: str | None = None) -> EvictionPolicy:
     """Policy by name, else from $EVICTION_POLICY, else LRU; unknown names list the valid ones."""
     return POLICIES[normalise_policy(name)]()
+
+
+Rank = Callable[["Block"], "tuple[float, ...] | None"]
+
+
+def leaf_first(tree: RadixTree, n: int, rank: Rank, take: Callable[[Node], None]) -> int:
+    """Take up to n blocks in `rank`'s order (None: the block may not go); returns how many
+    went. `take(node)` removes the node's last resident block (drops or spills it).
+
+    Candidates are the last resident blocks of nodes without a resident descendant (the leaves,
+    without a disk tier), in one heap; when a node loses its last resident block, its parent
+    may become one. Only a merge of a parent with its single remaining child moves blocks
+    between nodes, so the heap is rebuilt then.
+    """
+    Heap = list[tuple[tuple[float, ...], int]]
+
+    def candidate(node: Node | None) -> bool:
+        return (node is not None and not node.is_root and bool(node.blocks)
+                and not any(c.blocks for c in node.child_list()))
+
+    def push(heap: Heap, owner: dict[int, Node], node: Node) -> None:
+        block = node.blocks[-1]
+        key = rank(block) if block.ref_count == 0 else None
+        if key is not None:
+            heapq.heappush(heap, (key, block.block_id))
+            owner[block.block_id] = node
+
+    def build() -> tuple[Heap, dict[int, Node]]:
+        heap: Heap = []
+        owner: dict[int, Node] = {}
+        for node, _ in tree.nodes():
+            if candidate(node):
+                push(heap, owner, node)
+        return heap, owner
+
+    heap, owner = build()
+    done = 0
+    while done < n and heap:
+        _, bid = heapq.heappop(heap)
+        node = owner.pop(bid)
+        parent = node.parent
+        merges_before = tree.merges
+        take(node)
+        done += 1
+        if tree.merges != merges_before:
+            heap, owner = build()
+        elif node.blocks:
+            push(heap, owner, node)
+        elif candidate(parent):
+            assert parent is not None
+            push(heap, owner, parent)
+    return done

@@ -34,6 +34,11 @@ def check_cache(cache: PagedKVCache) -> None:
     assert len(free) + len(in_tree) == mgr.num_blocks, "free + used != total"
     if cache.disk is None:
         assert not any(n.on_disk for n, _ in cache.tree.nodes()), "blocks on disk, no tier"
+    for pin in cache.pins:
+        for bid in pin.block_ids:
+            assert in_tree.get(bid) == pin.namespace, (
+                f"pin {pin.pin_id} holds block {bid}, which its namespace's tree lacks")
+    assert len(cache.pins.block_ids) <= cache.pins.cap, "more blocks pinned than the cap"
     for _, entry in cache.exact.items():
         for block in entry.blocks:
             assert block.block_id in in_tree, "exact entry points at an evicted block"

@@ -17,7 +17,6 @@ share the pool but no blocks. Eviction ranks all namespaces' blocks together.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
@@ -27,15 +26,18 @@ import torch
 
 from kvchat.cache import disk_tier
 from kvchat.cache.block_keys import root_key
-from kvchat.cache.blocks import KV, Block, BlockManager
-from kvchat.cache.eviction import EvictionPolicy, make_policy
+from kvchat.cache.blocks import KV, Block, BlockManager, fill_span
+from kvchat.cache.eviction import EvictionPolicy, leaf_first, make_policy
 from kvchat.cache.exact import ExactIndex
+from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinError, PinTable
 from kvchat.cache.radix import Node, PrefixMatch, RadixTree
 from kvchat.cache.stats import CacheStats, Counters, SessionCounters
 from kvchat.config import CacheConfig
+from kvchat.explain import Explanation, Tombstones, explain
 
 if TYPE_CHECKING:
     from kvchat.cache.store import BlockStore
+
 
 class CacheIntegrityError(AssertionError):
     """The cache's bookkeeping contradicts itself (a bug, never a user error)."""
@@ -82,6 +84,7 @@ class PagedKVCache:
         manager: BlockManager,
         policy: EvictionPolicy | str | None = None,
         max_exact_entries: int = 256,
+        max_pinned: float = DEFAULT_MAX_PINNED,
     ) -> None:
         self.manager = manager
         self.block_size = manager.block_size
@@ -97,6 +100,8 @@ class PagedKVCache:
         self.saved_exact: dict[tuple[str, tuple[int, ...]], Callable[[], Any]] = {}
         self._root_key: Callable[[str], str] | None = None
         self._notices: list[str] = []
+        self.pins = PinTable(manager.num_blocks, max_pinned)
+        self.tombstones = Tombstones()  # evicted blocks, for `explain`
 
     def use_store(self, store: BlockStore | None, fingerprint: Mapping[str, Any]) -> None:
         """Spill evicted blocks to `store` and load them back on a hit. Block keys chain from
@@ -110,6 +115,9 @@ class PagedKVCache:
 
     def new_tree(self) -> RadixTree:  # an empty tree keyed like this cache's
         return RadixTree(self.block_size, self._root_key)
+
+    def notice(self, line: str) -> None:
+        self._notices.append(line)
 
     def take_notices(self) -> list[str]:
         """One-line notices about the disk tier (damaged or missing blocks), each once."""
@@ -137,7 +145,7 @@ class PagedKVCache:
             dtype,
             devices,
         )
-        return cls(manager, config.policy, config.max_exact_entries)
+        return cls(manager, config.policy, config.max_exact_entries, config.max_pinned)
 
     # ---- lookup ------------------------------------------------------------------------------
 
@@ -268,7 +276,8 @@ class PagedKVCache:
                     new = self.manager.allocate(need)
                     keep = held if extend else held[: base // bs]
                     try:
-                        self._fill(new, held, extend, base, m, end, skip_tokens, kv_per_layer)
+                        fill_span(self.manager, new, held, extend, (base, m, end), skip_tokens,
+                                  kv_per_layer)
                         self.tree.insert(tokens[:end], keep + new, sid, namespace)
                     except BaseException:  # e.g. Ctrl-C: the new blocks go back, unowned
                         self.release(new)
@@ -297,34 +306,10 @@ class PagedKVCache:
                            logits, namespace)
 
     def _adopt(self, new: list[Block]) -> None:
-        """The tree now owns these fresh blocks: without a reference (`hold` takes the
-        caller's later), and as just used."""
+        """The tree now owns these fresh blocks, unreferenced (hold takes its own), just used."""
         for block in new:
             block.release()
             self.policy.on_access(block)
-
-    def _fill(
-        self,
-        new: list[Block],
-        held: list[Block],
-        extend: bool,
-        base: int,
-        m: int,
-        end: int,
-        skip_tokens: int,
-        kv_per_layer: Sequence[KV],
-    ) -> None:
-        """Write positions [m, end) into the held leaf's last block and/or the new blocks; a
-        branch that diverges mid-block first copies the shared head of that block."""
-        targets = [held[-1], *new] if extend else new
-        if not extend and m > base:
-            self.manager.copy_tokens(held[-1], new[0], m - base)
-        window = [
-            (k[:, :, m - skip_tokens : end - skip_tokens],
-             v[:, :, m - skip_tokens : end - skip_tokens])
-            for k, v in kv_per_layer
-        ]
-        self.manager.write([b.block_id for b in targets], m - base, window)
 
     # ---- eviction ----------------------------------------------------------------------------
 
@@ -333,75 +318,72 @@ class PagedKVCache:
         n: int,
         rank: Callable[[Block], tuple[float, ...] | None] | None = None,
         spill: bool | None = None,
+        why: str | None = None,
     ) -> int:
-        """Evict up to n blocks in the policy's order; returns how many went. With a disk tier
-        (and `spill` not False) each goes to disk and stays in the tree; else it is dropped.
-
-        Candidates are the last resident blocks of nodes without a resident descendant (the
-        leaves, without a tier), in one heap; when a node loses its last resident block, its
-        parent may become one. Only a merge of a parent with its single remaining child moves
-        blocks between nodes, so the heap is rebuilt then.
-        """
-        rank = rank or self.policy.rank
+        """Evict up to n unpinned blocks, leaf first, in the policy's order (`leaf_first`);
+        returns how many went. With a disk tier (and `spill` not False) each goes to disk and
+        stays in the tree; else it is dropped, and remembered as a tombstone naming `why`
+        (default: the policy) so a later miss can say it was evicted."""
+        base = rank or self.policy.rank
+        pins = self.pins
         to_disk = spill is not False and disk_tier.spills(self.disk)
-        tree = self.tree
-        done = 0
-        Heap = list[tuple[tuple[float, ...], int]]
+        tree, why = self.tree, why or self.policy.name
 
-        def candidate(node: Node | None) -> bool:
-            return (node is not None and not node.is_root and bool(node.blocks)
-                    and not any(c.blocks for c in node.child_list()))
+        def ranked(block: Block) -> tuple[float, ...] | None:
+            return None if pins.holds(block.block_id) else base(block)
 
-        def push(heap: Heap, owner: dict[int, Node], node: Node) -> None:
-            block = node.blocks[-1]
-            key = rank(block) if block.ref_count == 0 else None
-            if key is not None:
-                heapq.heappush(heap, (key, block.block_id))
-                owner[block.block_id] = node
-
-        def build() -> tuple[Heap, dict[int, Node]]:
-            heap: Heap = []
-            owner: dict[int, Node] = {}
-            for node, _ in tree.nodes():
-                if candidate(node):
-                    push(heap, owner, node)
-            return heap, owner
-
-        heap, owner = build()
-        while done < n and heap:
-            _, bid = heapq.heappop(heap)
-            node = owner.pop(bid)
+        def take(node: Node) -> None:
             victim = node.blocks[-1]
-            parent = node.parent
-            merges_before = tree.merges
             self.exact.drop_block(victim)
-            # one line per evicted block: a hook that explains later misses fits here
             if to_disk and self.disk is not None:
                 disk_tier.spill(self.disk, self.manager, tree, node)
             else:
+                self.tombstones.record_node_block(tree, node, len(node.blocks) - 1, why)
                 tree.pop_block(node)
             self.manager.free([victim])
-            done += 1
-            if tree.merges != merges_before:
-                heap, owner = build()
-            elif node.blocks:
-                push(heap, owner, node)
-            elif candidate(parent):
-                assert parent is not None
-                push(heap, owner, parent)
+
+        done = leaf_first(tree, n, ranked, take)
         self._counters = self._counters.plus(eviction_count=done,
                                              spilled_blocks=done if to_disk else 0)
         return done
 
-    def evict(self, n: int) -> int:
+    def evict(self, n: int) -> int:  # the policy's order, pins kept
         return self._evict(n)
 
     def clear(self) -> int:
-        """Drop everything no request is using (first blocks too); returns blocks freed."""
+        """Drop everything no request is using (first blocks and pins too); returns blocks
+        freed."""
         self.exact.clear()
-        freed = self._evict(self.manager.num_blocks, lambda block: (0.0,), spill=False)
+        self.pins.clear()
+        freed = self._evict(self.manager.num_blocks, lambda b: (0.0,), spill=False, why="clear")
         self.tree.drop_disk()
         return freed
+
+    # ---- pins and explanations ------------------------------------------------------------
+
+    def pin(self, tokens: Sequence[int], namespace: str = "", label: str = "prefix") -> Pin:
+        """Keep the blocks of the cached prefix `tokens` in the pool: eviction skips them and
+        they never spill. Loads them from disk first if needed. Raises PinError when `tokens`
+        are not all cached, or the pin would pass the cap."""
+        if not tokens:
+            raise PinError("nothing to pin: the prefix is empty")
+        match = self.load(self.tree.find_prefix(tokens, namespace))
+        if match.matched < len(tokens) or match.disk:
+            raise PinError(f"only {match.matched} of the {len(tokens)} tokens to pin are in "
+                           "the cache; run a request with them first")
+        blocks = match.blocks[: _ceil_div(len(tokens), self.block_size)]
+        return self.pins.add(Pin(namespace, tuple(tokens), label,
+                                 tuple(b.block_id for b in blocks)))
+
+    def unpin(self, pin_id: str) -> Pin | None:
+        """End a pin (`Pin.pin_id`); its blocks become evictable again. None if unknown."""
+        return self.pins.remove(pin_id)
+
+    def explain(self, tokens: Sequence[int], namespace: str = "",
+                exact: bool = False) -> Explanation:
+        """Where `tokens`' cached prefix ends and why (cold, evicted, diverged), before they
+        are stored. Touches no stats, timestamps or ref counts."""
+        return explain(self.tree, tokens, namespace, self.tombstones, exact)
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -425,6 +407,8 @@ class PagedKVCache:
         self.tree = self.new_tree()
         self.exact.clear()
         self.saved_exact.clear()
+        self.pins.clear()
+        self.tombstones = Tombstones(self.tombstones.capacity)
         self._sessions = {}
         self._counters = Counters(sessions=self._sessions)
         self.manager.reset()

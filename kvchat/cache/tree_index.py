@@ -16,8 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvchat.cache import disk_tier
+from kvchat.cache.pins import PinError, saved_pins
 from kvchat.cache.radix import Node, RadixTree
 from kvchat.cache.stats import Counters
+from kvchat.explain import Tombstones
 
 if TYPE_CHECKING:
     from kvchat.cache.kvcache import PagedKVCache
@@ -30,9 +32,11 @@ INDEX_VERSION = 2  # version 1 (`snapshot`) held the K/V of every used block in 
 
 
 
-def tree_records(tree: RadixTree) -> list[dict[str, Any]]:
+def tree_records(tree: RadixTree, pinned: frozenset[int] = frozenset()
+                 ) -> list[dict[str, Any]]:
     """The roots' children as nested records {"start", "tokens", "keys", "owners",
-    "children"}; the roots' children also name their "namespace"."""
+    "children"}; the roots' children also name their "namespace", and nodes holding a block
+    in `pinned` say "pinned": true."""
     top: list[dict[str, Any]] = []
     tops = [c for root in tree.roots.values() for c in root.child_list()]
     stack = [(c, top) for c in reversed(tops)]
@@ -43,6 +47,8 @@ def tree_records(tree: RadixTree) -> list[dict[str, Any]]:
                                "children": []}
         if node.parent is not None and node.parent.is_root:
             rec["namespace"] = node.namespace
+        if any(b.block_id in pinned for b in node.blocks):
+            rec["pinned"] = True
         siblings.append(rec)
         stack.extend((c, rec["children"]) for c in reversed(node.child_list()))
     return top
@@ -81,7 +87,9 @@ def export_index(cache: PagedKVCache) -> dict[str, Any]:
         "shape": [mgr.n_layers, mgr.n_kv_heads, mgr.head_dim],
         "policy": cache.policy.name,
         "policy_state": cache.policy.state(),
-        "tree": tree_records(cache.tree),
+        "tree": tree_records(cache.tree, cache.pins.block_ids),
+        "pins": cache.pins.to_json(),
+        "tombstones": cache.tombstones.to_json(),
         "counters": cache.stats().counters_json(),
         "resident_blocks": mgr.num_blocks - mgr.num_free,  # `kvchat inspect`'s memory tier
         "disk_tokens": cache.stats().disk_tokens,
@@ -124,10 +132,13 @@ def import_index(cache: PagedKVCache, meta: Mapping[str, Any],
         tree = tree_from_records(cache.new_tree(), meta["tree"])
         cache.restore(tree, Counters.counters_from_json(meta["counters"]))
         cache.policy.restore(meta.get("policy_state") or {})
+        cache.tombstones = Tombstones.from_json(meta.get("tombstones", []),
+                                                cache.tombstones.capacity)
         for rec in meta.get("exact", []):
             key = (str(rec.get("namespace", "")), tuple(int(t) for t in rec["tokens"]))
             cache.saved_exact[key] = functools.partial(logits, str(rec["logits"]))
         cache.check_integrity()
+        _repin(cache, saved_pins(meta.get("pins", [])))
     except SnapshotMismatch:
         cache.reset()
         raise
@@ -136,4 +147,12 @@ def import_index(cache: PagedKVCache, meta: Mapping[str, Any],
         raise SnapshotMismatch(f"the index is damaged ({type(exc).__name__}: {exc})") from exc
 
 
-# ---- version 1: every block resident, K/V in one file (`snapshot`) ---------------------------
+def _repin(cache: PagedKVCache, pins: Sequence[tuple[str, tuple[int, ...], str]]) -> None:
+    """Pin again what was pinned at the save: its blocks load from disk now, since pinned
+    blocks live in the pool. A pin that no longer fits (a smaller pool, a block lost from
+    disk) is dropped with a notice."""
+    for namespace, tokens, label in pins:
+        try:
+            cache.pin(tokens, namespace, label)
+        except PinError as exc:
+            cache.notice(f"A saved pin ({label}, {len(tokens)} tokens) was dropped: {exc}")

@@ -19,6 +19,7 @@ import torch
 from kvchat.cache.kvcache import Lookup
 from kvchat.config import SamplingParams
 from kvchat.engine.sampling import make_generator, sample
+from kvchat.explain import Explanation
 
 
 class Status(StrEnum):
@@ -52,6 +53,9 @@ class GenerationResult:
     stored_tokens: int  # tokens of prompt + reply now cached
     step_logits: list[torch.Tensor] | None = None
     disk_hit_tokens: int = 0  # of cache_hit_tokens, those loaded back from the disk tier
+    miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.explain`) | off
+    diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
+    miss_detail: str = ""  # one line for people (`Explanation.describe`)
 
     @property
     def completion_tokens(self) -> int:
@@ -89,6 +93,7 @@ class Sequence:
         self.result: GenerationResult | None = None
         self.error: Exception | None = None
         self.lookup: Lookup | None = None  # its blocks stay acquired until the sequence ends
+        self.explanation: Explanation | None = None  # why the lookup ended where it did
         self.prompt_logits: torch.Tensor | None = None
         self.mass: torch.Tensor | None = None  # attention mass per position (H2O only)
         self.step_logits: list[torch.Tensor] | None = [] if request.record_logits else None
@@ -211,7 +216,15 @@ class Sequence:
             stored_tokens=stored,
             step_logits=self.step_logits,
             disk_hit_tokens=self.lookup.disk_tokens if self.lookup is not None else 0,
+            **self._miss_fields(decode),
         )
+
+    def _miss_fields(self, decode: Decode) -> dict[str, Any]:
+        why = self.explanation
+        if why is None:
+            return {}
+        return {"miss_reason": why.reason.value, "diverged_at": why.diverged_at,
+                "miss_detail": why.describe(self.prompt_ids, decode)}
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.value}, prompt={len(self.prompt_ids)}, "
