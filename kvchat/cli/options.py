@@ -56,6 +56,11 @@ CacheMbOption = Annotated[
     float,
     typer.Option("--cache-mb", help="K/V pool budget in MiB, all layers together; allocated once."),
 ]
+MaxPinnedOption = Annotated[
+    float,
+    typer.Option("--max-pinned", help="The most of the pool pinned prefixes may hold, as a "
+                 "fraction (0.5: half); a pin beyond it is refused.", min=0.0, max=1.0),
+]
 PrefillChunkOption = Annotated[
     int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.", min=1)
 ]
@@ -100,6 +105,7 @@ _CACHE_FAMILY = (
     _option("policy", PolicyOption, None),
     _option("block_size", BlockSizeOption, 16),
     _option("cache_mb", CacheMbOption, 1024.0),
+    _option("max_pinned", MaxPinnedOption, 0.5),
     _option("prefill_chunk", PrefillChunkOption, 512),
 )
 _SESSIONS_FAMILY = (
@@ -110,7 +116,8 @@ _SESSIONS_FAMILY = (
 
 
 def runtime_options(*, persist: bool = True) -> Callable[[Command], Command]:
-    """Add --model, --dtype, --device, --policy, --block-size, --cache-mb, --prefill-chunk and,
+    """Add --model, --dtype, --device, --policy, --block-size, --cache-mb, --max-pinned,
+    --prefill-chunk and,
     when the command loads and saves the cache (`persist`), --sessions-dir, --disk-cache-gb
     and --store to a
     command, which receives them as one keyword argument `options: RuntimeOptions`."""
@@ -126,6 +133,7 @@ def _runtime_options(
     policy: str | None,
     block_size: int,
     cache_mb: float,
+    max_pinned: float,
     prefill_chunk: int,
     sessions_dir: Path = Path("sessions"),
     disk_cache_gb: float = 10.0,
@@ -137,7 +145,8 @@ def _runtime_options(
     from kvchat.config import CacheConfig
     from kvchat.runtime import RuntimeOptions
 
-    cache = CacheConfig(block_size=block_size, cache_mb=cache_mb, policy=policy)
+    cache = CacheConfig(block_size=block_size, cache_mb=cache_mb, policy=policy,
+                        max_pinned=max_pinned)
     return RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
                           prefill_chunk=prefill_chunk, sessions_dir=sessions_dir,
                           persist=persist, disk_cache_gb=disk_cache_gb, store_dir=store)
