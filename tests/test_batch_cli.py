@@ -185,3 +185,29 @@ def test_bad_sampling_values_fail_their_own_line_only(tiny_model_dir, tmp_path):
     assert [("error" in r) for r in rows] == [False, True, True, True, False]
     assert "temperature" in rows[1]["error"] and "seed" in rows[3]["error"]
     assert "line 2:" in res.output
+
+
+def test_pin_system_pins_each_distinct_system_prompt_and_rows_say_why(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "a", "system": "You are the first helper.", "prompt": "One?"},
+        {"id": "b", "system": "You are the first helper.", "prompt": "Two?"},
+        {"id": "c", "messages": [{"role": "system", "content": "You are the second one."},
+                                 {"role": "user", "content": "Three?"}]},
+        {"id": "d", "prompt": "No system prompt here."},
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out), "--pin-system",
+                              *args(tiny_model_dir, tmp_path, "--batch-size", "1")])
+    assert res.exit_code == 0, res.output
+    assert "2 distinct system prompt(s) pinned" in " ".join(res.output.split())
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["a"]["miss_reason"] == "cold" and rows["a"]["diverged_at"] is None
+    # b shares a's system prompt, then its question differs from what a cached
+    assert rows["b"]["miss_reason"] == "diverged" and rows["b"]["diverged_at"] > 0
+    assert "diverged at token" in rows["b"]["miss_detail"]
+    meta = read_snapshot_meta(tmp_path / "s")
+    assert meta is not None
+    assert sorted(p["label"] for p in meta.meta["pins"]) == [
+        "system prompt of line 1", "system prompt of line 3"]
+    assert any(r.get("pinned") for r in meta.meta["tree"])

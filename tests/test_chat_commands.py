@@ -326,3 +326,39 @@ def test_retry_rewind_fork_and_branches_reuse_the_tree(tiny_model, tiny_tokenize
     out, chat = run_chat(rt, "/branches", name="main", panels="off")
     assert "side" in out and "sharing main's history" in " ".join(out.split())
     rt.cache.check_integrity()
+
+
+def test_a_pinned_system_prompt_survives_pressure_and_the_panel_says_why(
+        tiny_model, tiny_tokenizer, tmp_path):
+    cfg = CacheConfig(4, num_blocks=60)
+    rt = Runtime(Engine.create(tiny_model, tiny_tokenizer, cfg),
+                 RuntimeOptions(cache=cfg, sessions_dir=tmp_path), "tiny")
+    out, chat = run_chat(rt, "/system You are a terse assistant for kvchat tests.",
+                         "hello there", "/pin", "/pins", name="pinned")
+    flat = " ".join(out.split())
+    assert "Pinned system prompt:" in flat and "pins · " in flat
+    pin = next(iter(rt.cache.pins))
+    assert "terse assistant" in rt.engine.codec.decode(list(pin.tokens))
+    # other conversations fill the pool many times over: everything unpinned is evicted
+    for k in range(6):
+        run_chat(rt, "word " * 40 + str(k), name=f"filler-{k}", panels="off")
+    assert rt.cache.stats().eviction_count > 0
+    rt.cache.check_integrity()
+    assert rt.cache.peek(list(pin.tokens)) == len(pin.tokens)
+    # a new conversation with that system prompt hits it, and the panel says where it ended
+    out, chat = run_chat(rt, "/system You are a terse assistant for kvchat tests.",
+                         "a new question", name="again")
+    assert chat.session.turns[-1].hit_tokens >= len(pin.tokens)
+    assert "why diverged at token" in out
+    out, chat = run_chat(rt, "/unpin", name="pinned", panels="off")
+    assert "Unpinned system prompt" in " ".join(out.split()) and len(rt.cache.pins) == 0
+    rt.cache.check_integrity()
+
+
+def test_pin_refuses_past_max_pinned(tiny_model, tiny_tokenizer, tmp_path):
+    cfg = CacheConfig(4, num_blocks=200, max_pinned=0.01)  # 2 blocks: less than any prompt
+    rt = Runtime(Engine.create(tiny_model, tiny_tokenizer, cfg),
+                 RuntimeOptions(cache=cfg, sessions_dir=tmp_path), "tiny")
+    out, _ = run_chat(rt, "hello there", "/pin all", name="big", panels="off")
+    flat = " ".join(out.split())
+    assert "Not pinned:" in flat and "--max-pinned" in flat and len(rt.cache.pins) == 0

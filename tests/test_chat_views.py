@@ -164,7 +164,7 @@ def test_tree_json_schema_and_depth_limit():
     doc = cv.tree_json(NODES, letters, depth=1)
     assert doc == [{
         "start": 0, "n_tokens": 16, "n_blocks": 1, "max_ref": 0,
-        "owners": ["demo", "other", "x"], "preview": "abcdefghijklmnop",
+        "owners": ["demo", "other", "x"], "pinned": False, "preview": "abcdefghijklmnop",
         "tokens": list(range(16)), "children": [], "children_omitted": 4,
     }]
     full = cv.tree_json(NODES)
@@ -306,3 +306,13 @@ def test_streamed_text_wraps_between_words():
     long.feed("abcdefghijkl mn")
     long.close()
     assert "".join(hard).split("\n") == ["abcdefgh", "ijkl mn"]
+
+
+def test_pinned_nodes_are_marked_and_the_hit_panel_says_why_it_ended():
+    pinned = (replace(NODES[0], pinned=True),)
+    assert "pinned" in render(views.tree_view(pinned, letters))
+    assert "pinned" not in render(views.tree_view(NODES, letters))
+    assert cv.tree_json(pinned, letters)[0]["pinned"] is True
+    why = replace(TURN, miss="diverged at token 37 of 90: cached 'date: 30' vs new 'date: 31'")
+    assert "why diverged at token 37" in render(views.hit_panel(why))
+    assert "why" not in render(views.hit_panel(TURN))

@@ -55,6 +55,7 @@ class BatchRun:
         sessions: SessionStore,
         fail_fast: bool = False,
         on_update: Callable[[ItemResult], None] | None = None,
+        pin_system: bool = False,
     ) -> None:
         self.engine = engine
         self.items = items
@@ -67,6 +68,11 @@ class BatchRun:
         self._waiting: dict[str, list[BatchItem]] = {}
         self.save_errors: list[str] = []
         self.stopped = False
+        self.pin_system = pin_system  # pin each distinct system prompt once it is cached
+        self._to_pin: list[tuple[int, list[int]]] = []  # (line, system prefix tokens)
+        self.pinned: dict[tuple[int, ...], int] = {}  # system prefix -> the line that pinned it
+        self._tried: set[tuple[int, ...]] = set()
+        self.pin_errors: list[str] = []
 
     def _submit(self, item: BatchItem) -> None:
         from kvchat.turns import merge_params, prepare_turn
@@ -102,7 +108,41 @@ class BatchRun:
         else:
             self._commit(turn, event.result)
             self._record(ItemResult(item, result=event.result))
+            if self.pin_system:
+                self._queue_pin(item, turn)
         self._advance_session(item)
+
+    def _queue_pin(self, item: BatchItem, turn: PreparedTurn) -> None:
+        """Remember the line's system prefix, to pin between engine steps."""
+        from kvchat.turns import system_prefix
+
+        system = item.system or next((m["content"] for m in item.messages
+                                      if m["role"] == "system"), None)
+        if system is None and turn.session is not None:
+            system = turn.session.system
+        if system is None:
+            return
+        try:
+            tokens = system_prefix(self.engine.codec, [{"role": "system", "content": system}],
+                                   turn.prompt_ids)
+        except KvchatError as exc:
+            self.pin_errors.append(f"line {item.line}: {exc}")
+            return
+        if tuple(tokens) not in self._tried:  # each distinct system prompt once
+            self._tried.add(tuple(tokens))
+            self._to_pin.append((item.line, tokens))
+
+    def _pin_queued(self) -> None:
+        from kvchat.cache.pins import PinError
+
+        cache = self.engine.cache
+        while self._to_pin and cache is not None:
+            line, tokens = self._to_pin.pop(0)
+            try:
+                cache.pin(tokens, label=f"system prompt of line {line}")
+                self.pinned[tuple(tokens)] = line
+            except PinError as exc:
+                self.pin_errors.append(f"line {line}'s system prompt not pinned: {exc}")
 
     def _commit(self, turn: PreparedTurn, result: GenerationResult) -> None:
         if turn.commit(result) is None or turn.session is None:
@@ -154,6 +194,7 @@ class BatchRun:
                     self._submit(item)
             while not self.stopped and not self.engine.idle:
                 self.engine.step()
+                self._pin_queued()
         except BaseException:
             self.stopped = True
             raise

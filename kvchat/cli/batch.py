@@ -90,6 +90,11 @@ def batch(
     fail_fast: Annotated[
         bool, typer.Option("--fail-fast", help="Stop at the first line that fails.")
     ] = False,
+    pin_system: Annotated[
+        bool, typer.Option("--pin-system", help="Pin each distinct system prompt of the file "
+                           "once it is cached: eviction never takes it, in this run or later "
+                           "ones (up to --max-pinned of the pool).")
+    ] = False,
     connect: ConnectOption = None,
     token: TokenOption = None,
     standalone: StandaloneOption = False,
@@ -120,10 +125,12 @@ def batch(
     if server is not None:
         with terminate_as_interrupt():
             run, interrupted = _run_attached(server, plan, (max_tokens, temperature, seed),
-                                             out_path, fail_fast, ui)
+                                             out_path, (fail_fast, pin_system), ui)
     else:
         run, interrupted = _run_standalone(options, plan, (max_tokens, temperature, seed),
-                                           fixed_size, out_path, fail_fast, ui)
+                                           fixed_size, out_path, (fail_fast, pin_system), ui)
+    if pin_system:
+        _report_pins(run, ui)
     if interrupted:
         done = sum(r.error is None for r in run.results.values()) + len(plan.kept)
         again = f" kvchat batch {file} -o {out_path} --resume" if out_path else ""
@@ -133,6 +140,16 @@ def batch(
         raise typer.Exit(INTERRUPT_EXIT_CODE)
     if plan.bad or run.progress.failed:
         raise typer.Exit(1)
+
+
+def _report_pins(run: Any, ui: Console) -> None:
+    """What --pin-system pinned, and each system prompt it could not."""
+    for line in run.pin_errors:
+        ui.print(f"[yellow]{escape(line)}[/yellow]", soft_wrap=True)
+    n = len(run.pinned)
+    ui.print(f"[dim]--pin-system: {n} distinct system prompt(s) pinned[/dim]" if n else
+             "[dim]--pin-system: no line had a system prompt to pin[/dim]"
+             if not run.pin_errors else "[dim]--pin-system: nothing pinned[/dim]")
 
 
 def _plan(file: Path, out_path: Path | None, resume: bool, ui: Console) -> _Plan:
@@ -202,8 +219,10 @@ def torch_threads() -> int:
 
 def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
                     defaults: tuple[int, float, int | None], fixed_size: int | None,
-                    out_path: Path | None, fail_fast: bool, ui: Console) -> tuple[Any, bool]:
-    """The lines through an engine in this process, under the sessions dir's lock."""
+                    out_path: Path | None, flags: tuple[bool, bool], ui: Console
+                    ) -> tuple[Any, bool]:
+    """The lines through an engine in this process, under the sessions dir's lock. `flags`:
+    (--fail-fast, --pin-system)."""
     from kvchat.batch import BatchRun
     from kvchat.config import SamplingParams
     from kvchat.runtime import Runtime
@@ -218,16 +237,18 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
         size = _choose_batch_size(runtime, fixed_size, plan, max_tokens)
 
         def start(update: Any) -> BatchRun:
-            return BatchRun(runtime.engine, plan.to_run, params, runtime.store, fail_fast,
-                            update)
+            return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
+                            update, pin_system=flags[1])
 
         return _run(plan, out_path, ui, size, start, runtime.cache.stats,
                     lambda: _save(runtime, ui))
 
 
 def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, int | None],
-                  out_path: Path | None, fail_fast: bool, ui: Console) -> tuple[Any, bool]:
-    """The lines through a running server (which batches them and saves its own cache)."""
+                  out_path: Path | None, flags: tuple[bool, bool], ui: Console
+                  ) -> tuple[Any, bool]:
+    """The lines through a running server (which batches them and saves its own cache).
+    `flags`: (--fail-fast, --pin-system)."""
     from kvchat.cli.batch_attached import AttachedRun, describe, server_stats
     from kvchat.client import Client, ServerGone
 
@@ -237,7 +258,7 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
         client.health()  # a server that is gone says so before any row is written
 
         def start(update: Any) -> AttachedRun:
-            return AttachedRun(client, plan.to_run, defaults, fail_fast, update)
+            return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1])
 
         def stats() -> CacheStats | None:
             with Client(server.url, server.token) as fresh:  # the run's client may be closed

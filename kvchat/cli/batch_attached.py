@@ -69,6 +69,10 @@ def request_body(item: BatchItem, max_tokens: int, temperature: float,
             "create_session": True}
 
 
+def has_system(item: BatchItem) -> bool:
+    return item.system is not None or any(m["role"] == "system" for m in item.messages)
+
+
 class AttachedRun:
     """The lines of a batch file through a server, each result reported as soon as it is in.
     Offers what the summary needs of a BatchRun: `progress`, `results`, `ordered()`,
@@ -76,7 +80,7 @@ class AttachedRun:
 
     def __init__(self, client: Client, items: list[BatchItem],
                  defaults: tuple[int, float, int | None], fail_fast: bool,
-                 on_update: Callable[[ItemResult], None]) -> None:
+                 on_update: Callable[[ItemResult], None], pin_system: bool = False) -> None:
         from kvchat.batch import BatchProgress
 
         self.client = client
@@ -90,6 +94,9 @@ class AttachedRun:
         self.stopped = threading.Event()
         self.gone: ServerGone | None = None
         self._lock = threading.Lock()
+        self.pin_system = pin_system  # ask the server to pin each line's system prompt
+        self.pinned: dict[str, int] = {}  # pin id -> the first line that pinned it
+        self.pin_errors: list[str] = []
 
     def run(self) -> None:
         """Send every line; returns when all are answered. Ctrl-C (KeyboardInterrupt) closes
@@ -129,7 +136,10 @@ class AttachedRun:
 
         try:
             body = request_body(item, *self.defaults)
+            if self.pin_system and has_system(item):
+                body["pin"] = "system"
             reply = self.client.generate(body)
+            self._pin_outcome(item, reply.get("pin"))
             res = ItemResult(item, result=cast("GenerationResult", RemoteResult(reply)))
         except ValueError as exc:
             res = ItemResult(item, error=str(exc))
@@ -142,6 +152,16 @@ class AttachedRun:
             self.stopped.set()
             return
         self._record(res)
+
+    def _pin_outcome(self, item: BatchItem, pin: Any) -> None:
+        if not isinstance(pin, dict):
+            return
+        with self._lock:
+            if pin.get("error"):
+                self.pin_errors.append(f"line {item.line}'s system prompt not pinned: "
+                                       f"{pin['error']}")
+            elif pin.get("id"):
+                self.pinned.setdefault(str(pin["id"]), item.line)
 
     def _record(self, res: ItemResult) -> None:
         with self._lock:

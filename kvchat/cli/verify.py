@@ -87,7 +87,7 @@ def verify(
     """Check that cached generation equals cold generation: per prompt, the first divergent
     token and the largest logit difference. Exit code 1 if any greedy output differs."""
     from kvchat.ui.cache_view import preview
-    from kvchat.ui.views import verify_summary, verify_table
+    from kvchat.ui.verify_view import verify_summary, verify_table
 
     if prompt is not None and file is not None:
         raise KvchatError("Give a prompt or --file, not both.")

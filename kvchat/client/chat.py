@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvchat.client.http import Client, ReplyStream, ServerError
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, validate_name
-from kvchat.ui.chat_backend import Reply, Sessions, TurnDone, TurnFailed
+from kvchat.ui.chat_backend import PinInfo, PinsInfo, Reply, Sessions, TurnDone, TurnFailed
 
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 UNAVAILABLE = {
     "clear-cache": "the cache is the server's, shared with its other clients (restart the "
     "server with an empty sessions dir to start cold)",
+    "pin": "pins of a server's cache are made over its API (POST /cache/pin)",
 }
+UNAVAILABLE["unpin"] = UNAVAILABLE["pins"] = UNAVAILABLE["pin"]
 
 
 class RemoteSessions:
@@ -92,8 +94,10 @@ class RemoteReply:
             rate = max(int(result["completion_tokens"]) - 1, 0) / decode_s if decode_s > 0 else 0
         source = str(result["hit_source"]) if result is not None else turn.source
         disk = int(result.get("disk_hit_tokens", 0)) if result is not None else 0
+        why = result or {}
         return TurnDone(turn, turn.ttft_ms, turn.prefill_ms,
-                        turn.prompt_tokens - turn.hit_tokens, rate, source, disk)
+                        turn.prompt_tokens - turn.hit_tokens, rate, source, disk,
+                        str(why.get("miss_detail") or ""), str(why.get("miss_reason") or ""))
 
 
 class RemoteBackend:
@@ -165,3 +169,12 @@ class RemoteBackend:
 
     def clear_cache(self) -> int:
         raise KvchatError(UNAVAILABLE["clear-cache"])
+
+    def pin(self, session: Session, what: str) -> PinInfo:
+        raise KvchatError(UNAVAILABLE["pin"])
+
+    def unpin(self, session: Session) -> list[PinInfo]:
+        raise KvchatError(UNAVAILABLE["pin"])
+
+    def pins(self) -> PinsInfo:
+        raise KvchatError(UNAVAILABLE["pin"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvchat.cache.stats import CacheStats, Counters, PoolStats
@@ -43,6 +43,7 @@ class NodeView:
     owners: tuple[str, ...]
     children: tuple[NodeView, ...] = ()
     namespace: str = ""
+    pinned: bool = False  # holds blocks of a pinned prefix: eviction never takes them
 
     @property
     def n_tokens(self) -> int:
@@ -105,6 +106,7 @@ def nodes_from_cache(cache: PagedKVCache) -> tuple[NodeView, ...]:
             owners=tuple(sorted(node.owners)),
             children=kids,
             namespace=node.namespace,
+            pinned=any(cache.pins.holds(b.block_id) for b in node.blocks),
         )
 
     tops = [c for root in cache.tree.roots.values() for c in root.child_list()]
@@ -145,7 +147,7 @@ def nodes_from_meta(meta: Mapping[str, Any]) -> tuple[NodeView, ...]:
                 tokens, n_blocks = tuple(t for i in ids for t in block_tokens[i]), len(ids)
             owners = tuple(sorted(str(o) for o in rec.get("owners", [])))
             return NodeView(int(rec["start"]), tokens, n_blocks, 0, owners, kids,
-                            namespace_of[id(rec)])
+                            namespace_of[id(rec)], bool(rec.get("pinned", False)))
 
         return _freeze(list(meta["tree"]), lambda r: list(r["children"]), view)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -203,8 +205,7 @@ def owned_by(nodes: Sequence[NodeView], session: str) -> tuple[NodeView, ...]:
     return _freeze(
         [n for n in nodes if session in n.owners],
         lambda n: [c for c in n.children if session in c.owners],
-        lambda n, kids: NodeView(n.start, n.tokens, n.blocks, n.max_ref, n.owners, kids,
-                                 n.namespace),
+        lambda n, kids: replace(n, children=kids),
     )
 
 
@@ -220,7 +221,7 @@ def in_namespace(
 
     def keep(n: NodeView, kids: tuple[NodeView, ...]) -> NodeView:
         owners = tuple(sorted(o for o in map(owner, n.owners) if o is not None))
-        return NodeView(n.start, n.tokens, n.blocks, n.max_ref, owners, kids, n.namespace)
+        return replace(n, owners=owners, children=kids)
 
     mine = _freeze([n for n in nodes if n.namespace == namespace], lambda n: n.children, keep)
     return mine, tuple(e for e in exact if e.namespace == namespace)
@@ -343,6 +344,7 @@ def tree_json(
             "n_blocks": node.blocks,
             "max_ref": node.max_ref,
             "owners": list(node.owners),
+            "pinned": node.pinned,
             "preview": distinct_preview(node.tokens, shared, decode),
             "tokens": list(node.tokens),
             "children": group(node.children, level + 1) if keep else [],

@@ -34,6 +34,23 @@ class TurnDone(NamedTuple):
     decode_tokens_per_s: float
     hit_source: str
     disk_hit_tokens: int = 0  # of the turn's hit tokens, those loaded back from disk
+    miss_detail: str = ""  # why the cached prefix ended where it did (`kvchat.explain`)
+    miss_reason: str = ""
+
+
+class PinInfo(NamedTuple):
+    """A pinned prefix as the chat shows it."""
+
+    pin_id: str
+    label: str
+    tokens: int
+    blocks: int
+
+
+class PinsInfo(NamedTuple):
+    pins: list[PinInfo]
+    pinned_blocks: int
+    cap_blocks: int  # --max-pinned of the pool
 
 
 class TurnFailed(NamedTuple):
@@ -90,6 +107,15 @@ class ChatBackend(Protocol):
 
     def clear_cache(self) -> int: ...
 
+    def pin(self, session: Session, what: str) -> PinInfo:
+        """Pin the session's system prompt ("system") or all of it that is cached ("all");
+        raises KvchatError when it cannot (not cached yet, over --max-pinned)."""
+
+    def unpin(self, session: Session) -> list[PinInfo]:
+        """End the pins that cover a prefix of the session's history."""
+
+    def pins(self) -> PinsInfo: ...
+
 
 # ---- in this process -----------------------------------------------------------------------
 
@@ -115,7 +141,8 @@ class LocalReply:
         turn = self.turn.commit(result)
         assert turn is not None
         return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
-                        result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens)
+                        result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens,
+                        result.miss_detail, result.miss_reason)
 
 
 class LocalBackend:
@@ -190,3 +217,34 @@ class LocalBackend:
 
     def clear_cache(self) -> int:
         return int(self.rt.cache.clear())
+
+    def pin(self, session: Session, what: str) -> PinInfo:
+        from kvchat.cache.pins import PinError
+        from kvchat.turns import conversation, system_prefix
+
+        cache = self.rt.cache
+        if not session.tokens:
+            raise KvchatError("Nothing to pin yet: send a message first.")
+        if what == "all":
+            tokens, label = session.tokens[: cache.peek(session.tokens)], f"{session.name} (all)"
+        else:
+            tokens = system_prefix(self.rt.engine.codec, conversation(session), session.tokens)
+            label = "system prompt"
+        try:
+            pin = cache.pin(tokens, label=label)
+        except PinError as error:
+            raise KvchatError(f"Not pinned: {error}") from None
+        return PinInfo(pin.pin_id, pin.label, len(pin.tokens), len(pin.block_ids))
+
+    def unpin(self, session: Session) -> list[PinInfo]:
+        cache = self.rt.cache
+        gone = [p for p in cache.pins if not p.namespace
+                and list(p.tokens) == session.tokens[: len(p.tokens)]]
+        for pin in gone:
+            cache.unpin(pin.pin_id)
+        return [PinInfo(p.pin_id, p.label, len(p.tokens), len(p.block_ids)) for p in gone]
+
+    def pins(self) -> PinsInfo:
+        table = self.rt.cache.pins
+        rows = [PinInfo(p.pin_id, p.label, len(p.tokens), len(p.block_ids)) for p in table]
+        return PinsInfo(rows, len(table.block_ids), table.cap)

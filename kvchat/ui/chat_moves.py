@@ -1,4 +1,5 @@
-"""Conversation moves in `kvchat chat`: /retry, /rewind, /fork, /branches.
+"""Conversation moves in `kvchat chat`: /retry, /rewind, /fork, /branches, and /pin, /unpin,
+/pins to keep a prefix in the pool.
 
 The radix tree already holds every earlier state of a conversation, so these are nearly free:
 a retried prompt is an exact hit, a rewound conversation continues from a cached prefix, and a
@@ -23,13 +24,17 @@ from kvchat.ui.cache_view import preview
 if TYPE_CHECKING:
     from kvchat.config import SamplingParams
     from kvchat.turns import Branch
-    from kvchat.ui.chat_backend import Sessions
+    from kvchat.ui.chat_backend import ChatBackend, Sessions
 
 MOVES: dict[str, tuple[str, str]] = {
     "retry": ("/retry", "regenerate the last reply (its prompt is an exact hit: no prefill)"),
     "rewind": ("/rewind [N]", "drop the last N turns (default 1); what is left stays cached"),
     "fork": ("/fork NAME", "a new session with this one's history (shared blocks, no copies)"),
     "branches": ("/branches", "sessions that share this one's history, and where they part"),
+    "pin": ("/pin [all]", "keep this session's system prompt (or all its history) in the pool: "
+            "eviction never takes it"),
+    "unpin": ("/unpin", "end the pins on this session's history"),
+    "pins": ("/pins", "what is pinned, and how much of --max-pinned it uses"),
 }
 
 
@@ -38,6 +43,7 @@ class ConversationMoves:
 
     session: Session
     store: Sessions
+    backend: ChatBackend
     params: SamplingParams
     _say: Callable[..., None]
     _decode: Callable[[Sequence[int]], str]
@@ -117,6 +123,37 @@ class ConversationMoves:
             return
         print_ = self.console.print
         print_(branches_table(self.session, rows, self._decode))
+
+
+    def _pin(self, arg: str) -> None:
+        what = arg.strip().lower() or "system"
+        if what not in ("system", "all"):
+            raise KvchatError(f"Usage: /pin [all], got {arg!r}.")
+        pin = self.backend.pin(self.session, what)
+        self._say(f"Pinned {pin.label}: {pin.tokens:,} tokens in {pin.blocks:,} blocks stay in "
+                  "the pool whatever eviction needs (/unpin ends it).", "dim")
+
+    def _unpin(self, arg: str) -> None:
+        gone = self.backend.unpin(self.session)
+        if not gone:
+            self._say("Nothing pinned on this session's history.")
+            return
+        names = ", ".join(f"{p.label} ({p.tokens:,} tokens)" for p in gone)
+        self._say(f"Unpinned {names}; eviction may take those blocks again.", "dim")
+
+    def _pins(self, arg: str) -> None:
+        info = self.backend.pins()
+        if not info.pins:
+            self._say(f"Nothing pinned. Pins may hold up to {info.cap_blocks:,} pool blocks.")
+            return
+        t = Table(title=f"pins · {info.pinned_blocks:,} of {info.cap_blocks:,} blocks allowed",
+                  title_justify="left")
+        t.add_column("pin")
+        t.add_column("tokens", justify="right")
+        t.add_column("blocks", justify="right")
+        for p in info.pins:
+            t.add_row(p.label, f"{p.tokens:,}", f"{p.blocks:,}")
+        self.console.print(t)
 
 
 def branches_table(session: Session, rows: Sequence[Branch],

@@ -148,6 +148,9 @@ class Chat(ConversationMoves):
             "rewind": self._rewind,
             "fork": self._fork,
             "branches": self._branches,
+            "pin": self._pin,
+            "unpin": self._unpin,
+            "pins": self._pins,
             "exit": self._exit,
         }
 
@@ -250,6 +253,7 @@ class Chat(ConversationMoves):
             finish_reason=turn.finish_reason,
             saved_ms=views.estimate_saved_ms(turn.hit_tokens, rate),
             disk_hit_tokens=done.disk_hit_tokens,
+            miss=done.miss_detail if done.miss_reason not in ("", "hit", "off") else "",
         )
         if self.panels != "off":
             self.console.print(

@@ -1,6 +1,7 @@
 """Rich renderables for kvchat's terminal output: pure functions of plain data.
 
-Everything the chat REPL, `kvchat inspect` and `kvchat verify` print is built here, from the
+Everything the chat REPL and `kvchat inspect` print is built here (`kvchat verify`'s tables
+are in `verify_view`), from the
 plain views in `cache_view` and small dataclasses; nothing here touches a model or torch, so each
 view is tested by rendering it to text. Every view fits an 80-column terminal; the per-turn panels
 come in three sizes (`/panels off|compact|full`), compact being one line per panel.
@@ -32,7 +33,6 @@ from kvchat.ui.cache_view import (
 )
 
 if TYPE_CHECKING:
-    from kvchat.engine.verify import VerifyRow
     from kvchat.sessions import Turn
 
 PANEL_MODES = ("off", "compact", "full")
@@ -97,6 +97,7 @@ class TurnView:
     finish_reason: str
     saved_ms: float | None  # estimated prefill time the hit tokens saved
     disk_hit_tokens: int = 0  # of hit_tokens, those loaded back from the disk tier
+    miss: str = ""  # why the cached prefix ended where it did, when not a full hit
 
     @property
     def computed_tokens(self) -> int:
@@ -145,6 +146,8 @@ def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
     disk = t.disk_hit_tokens
     if disk:  # the hit came (partly) from the disk tier: say how much
         lines.insert(2, f"memory {t.hit_tokens - disk:,} tok · disk {disk:,} tok")
+    if t.miss:
+        lines.append(f"why {t.miss}")
     return Panel(
         Text("\n".join(lines)), title=f"turn {t.number} · cache", title_align="left",
         expand=False,
@@ -197,6 +200,8 @@ def node_label(
     """Counts, then a preview of the edge's text after the `shared` tokens it has in common
     with a sibling (siblings can share the head of the block they branch in)."""
     label = Text(f"{node.n_tokens:,} tok · {node.blocks:,} blk · ref {node.max_ref} ")
+    if node.pinned:
+        label.append("pinned ", style="bold magenta")
     label.append(f'"{distinct_preview(node.tokens, shared, decode)}"', style="cyan")
     owners = _owners(node.owners)
     if owners:
@@ -416,35 +421,3 @@ def inspect_view(
     parts.append(tree_view(nodes, decode, depth, max_children, session, title))
     parts.append(exact_table(exact, decode))
     return Group(*parts)
-
-
-# ---- verify --------------------------------------------------------------------------------
-
-
-def verify_table(rows: Sequence[VerifyRow]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, title="cached vs cold (greedy)", title_justify="left",
-                  pad_edge=False, show_edge=False, collapse_padding=True)
-    table.add_column("prompt", max_width=18, no_wrap=True, overflow="ellipsis")
-    table.add_column("scenario", no_wrap=True)
-    table.add_column("hit", justify="right", no_wrap=True)
-    table.add_column("equal", no_wrap=True)
-    table.add_column("diverges", justify="right", no_wrap=True)
-    table.add_column("max |Δlogit|", justify="right", no_wrap=True)
-    for r in rows:
-        table.add_row(
-            Text(r.prompt), r.scenario, f"{r.hit_tokens}/{r.prompt_tokens} {r.source}",
-            Text("yes", style="green") if r.tokens_equal else Text("NO", style="bold red"),
-            "—" if r.first_divergence is None else str(r.first_divergence),
-            f"{r.max_logit_diff:.1e}",
-        )
-    return table
-
-
-def verify_summary(rows: Sequence[VerifyRow]) -> Text:
-    bad = [r for r in rows if not r.tokens_equal]
-    worst = max((r.max_logit_diff for r in rows), default=0.0)
-    if not bad:
-        return Text(f"All {len(rows)} cached runs match the cold runs token for token "
-                    f"(max |logit diff| {worst:.1e}).", style="green")
-    return Text(f"{len(bad)} of {len(rows)} cached runs differ from the cold run "
-                f"(max |logit diff| {worst:.1e}).", style="bold red")

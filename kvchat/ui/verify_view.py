@@ -1,0 +1,42 @@
+"""`kvchat verify`'s tables: cached runs against cold runs, token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from kvchat.engine.verify import VerifyRow
+
+
+def verify_table(rows: Sequence[VerifyRow]) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, title="cached vs cold (greedy)", title_justify="left",
+                  pad_edge=False, show_edge=False, collapse_padding=True)
+    table.add_column("prompt", max_width=18, no_wrap=True, overflow="ellipsis")
+    table.add_column("scenario", no_wrap=True)
+    table.add_column("hit", justify="right", no_wrap=True)
+    table.add_column("equal", no_wrap=True)
+    table.add_column("diverges", justify="right", no_wrap=True)
+    table.add_column("max |Δlogit|", justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            Text(r.prompt), r.scenario, f"{r.hit_tokens}/{r.prompt_tokens} {r.source}",
+            Text("yes", style="green") if r.tokens_equal else Text("NO", style="bold red"),
+            "—" if r.first_divergence is None else str(r.first_divergence),
+            f"{r.max_logit_diff:.1e}",
+        )
+    return table
+
+
+def verify_summary(rows: Sequence[VerifyRow]) -> Text:
+    bad = [r for r in rows if not r.tokens_equal]
+    worst = max((r.max_logit_diff for r in rows), default=0.0)
+    if not bad:
+        return Text(f"All {len(rows)} cached runs match the cold runs token for token "
+                    f"(max |logit diff| {worst:.1e}).", style="green")
+    return Text(f"{len(bad)} of {len(rows)} cached runs differ from the cold run "
+                f"(max |logit diff| {worst:.1e}).", style="bold red")
