@@ -82,6 +82,17 @@ def tokenizer_file(tokenizer: Any) -> str | None:
     return str(path.resolve()) if path.exists() else None
 
 
+def template_fields(tokenizer: Any) -> dict[str, Any]:
+    """The chat template and the special tokens it may read (bos_token, eos_token...), for
+    `kvchat inspect --explain` to render a prompt as `kvchat chat` would, without transformers."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the one apply_chat_template uses
+        template = template.get("default")
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {"chat_template": template if isinstance(template, str) else None,
+            "special_tokens": {k: v for k, v in tokens.items() if isinstance(v, str)}}
+
+
 class Runtime:
     def __init__(self, engine: Engine, options: RuntimeOptions, model_label: str) -> None:
         self.engine = engine
@@ -153,6 +164,7 @@ class Runtime:
         pool = self.cache.manager.stats()
         extra = {"tokenizer_file": tokenizer_file(self.engine.codec.tokenizer),
                  "model_label": self.model_label,
+                 **template_fields(self.engine.codec.tokenizer),
                  "store_dir": str(self.options.store_path.resolve()),
                  # the pool's size is not in the blocks list; `kvchat inspect` shows occupancy
                  "pool": {"total_blocks": pool.total_blocks,

@@ -16,6 +16,29 @@ from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
     from kvchat.client import Attachment
+    from kvchat.explain_prompt import PromptSpec
+
+
+ExplainOption = Annotated[
+    str | None,
+    typer.Option("--explain", help="Say why this user message, as a new conversation's first "
+                 "turn, would miss the saved cache (cold, evicted or diverged).",
+                 show_default=False),
+]
+ExplainFileOption = Annotated[
+    Path | None,
+    typer.Option("--explain-file", help="--explain with the file's text (or its one batch row "
+                 "with \"messages\" or \"prompt\").", show_default=False, dir_okay=False),
+]
+SystemOption = Annotated[
+    str | None,
+    typer.Option("--system", help="With --explain: the conversation's system prompt.",
+                 show_default=False),
+]
+RawOption = Annotated[
+    bool, typer.Option("--raw", help="With --explain: the text is the exact prompt (no chat "
+                       "template)."),
+]
 
 
 @app.command("inspect")
@@ -34,12 +57,21 @@ def inspect_snapshot(
         typer.Option("--session", "-s", help="Only the branches this session's turns went "
                      "through.", show_default=False),
     ] = None,
+    explain_text: ExplainOption = None,
+    explain_file: ExplainFileOption = None,
+    system: SystemOption = None,
+    raw: RawOption = False,
     connect: ConnectOption = None,
     token: TokenOption = None,
     standalone: StandaloneOption = False,
 ) -> None:
     """Show the saved cache (radix tree, exact index, stats) without loading the model; while
-    a kvchat server holds the sessions dir (or with --connect), its live cache."""
+    a kvchat server holds the sessions dir (or with --connect), its live cache. --explain says
+    why a prompt would miss the saved cache."""
+    spec = _explain_spec(explain_text, explain_file, system, raw, connect)
+    if spec is not None:
+        _explain(sessions_dir, spec, as_json)
+        return
     from kvchat.cli.attach_options import find_server
     from kvchat.sessions import cache_dir, validate_name
     from kvchat.snapshots import INDEX, read_snapshot_meta
@@ -89,6 +121,48 @@ def inspect_snapshot(
         saved_at=meta.get("saved_at"),
     )
     stdout().print(inspect_view(facts, stats, nodes, exact, decode, depth or 6, 8, session))
+
+
+def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: bool,
+                  connect: str | None) -> PromptSpec | None:
+    """The prompt --explain asks about; None when inspect shows the cache instead."""
+    if text is None and file is None and system is None and not raw:
+        return None
+    from kvchat.explain_prompt import PromptSpec
+
+    if (text is None) == (file is None):
+        raise KvchatError("--system and --raw go with one of --explain TEXT or --explain-file "
+                          "FILE." if text is None else
+                          "Give --explain TEXT or --explain-file FILE, not both.")
+    if connect is not None:
+        raise KvchatError("--explain reads the saved snapshot; it does not use --connect.")
+    if text is not None:
+        return PromptSpec.of_text(text, system, raw)
+    assert file is not None
+    return PromptSpec.of_file(file, system, raw)
+
+
+def _explain(sessions_dir: Path, spec: PromptSpec, as_json: bool) -> None:
+    """Why the prompt would miss, from index.json alone (no model, no torch)."""
+    from kvchat.explain_prompt import explain_snapshot
+    from kvchat.sessions import cache_dir
+    from kvchat.snapshots import INDEX, read_snapshot_meta
+    from kvchat.ui.explain_view import explain_panel
+
+    index = cache_dir(sessions_dir) / INDEX
+    try:
+        info = read_snapshot_meta(sessions_dir)
+        if info is None:
+            stderr().print(f"No cache snapshot in {escape(str(index.parent))}: `kvchat chat` "
+                           "or `kvchat batch` writes one there.")
+            raise typer.Exit(1)
+        result = explain_snapshot(info.meta, spec)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KvchatError(f"The cache snapshot {index} cannot be read ({exc}).") from None
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
+        return
+    stdout().print(explain_panel(result, str(index)))
 
 
 def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
