@@ -2,7 +2,8 @@
 
 - `app`: create_app, the lifespan; `state`: what handlers share (`app.state.server`)
 - `worker`: the engine thread, the only code that touches the scheduler, runtime and cache
-- `native`, `openai`, `cache_api`: one router per API family
+- `native`, `openai`, `cache_api`, `pins_api`, `sessions_api`, `moves_api`: one router per
+  API family (`pinning`: pins as tenants own them)
 - `auth`: access token, API keys -> tenants and their cache namespaces (the AuthGate middleware)
 - `schemas`: request bodies; `prepare`: body -> engine request (template, sampling, sessions)
 - `errors`: the JSON error shape; `limits`: the body limit; `sse`: delivering replies

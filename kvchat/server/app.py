@@ -11,7 +11,15 @@ from fastapi import FastAPI
 
 from kvchat import __version__
 from kvchat.runtime import Runtime
-from kvchat.server import cache_api, metrics, native, openai, sessions_api
+from kvchat.server import (
+    cache_api,
+    metrics,
+    moves_api,
+    native,
+    openai,
+    pins_api,
+    sessions_api,
+)
 from kvchat.server.auth import Auth, AuthGate, Gate
 from kvchat.server.errors import add_error_handlers
 from kvchat.server.limits import MAX_BODY_BYTES, BodyLimit
@@ -53,6 +61,6 @@ def create_app(
     app.state.server = ServerState(worker, TenantSessions(worker.store),
                                    Preparer(worker.engine, max_tokens), gate)
     add_error_handlers(app)
-    for api in (native, openai, cache_api, sessions_api, metrics):
+    for api in (native, openai, cache_api, pins_api, sessions_api, moves_api, metrics):
         app.include_router(api.router)
     return app

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -12,10 +12,14 @@ from fastapi import APIRouter, Request
 from kvchat.responses import result_fields
 from kvchat.server.auth import Caller, Tenant
 from kvchat.server.errors import error_response
+from kvchat.server.pinning import PinJob
+from kvchat.server.pins_api import pin_job
+from kvchat.server.prepare import Sessions
 from kvchat.server.schemas import GenerateBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result
 from kvchat.server.state import State
 from kvchat.server.worker import Handle
+from kvchat.turns import PreparedTurn
 
 router = APIRouter()
 
@@ -23,35 +27,66 @@ router = APIRouter()
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateBody, request: Request, state: State, tenant: Caller) -> Any:
     """Generate a reply; with "stream": true, server-sent events: `token` events with text
-    deltas, then one `done` event with the stats (or an `error` event)."""
-    namespace = state.gate.namespace(tenant, body.cache_salt)
-    sessions = state.sessions.of(tenant)
+    deltas, then one `done` event with the stats (or an `error` event). With "pin", the
+    request's system prefix ("system", true) or prompt and reply ("all") is pinned once it
+    is stored; the reply's "pin" says how that went."""
     lock = None
     if body.session is not None:
-        lock = sessions.turn_locks.setdefault(body.session, asyncio.Lock())
+        lock = state.sessions.of(tenant).turn_locks.setdefault(body.session, asyncio.Lock())
         await lock.acquire()
+    return await reply(body, request, state, tenant, lock)
+
+
+async def reply(body: GenerateBody, request: Request, state: State, tenant: Tenant,
+                lock: asyncio.Lock | None, undo: Callable[[], None] | None = None) -> Any:
+    """Run a /generate body whose session's turn lock (if any) the caller holds; the lock is
+    released once the turn is recorded. `undo` runs, before that, when the turn does not
+    happen (a retry puts back the reply it rewound)."""
+    sessions = state.sessions.of(tenant)
     try:
-        prepare = partial(state.preparer.generate, sessions=sessions)
-        handle = await state.start(prepare, body, tenant, namespace)
+        namespace = state.gate.namespace(tenant, body.cache_salt)
+        job = pin_job(state, body.pin, tenant, namespace)
+        prepare = partial(_prepare, state, sessions, job)
+        handle = await state.start(prepare, body, tenant, namespace,
+                                   job.after if job is not None else None)
     except BaseException:
+        if undo is not None:
+            undo()
         if lock is not None:
             lock.release()
         raise
+    if undo is not None:
+        handle.on_done(lambda: None if handle.result is not None else undo())
     if lock is not None:
         handle.on_done(lock.release)
     extra = {"session": body.session} if body.session else {}
     if not body.stream:
-        return {**result_fields(await wait_result(handle, request)), **extra}
-    return EventStream(_events(handle, extra), handle)
+        result = await wait_result(handle, request)
+        return {**result_fields(result), **_pinned(job), **extra}
+    return EventStream(_events(handle, extra, job), handle)
 
 
-async def _events(handle: Handle, extra: dict[str, Any]) -> AsyncIterator[bytes]:
+def _prepare(state: State, sessions: Sessions, job: PinJob | None,
+             body: GenerateBody) -> PreparedTurn:
+    turn = state.preparer.generate(body, sessions)
+    if job is None:
+        return turn
+    system = next((m.content for m in body.messages or () if m.role == "system"), body.system)
+    return job.prepared(turn, turn.session.system if turn.session is not None else system)
+
+
+def _pinned(job: PinJob | None) -> dict[str, Any]:
+    return {"pin": job.outcome} if job is not None and job.outcome is not None else {}
+
+
+async def _events(handle: Handle, extra: dict[str, Any], job: PinJob | None
+                  ) -> AsyncIterator[bytes]:
     async for delta in handle.stream():
         yield sse({"text": delta}, "token")
     if handle.error is not None:
         yield sse(error_event(handle.error), "error")
     elif handle.result is not None:
-        yield sse({**result_fields(handle.result), **extra}, "done")
+        yield sse({**result_fields(handle.result), **_pinned(job), **extra}, "done")
 
 
 @router.get("/healthz", response_model=None)

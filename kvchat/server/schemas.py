@@ -8,6 +8,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvchat.sessions import SessionError, validate_name
 
+PinWhat = Literal["system", "all"]
+# a request's "pin": "system" (or true) pins its system prefix, "all" its prompt and reply
+PinOption = bool | PinWhat | None
+
+
+def _session_name(name: str | None) -> str | None:
+    if name is not None:
+        try:
+            validate_name(name)
+        except SessionError as exc:
+            raise ValueError(str(exc)) from None
+    return name
+
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -32,16 +45,9 @@ class GenerateBody(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     cache_salt: str | None = None  # a sharing group the server declares (--cache-salt)
+    pin: PinOption = None
 
-    @field_validator("session")
-    @classmethod
-    def _valid_name(cls, name: str | None) -> str | None:
-        if name is not None:
-            try:
-                validate_name(name)
-            except SessionError as exc:
-                raise ValueError(str(exc)) from None
-        return name
+    _valid_name = field_validator("session")(_session_name)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateBody:
@@ -92,3 +98,59 @@ class ChatCompletionBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # as vLLM's; only the names the server declares
+    pin: PinOption = None  # kvchat's own: the reply's "kvchat" object reports it
+
+
+class PinBody(BaseModel):
+    """POST /cache/pin: what to pin, given as a request would send it or as a session's
+    history so far."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    system: str | None = None
+    session: str | None = None
+    what: PinWhat = "system"
+    cache_salt: str | None = None
+
+    _valid_name = field_validator("session")(_session_name)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PinBody:
+        given = [self.prompt is not None, self.messages is not None, self.session is not None]
+        if sum(given) != 1:
+            raise ValueError('give exactly one of "prompt", "messages" or "session"')
+        if self.session is not None and self.system is not None:
+            raise ValueError('a session has its own system prompt: leave out "system"')
+        return self
+
+
+class UnpinBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    id: str
+
+
+class RewindBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    turns: int = Field(1, ge=1)
+
+
+class ForkBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+
+    _valid_name = field_validator("name")(_session_name)
+
+
+class RetryBody(BaseModel):
+    """POST /sessions/{name}/retry: the sampling options of /generate (greedy by default)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    cache_salt: str | None = None

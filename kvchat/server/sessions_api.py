@@ -20,7 +20,8 @@ from kvchat.sessions import Session, SessionError, validate_name
 router = APIRouter()
 
 
-def _name(name: str) -> str:
+def session_name(name: str) -> str:
+    """A session name from a path, checked (a 400 naming the rule otherwise)."""
     try:
         return validate_name(name)
     except SessionError as exc:
@@ -50,7 +51,7 @@ async def get_session(name: str, state: State, tenant: Caller) -> dict[str, Any]
     """One session as its file holds it (a 404 when there is none), once a turn of it in
     flight is recorded: a client that hung up on a reply reads the turn it stopped."""
     sessions = state.sessions.of(tenant)
-    name = _name(name)
+    name = session_name(name)
     async with sessions.turn_locks.setdefault(name, asyncio.Lock()):
         try:
             session = await run_in_threadpool(sessions.get, name, False)
@@ -65,7 +66,7 @@ async def put_session(name: str, state: State, tenant: Caller,
     """Write a session: its system prompt, messages, tokens and turns. Waits for a turn of
     that session in flight, so a turn's record is never lost to a write."""
     sessions = state.sessions.of(tenant)
-    name = _name(name)
+    name = session_name(name)
     try:
         new = Session.from_json({**doc, "name": name})
     except (KeyError, TypeError, ValueError) as exc:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from kvchat.engine.sequence import GenerationResult
 from kvchat.server.auth import Gate, Tenant
 from kvchat.server.errors import api_error
 from kvchat.server.prepare import Preparer, TenantSessions
@@ -31,18 +32,21 @@ class ServerState:
     preparer: Preparer
     gate: Gate
     completion_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    # pin id -> the tenants that asked for it (engine thread only; see `pins_api`)
+    pin_owners: dict[str, set[str]] = field(default_factory=dict)
 
     async def start(self, prepare: Callable[[B], PreparedTurn], body: B, tenant: Tenant,
-                    namespace: str) -> Handle:
+                    namespace: str, after: Callable[[GenerationResult], None] | None = None
+                    ) -> Handle:
         """Prepare the request in a worker thread and hand it to the engine, cached in
         `namespace` and counted for `tenant`; any failure becomes the HTTP error the client
-        sees."""
+        sees. `after` runs on the engine thread once the result is stored (see `Handle`)."""
         try:
             turn = await run_in_threadpool(prepare, body)
             request = turn.request(namespace)
             if request.sid is not None:
                 request = replace(request, sid=tenant.sid(request.sid))
-            handle = Handle(turn, self.sessions.of(tenant).store, request, tenant.id)
+            handle = Handle(turn, self.sessions.of(tenant).store, request, tenant.id, after)
             self.worker.submit(handle)
         except Exception as exc:
             raise api_error(exc) from exc

@@ -58,15 +58,19 @@ class Handle:
     """One request as the event loop sees it. The engine thread calls `text`, `finish` and
     `fail`; the loop reads `deltas` (None ends them), then `result` or `error`. `request` is
     what the engine runs (the turn's, unless the caller's tenant set its namespace and session
-    id); `tenant` is whose counters it adds to."""
+    id); `tenant` is whose counters it adds to. `after` runs on the engine thread once the
+    request's tokens are stored, before the result is delivered (a `pin` option uses it: the
+    prefix cannot be evicted in between)."""
 
     def __init__(self, turn: PreparedTurn, store: SessionStore | None = None,
-                 request: Request | None = None, tenant: str = "") -> None:
+                 request: Request | None = None, tenant: str = "",
+                 after: Callable[[GenerationResult], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.turn = turn
         self.request = request if request is not None else turn.request()
         self.tenant = tenant
         self.store = store  # where a session turn's transcript is saved
+        self.after = after
         self.deltas: asyncio.Queue[str | None] = asyncio.Queue()
         self.done = asyncio.Event()
         self.result: GenerationResult | None = None
@@ -368,6 +372,11 @@ class EngineWorker:
         self.tenants[handle.tenant] = self.tenants.get(handle.tenant,
                                                        TenantCounters()).after(event.result)
         self._record(handle, event.result)
+        if handle.after is not None:
+            try:
+                handle.after(event.result)
+            except Exception:  # the reply still goes out; the hook reports its own failures
+                log.exception("A request's finishing step failed.")
         handle.finish(event.result)
 
     def _count(self, handle: Handle, **deltas: int) -> None:
