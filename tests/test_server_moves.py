@@ -195,6 +195,18 @@ def test_in_a_shared_cache_a_pin_lasts_until_its_last_owner_lets_go(
         assert len(s.runtime.cache.pins) == 1  # B still relies on it
 
 
+def test_a_streamed_reply_reports_its_pin_in_the_done_event(served: Served) -> None:
+    body = {"prompt": "What is 2 plus 2?", "max_tokens": MAX_NEW, "stream": True, "pin": "all"}
+    with served.client.stream("POST", "/generate", json=body) as stream:
+        lines = list(stream.iter_lines())
+    done = json.loads(lines[lines.index("event: done") + 1][6:])
+    stored = done["prompt_tokens"] + done["completion_tokens"] - 1  # the last token's K/V: none
+    assert done["pin"]["label"] == "conversation" and done["pin"]["tokens"] == stored
+    pins = served.get("/cache/pins")["pins"]
+    assert [p["id"] for p in pins] == [done["pin"]["id"]]
+    served.check_cache()
+
+
 # ---- /v1: kvchat's own fields -------------------------------------------------------------
 
 
