@@ -151,6 +151,16 @@ class Tombstones:
             prev = tree.root_key(node.namespace)
         self.record(node.keys[nth], prev, node.tokens[nth * bs : (nth + 1) * bs], policy)
 
+    def record_subtree(self, tree: RadixTree, node: Node, first: int, policy: str) -> None:
+        """Blocks `first`.. of `node`'s edge and every block below it are going: remember
+        them (a bounded memory: beyond `capacity`, the oldest records go first)."""
+        stack = [(node, first)]
+        while stack:
+            top, start = stack.pop()
+            for nth in range(start, len(top.keys)):
+                self.record_node_block(tree, top, nth, policy)
+            stack.extend((c, 0) for c in top.child_list())
+
     def longest(self, tree: RadixTree, namespace: str, prompt: Sequence[int], start: int
                 ) -> tuple[int, float, str] | None:
         """How far `prompt` ran through evicted blocks, when past `start` tokens: (through,

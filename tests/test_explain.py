@@ -106,3 +106,39 @@ def test_system_prefix_is_the_template_text_before_the_first_user_message(tiny_t
     assert "French" in codec.decode(head) and "hello" not in codec.decode(head)
     other = codec.encode_chat([msgs[0], {"role": "user", "content": "something else"}])
     assert other[: len(head)] == head  # what every conversation with this system prompt shares
+
+
+def test_blocks_only_on_disk_leave_tombstones_when_cleared(tmp_path):
+    from _cache_helpers import make_tiered_cache
+
+    cache = make_tiered_cache(tmp_path / "store", num_blocks=6, block_size=BS)
+    try:
+        store(cache, A)  # 4 blocks
+        store(cache, [50 + i for i in range(12)])  # 3 blocks: one of A's spills to disk
+        assert any(n.on_disk for n, _ in cache.tree.nodes())
+        cache.clear()
+        cache.check_integrity()
+        e = cache.explain(A + [1])
+        assert (e.reason, e.evicted_by, e.evicted_through) == (MissReason.EVICTED, "clear", 16)
+    finally:
+        assert cache.disk is not None
+        cache.disk.close()
+
+
+def test_blocks_the_disk_budget_dropped_leave_tombstones_at_save(tmp_path):
+    from _cache_helpers import make_tiered_cache
+
+    from kvchat.cache.tree_index import export_index
+
+    cache = make_tiered_cache(tmp_path / "store", num_blocks=4, block_size=BS, budget_bytes=6000)
+    try:
+        for k in range(6):  # far more than the pool and the disk budget hold
+            store(cache, [10 * k + i for i in range(8)])
+        meta = export_index(cache)
+        cache.check_integrity()
+        assert any(row[-1] == "disk budget" for row in meta["tombstones"])
+        e = cache.explain(list(range(8)) + [99])
+        assert (e.reason, e.evicted_by) == (MissReason.EVICTED, "disk budget")
+    finally:
+        assert cache.disk is not None
+        cache.disk.close()

@@ -96,10 +96,12 @@ def load(store: BlockStore, manager: BlockManager, tree: RadixTree,
     return Loaded(out, False, notices)
 
 
-def persist(store: BlockStore, manager: BlockManager, tree: RadixTree) -> None:
+def persist(store: BlockStore, manager: BlockManager, tree: RadixTree,
+            bury: Callable[[Node, int], None] = lambda node, first: None) -> None:
     """Make the store hold every block of the tree, then wait until it is on disk: resident
     blocks not stored yet are written (a stored one costs a dict lookup); on-disk blocks
-    whose files the store evicted to stay in budget are pruned, since they cannot be served."""
+    whose files the store evicted to stay in budget are pruned, since they cannot be served
+    (`bury(node, first)` is told first, so later misses can say they were evicted)."""
     for node, _ in tree.nodes():
         for i, block in enumerate(node.blocks):
             # listed blocks cost no stat here: a spill re-checks (put) before dropping one
@@ -119,6 +121,7 @@ def persist(store: BlockStore, manager: BlockManager, tree: RadixTree) -> None:
         parent = node.parent
         # a sibling's removal may have merged this node into its parent: pruned next time
         if parent is not None and node in parent.children.get(node.tokens[0], ()):
+            bury(node, gone)
             tree.truncate(node, gone)
 
 

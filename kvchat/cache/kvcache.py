@@ -355,6 +355,9 @@ class PagedKVCache:
         freed."""
         self.exact.clear()
         self.pins.clear()
+        for node, _ in list(self.tree.nodes()):  # what is only on disk goes too
+            if node.on_disk and (node.parent is None or not node.parent.on_disk):
+                self.tombstones.record_subtree(self.tree, node, len(node.blocks), "clear")
         freed = self._evict(self.manager.num_blocks, lambda b: (0.0,), spill=False, why="clear")
         self.tree.drop_disk()
         return freed

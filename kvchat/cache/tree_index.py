@@ -80,7 +80,8 @@ def export_index(cache: PagedKVCache) -> dict[str, Any]:
     """Persist the blocks (when the cache has a disk tier) and return the index's meta."""
     mgr = cache.manager
     if cache.disk is not None and cache.disk.enabled:
-        disk_tier.persist(cache.disk, mgr, cache.tree)
+        disk_tier.persist(cache.disk, mgr, cache.tree, lambda node, first:
+                          cache.tombstones.record_subtree(cache.tree, node, first, "disk budget"))
     return {
         "version": INDEX_VERSION,
         "block_size": cache.block_size,
