@@ -197,7 +197,7 @@ def test_an_attached_chat_runs_turns_and_commands_without_torch(server: Running)
             "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             "print('LOADED', 'torch' in sys.modules, 'transformers' in sys.modules)\n")
     script = "Hello there.\n/system Be brief.\nHello again.\n/stats\n/tree\n/sessions\n" \
-             "/clear-cache\n/save\n/exit\n"
+             "/clear-cache\n/pin\n/pins\n/unpin\n/save\n/exit\n"
     done = subprocess.run([sys.executable, "-c", code], input=script, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr
@@ -206,6 +206,8 @@ def test_an_attached_chat_runs_turns_and_commands_without_torch(server: Running)
     assert f"server {server.url}" in out and "turn 1 ·" in out and "turn 2 ·" in out
     assert "radix tree ·" in out and "piped" in out
     assert "/clear-cache is not available here" in out
+    assert "Pinned system prompt:" in out and "pins · " in out
+    assert "Unpinned system prompt" in out
     assert "Saved session piped and the cache snapshot" in out
     with Client(server.url, server.token) as client:
         session = client.session("piped")

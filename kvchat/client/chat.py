@@ -26,9 +26,7 @@ if TYPE_CHECKING:
 UNAVAILABLE = {
     "clear-cache": "the cache is the server's, shared with its other clients (restart the "
     "server with an empty sessions dir to start cold)",
-    "pin": "pins of a server's cache are made over its API (POST /cache/pin)",
 }
-UNAVAILABLE["unpin"] = UNAVAILABLE["pins"] = UNAVAILABLE["pin"]
 
 
 class RemoteSessions:
@@ -114,6 +112,7 @@ class RemoteBackend:
         self.health = client.health()
         self._decode: Any = None
         self._tree: dict[str, Any] | None = None
+        self._pinned: dict[str, list[PinInfo]] = {}  # session -> pins this chat made on it
 
     def banner_lines(self) -> list[str]:
         stats = self.stats()
@@ -171,10 +170,32 @@ class RemoteBackend:
         raise KvchatError(UNAVAILABLE["clear-cache"])
 
     def pin(self, session: Session, what: str) -> PinInfo:
-        raise KvchatError(UNAVAILABLE["pin"])
+        self.remote.save(session)  # the server pins the history it holds
+        try:
+            doc = self.client.pin({"session": session.name, "what": what})
+        except ServerError as error:
+            raise KvchatError(f"Not pinned: {error}") from None
+        made = _pin_info(doc)
+        self._pinned.setdefault(session.name, []).append(made)
+        return made
 
     def unpin(self, session: Session) -> list[PinInfo]:
-        raise KvchatError(UNAVAILABLE["pin"])
+        """The pins this chat made on the session (the server lists all: GET /cache/pins)."""
+        gone = []
+        for made in self._pinned.pop(session.name, []):
+            try:
+                gone.append(_pin_info(self.client.unpin(made.pin_id)))
+            except ServerError as error:
+                if error.status != 404:  # 404: already ended elsewhere
+                    raise
+        return gone
 
     def pins(self) -> PinsInfo:
-        raise KvchatError(UNAVAILABLE["pin"])
+        doc = self.client.pins()
+        rows = [_pin_info(p) for p in doc.get("pins", [])]
+        used = int(doc.get("pinned_blocks", sum(p.blocks for p in rows)))
+        return PinsInfo(rows, used, int(doc.get("max_pinned_blocks", 0)))
+
+
+def _pin_info(doc: dict[str, Any]) -> PinInfo:
+    return PinInfo(str(doc["id"]), str(doc["label"]), int(doc["tokens"]), int(doc["blocks"]))

@@ -176,6 +176,19 @@ class Client:
         result: dict[str, Any] = self._call("PUT", f"/sessions/{doc['name']}", json=doc)
         return result
 
+    def pin(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /cache/pin: the pin made ({id, tokens, label, blocks}); 409 raises."""
+        result: dict[str, Any] = self._call("POST", "/cache/pin", json=body)
+        return result
+
+    def pins(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/cache/pins")
+        return result
+
+    def unpin(self, pin_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("DELETE", "/cache/pin", params={"id": pin_id})
+        return result
+
     def save(self) -> dict[str, Any]:
         """Write the server's cache snapshot now; returns where and how many tokens."""
         result: dict[str, Any] = self._call("POST", "/cache/save")

@@ -143,11 +143,12 @@ class ConversationMoves:
 
     def _pins(self, arg: str) -> None:
         info = self.backend.pins()
+        cap = f" of {info.cap_blocks:,} allowed" if info.cap_blocks else ""
         if not info.pins:
-            self._say(f"Nothing pinned. Pins may hold up to {info.cap_blocks:,} pool blocks.")
+            self._say("Nothing pinned." + (f" Pins may hold up to {info.cap_blocks:,} pool "
+                                           "blocks." if cap else ""))
             return
-        t = Table(title=f"pins · {info.pinned_blocks:,} of {info.cap_blocks:,} blocks allowed",
-                  title_justify="left")
+        t = Table(title=f"pins · {info.pinned_blocks:,} blocks{cap}", title_justify="left")
         t.add_column("pin")
         t.add_column("tokens", justify="right")
         t.add_column("blocks", justify="right")
