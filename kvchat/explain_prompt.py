@@ -17,8 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvchat.cache.explain import CONTEXT, Explanation, MissReason, Tombstones, explain
 from kvchat.errors import KvchatError
-from kvchat.explain import CONTEXT, Explanation, MissReason, Tombstones, explain
 
 Message = dict[str, str]
 RERUN = "run `kvchat chat` (or `kvchat batch`) once with this version of kvchat to save it"

@@ -19,7 +19,7 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "cache_hit_tokens": r.cache_hit_tokens,  # from both tiers
         "disk_hit_tokens": r.disk_hit_tokens,
         "hit_source": r.hit_source,
-        "miss_reason": r.miss_reason,  # why the cached prefix ended there (`kvchat.explain`)
+        "miss_reason": r.miss_reason,  # why the cached prefix ended there (`kvchat.cache.explain`)
         "diverged_at": r.diverged_at,
         "miss_detail": r.miss_detail,
         "finish_reason": r.finish_reason,

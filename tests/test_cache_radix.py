@@ -215,15 +215,15 @@ def test_nodes_are_depth_first_in_insertion_order_and_leaves_match() -> None:
 # ---- removal ---------------------------------------------------------------------------------
 
 
-def test_pop_leaf_block_trims_and_removes_the_leaf_and_merges_the_parent() -> None:
+def test_pop_block_trims_and_removes_the_leaf_and_merges_the_parent() -> None:
     tree, pool = RadixTree(4), Pool(4)
     a = cache_store(tree, pool, list(range(12)))
     b = cache_store(tree, pool, list(range(8)) + [40, 41, 42, 43, 44])
     leaf_b = next(n for n in tree.leaves() if n.tokens[0] == 40)
-    assert tree.pop_leaf_block(leaf_b) is b[3]
+    assert tree.pop_block(leaf_b) is b[3]
     tree.check()
     assert leaf_b.tokens == [40, 41, 42, 43]
-    assert tree.pop_leaf_block(leaf_b) is b[2]
+    assert tree.pop_block(leaf_b) is b[2]
     tree.check()
     # [0, 8) was left with one child: merged back into a single edge
     assert shape(tree) == [(1, 0, 12, 3)]
@@ -232,29 +232,29 @@ def test_pop_leaf_block_trims_and_removes_the_leaf_and_merges_the_parent() -> No
     assert tree.find_prefix(list(range(8)) + [40]).matched == 8
 
 
-def test_pop_leaf_block_of_an_only_child_makes_the_parent_a_leaf() -> None:
+def test_pop_block_of_an_only_child_makes_the_parent_a_leaf() -> None:
     tree, pool = RadixTree(4), Pool(4)
     cache_store(tree, pool, list(range(8)))
     cache_store(tree, pool, list(range(4)) + [9, 9])
     leaf = next(n for n in tree.leaves() if n.tokens[0] == 9)
-    tree.pop_leaf_block(leaf)
+    tree.pop_block(leaf)
     tree.check()
     leaf = next(n for n in tree.leaves())
-    tree.pop_leaf_block(leaf)  # the other branch: [0, 4) is now a leaf
+    tree.pop_block(leaf)  # the other branch: [0, 4) is now a leaf
     tree.check()
     assert shape(tree) == [(1, 0, 4, 1)]
     assert [n.tokens for n in tree.leaves()] == [[0, 1, 2, 3]]
 
 
-def test_pop_leaf_block_rejects_inner_nodes() -> None:
+def test_pop_block_rejects_inner_nodes() -> None:
     tree, pool = RadixTree(4), Pool(4)
     cache_store(tree, pool, list(range(8)))
     cache_store(tree, pool, list(range(4)) + [9])
     inner = next(n for n, d in tree.nodes() if d == 1)
-    with pytest.raises(ValueError, match="leaf"):
-        tree.pop_leaf_block(inner)
+    with pytest.raises(ValueError, match="last resident block"):
+        tree.pop_block(inner)
     with pytest.raises(ValueError):
-        tree.pop_leaf_block(tree.root)
+        tree.pop_block(tree.root)
 
 
 def test_spilled_blocks_stay_matched_on_disk_and_truncate_drops_them() -> None:

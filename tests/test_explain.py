@@ -8,9 +8,9 @@ import time
 
 from _cache_helpers import make_cache, store
 
+from kvchat.cache.explain import MissReason, Tombstones, explain
 from kvchat.cache.radix import RadixTree
 from kvchat.cache.tree_index import tree_from_records, tree_records
-from kvchat.explain import MissReason, Tombstones, explain
 
 BS = 4
 SYSTEM = list(range(100, 110))  # 10 tokens: ends in the middle of a 4-token block

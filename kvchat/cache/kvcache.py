@@ -29,11 +29,11 @@ from kvchat.cache.block_keys import root_key
 from kvchat.cache.blocks import KV, Block, BlockManager, fill_span
 from kvchat.cache.eviction import EvictionPolicy, leaf_first, make_policy
 from kvchat.cache.exact import ExactIndex
+from kvchat.cache.explain import Explanation, Tombstones, explain
 from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinError, PinTable
 from kvchat.cache.radix import Node, PrefixMatch, RadixTree
 from kvchat.cache.stats import CacheStats, Counters, SessionCounters
 from kvchat.config import CacheConfig
-from kvchat.explain import Explanation, Tombstones, explain
 
 if TYPE_CHECKING:
     from kvchat.cache.store import BlockStore

@@ -150,16 +150,19 @@ class RadixTree:
             key = self._root_keys[namespace] = self._root_key(namespace)
         return key
 
+    def key_before(self, node: Node, nth: int) -> str:
+        """The chain's key just before block `nth` of the node's edge (what its key follows)."""
+        if nth:
+            return node.keys[nth - 1]
+        if node.parent is not None and not node.parent.is_root:
+            return node.parent.keys[-1]
+        return self.root_key(node.namespace)
+
     def _rekey(self, node: Node, first: int) -> None:
         """Recompute the node's keys from block `first` on (its tokens there changed)."""
         bs = self.block_size
         del node.keys[first:]
-        if first:
-            prev = node.keys[first - 1]
-        elif node.parent is not None and not node.parent.is_root:
-            prev = node.parent.keys[-1]
-        else:
-            prev = self.root_key(node.namespace)
+        prev = self.key_before(node, first)
         for i in range(first, -(-len(node.tokens) // bs)):
             prev = next_key(prev, node.tokens[i * bs : (i + 1) * bs])
             node.keys.append(prev)
@@ -325,12 +328,6 @@ class RadixTree:
         node.start = at
         upper.add_child(node)
         return upper
-
-    def pop_leaf_block(self, leaf: Node) -> Block:
-        """`pop_block` of a leaf."""
-        if not leaf.is_leaf or leaf.is_root:
-            raise ValueError("only leaf blocks can be evicted")
-        return self.pop_block(leaf)
 
     def pop_block(self, node: Node) -> Block:
         """Drop the node's last resident block and all after it (on disk: the rest of its edge

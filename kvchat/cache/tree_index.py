@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvchat.cache import disk_tier
+from kvchat.cache.explain import Tombstones
 from kvchat.cache.pins import PinError, saved_pins
 from kvchat.cache.radix import Node, RadixTree
 from kvchat.cache.stats import Counters
-from kvchat.explain import Tombstones
 
 if TYPE_CHECKING:
     from kvchat.cache.kvcache import PagedKVCache

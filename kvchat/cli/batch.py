@@ -132,14 +132,19 @@ def batch(
     if pin_system:
         _report_pins(run, ui)
     if interrupted:
-        done = sum(r.error is None for r in run.results.values()) + len(plan.kept)
-        again = f" kvchat batch {file} -o {out_path} --resume" if out_path else ""
-        ui.print(f"[yellow]Interrupted: {done} line(s) finished and written; every other line "
-                 f"has a row saying it did not finish. The cache was saved.{again}[/yellow]",
-                 soft_wrap=True)
-        raise typer.Exit(INTERRUPT_EXIT_CODE)
+        _interrupted(run, plan, file, out_path, ui)
     if plan.bad or run.progress.failed:
         raise typer.Exit(1)
+
+
+def _interrupted(run: Any, plan: _Plan, file: Path, out_path: Path | None,
+                 ui: Console) -> None:
+    done = sum(r.error is None for r in run.results.values()) + len(plan.kept)
+    again = f" kvchat batch {file} -o {out_path} --resume" if out_path else ""
+    ui.print(f"[yellow]Interrupted: {done} line(s) finished and written; every other line "
+             f"has a row saying it did not finish. The cache was saved.{again}[/yellow]",
+             soft_wrap=True)
+    raise typer.Exit(INTERRUPT_EXIT_CODE)
 
 
 def _report_pins(run: Any, ui: Console) -> None:

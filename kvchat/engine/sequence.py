@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from kvchat.cache.explain import Explanation
 from kvchat.cache.kvcache import Lookup
 from kvchat.config import SamplingParams
 from kvchat.engine.sampling import make_generator, sample
-from kvchat.explain import Explanation
 
 
 class Status(StrEnum):
@@ -53,7 +53,7 @@ class GenerationResult:
     stored_tokens: int  # tokens of prompt + reply now cached
     step_logits: list[torch.Tensor] | None = None
     disk_hit_tokens: int = 0  # of cache_hit_tokens, those loaded back from the disk tier
-    miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.explain`) | off
+    miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.cache.explain`) | off
     diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
     miss_detail: str = ""  # one line for people (`Explanation.describe`)
 

@@ -34,7 +34,7 @@ class TurnDone(NamedTuple):
     decode_tokens_per_s: float
     hit_source: str
     disk_hit_tokens: int = 0  # of the turn's hit tokens, those loaded back from disk
-    miss_detail: str = ""  # why the cached prefix ended where it did (`kvchat.explain`)
+    miss_detail: str = ""  # why the cached prefix ended where it did (`kvchat.cache.explain`)
     miss_reason: str = ""
 
 

@@ -8,7 +8,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvchat.explain import MissReason
+from kvchat.cache.explain import MissReason
 from kvchat.explain_prompt import PromptExplanation
 from kvchat.ui.views import bar, pct, printable
 

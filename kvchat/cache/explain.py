@@ -143,13 +143,8 @@ class Tombstones:
     def record_node_block(self, tree: RadixTree, node: Node, nth: int, policy: str) -> None:
         """Block `nth` of `node`'s edge is going: remember it."""
         bs = tree.block_size
-        if nth:
-            prev = node.keys[nth - 1]
-        elif node.parent is not None and not node.parent.is_root:
-            prev = node.parent.keys[-1]
-        else:
-            prev = tree.root_key(node.namespace)
-        self.record(node.keys[nth], prev, node.tokens[nth * bs : (nth + 1) * bs], policy)
+        self.record(node.keys[nth], tree.key_before(node, nth),
+                    node.tokens[nth * bs : (nth + 1) * bs], policy)
 
     def record_subtree(self, tree: RadixTree, node: Node, first: int, policy: str) -> None:
         """Blocks `first`.. of `node`'s edge and every block below it are going: remember
