@@ -211,3 +211,5 @@ def test_pin_system_pins_each_distinct_system_prompt_and_rows_say_why(tiny_model
     assert sorted(p["label"] for p in meta.meta["pins"]) == [
         "system prompt of line 1", "system prompt of line 3"]
     assert any(r.get("pinned") for r in meta.meta["tree"])
+    shown = runner.invoke(app, ["inspect", "--sessions-dir", str(tmp_path / "s")])
+    assert shown.exit_code == 0 and " pinned " in shown.output
