@@ -257,6 +257,10 @@ def test_rewind_then_continue_hits_the_whole_earlier_history(served: Served) -> 
     reply = served.generate(prompt="And 4 plus 4?", session="s")
     assert len(kept) <= reply["cache_hit_tokens"] < reply["prompt_tokens"]
     assert history(served, "s")[: len(kept)] == kept
+    whole = served.post("/cache/pin", status=201, session="s", what="all")
+    # all the history but its last reply token, whose K/V no forward computed
+    assert whole["tokens"] == len(history(served, "s")) - 1
+    assert served.client.delete("/cache/pin", params={"id": whole["id"]}).status_code == 200
     assert served.post("/sessions/s/rewind", turns=5)["rewound"] == 2
     served.post("/sessions/s/rewind", status=409)
     served.post("/sessions/nope/rewind", status=404)

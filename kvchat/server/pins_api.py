@@ -83,7 +83,11 @@ async def pin(body: PinBody, state: State, tenant: Caller) -> dict[str, Any]:
     pins = pinner(state)
 
     def make() -> Pin:
-        return pins.pin(tenant, tokens, namespace, LABELS[body.what])
+        pinned = tokens
+        if body.session is not None and body.what == "all":
+            # a history ends with a reply token whose K/V no forward computed: pin what is
+            pinned = tokens[: pins.cache.peek(tokens, namespace)]
+        return pins.pin(tenant, pinned, namespace, LABELS[body.what])
 
     try:
         made = await state.on_engine(lambda: state.worker.call(make))
