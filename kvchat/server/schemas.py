@@ -28,15 +28,11 @@ class Message(BaseModel):
     content: str
 
 
-class GenerateBody(BaseModel):
-    """POST /generate. Unknown fields are errors, so a misspelt option is not silently lost."""
+class SamplingBody(BaseModel):
+    """The sampling options of /generate (greedy by default). Unknown fields are errors, so a
+    misspelt option is not silently lost."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    prompt: str | None = None
-    messages: list[Message] | None = Field(None, min_length=1)
-    system: str | None = None
-    session: str | None = None
-    create_session: bool = False
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -45,6 +41,16 @@ class GenerateBody(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     cache_salt: str | None = None  # a sharing group the server declares (--cache-salt)
+
+
+class GenerateBody(SamplingBody):
+    """POST /generate: what to answer, and the sampling options."""
+
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    system: str | None = None
+    session: str | None = None
+    create_session: bool = False
     pin: PinOption = None
 
     _valid_name = field_validator("session")(_session_name)
@@ -142,15 +148,5 @@ class ForkBody(BaseModel):
     _valid_name = field_validator("name")(_session_name)
 
 
-class RetryBody(BaseModel):
-    """POST /sessions/{name}/retry: the sampling options of /generate (greedy by default)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    cache_salt: str | None = None
+class RetryBody(SamplingBody):
+    """POST /sessions/{name}/retry: the sampling options of /generate."""
