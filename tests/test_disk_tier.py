@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cache_helpers import assert_hit_correct, make_tiered_cache, ref_kv
+from _cache_helpers import fetch, make_tiered_cache, store
 
-from kvchat.cache.kvcache import HitSource, PagedKVCache
+from kvchat.cache.kvcache import HitSource
 from kvchat.cache.store_index import block_path
 from kvchat.cache.tree_index import export_index, import_index
 from kvchat.config import CacheConfig, SamplingParams
@@ -29,31 +29,17 @@ A = list(range(1, 15))  # 14 tokens: 3 full blocks and a partial one
 B = [*range(1, 9), 40, 41, 42, 43, 44]  # shares two blocks with A
 
 
-def put(cache: PagedKVCache, tokens: list[int]) -> None:
-    cache.store(tokens, ref_kv(tokens), 0)
-    cache.check_integrity()
-
-
-def look(cache: PagedKVCache, tokens: list[int]):  # noqa: ANN201
-    hit = cache.lookup(tokens)
-    cache.check_integrity()
-    assert_hit_correct(cache, hit, tokens)
-    cache.release(hit.blocks)
-    cache.check_integrity()
-    return hit
-
-
 def test_evicted_blocks_spill_to_disk_and_a_lookup_loads_them_back(tmp_path: Path) -> None:
     cache = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
-    put(cache, A)
-    put(cache, B)
+    store(cache, A)
+    store(cache, B)
     assert cache.evict(8) == 6  # every block: now only on disk
     assert cache.manager.num_free == 8
     assert cache.stats().disk_tokens == len(A) + len(B) - 8
     assert cache.peek(A + [99]) == len(A)  # peek counts both tiers and touches nothing
-    hit = look(cache, A + [99])
+    hit = fetch(cache, A + [99])
     assert hit.source is HitSource.DISK and hit.matched == len(A) and hit.disk_tokens == len(A)
-    hit = look(cache, A + [99])
+    hit = fetch(cache, A + [99])
     assert hit.source is HitSource.RADIX and hit.disk_tokens == 0  # resident again
     stats = cache.stats()
     assert stats.disk_hits == 1 and stats.disk_hit_tokens == len(A) and stats.spilled_blocks == 6
@@ -63,18 +49,18 @@ def test_evicted_blocks_spill_to_disk_and_a_lookup_loads_them_back(tmp_path: Pat
 
 def test_a_pool_full_of_other_prompts_makes_room_for_a_disk_hit(tmp_path: Path) -> None:
     cache = make_tiered_cache(tmp_path, num_blocks=4, block_size=BS)
-    put(cache, A)  # 4 blocks: the whole pool
-    put(cache, B)  # spills A's tail to make room
-    hit = look(cache, A + [99])
+    store(cache, A)  # 4 blocks: the whole pool
+    store(cache, B)  # spills A's tail to make room
+    hit = fetch(cache, A + [99])
     assert hit.matched == len(A) and hit.source is HitSource.DISK
-    assert look(cache, B).matched == len(B) - 1
+    assert fetch(cache, B).matched == len(B) - 1
     assert cache.disk is not None
     cache.disk.close()
 
 
 def test_a_restart_rebuilds_the_tree_without_reading_a_block(tmp_path: Path) -> None:
     cache = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
-    put(cache, A)
+    store(cache, A)
     meta = json.loads(json.dumps(export_index(cache)))
     assert cache.disk is not None
     cache.disk.close()
@@ -82,7 +68,7 @@ def test_a_restart_rebuilds_the_tree_without_reading_a_block(tmp_path: Path) -> 
     import_index(fresh, meta)
     fresh.check_integrity()
     assert fresh.manager.num_free == 8 and fresh.peek(A) == len(A)
-    hit = look(fresh, A + [5])
+    hit = fetch(fresh, A + [5])
     assert hit.source is HitSource.DISK and hit.matched == len(A)
     assert fresh.disk is not None
     fresh.disk.close()
@@ -91,7 +77,7 @@ def test_a_restart_rebuilds_the_tree_without_reading_a_block(tmp_path: Path) -> 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
 def test_a_damaged_block_file_is_never_served(tmp_path: Path, damage: str) -> None:
     cache = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
-    put(cache, A)
+    store(cache, A)
     cache.evict(8)
     assert cache.disk is not None
     cache.disk.flush()
@@ -105,15 +91,15 @@ def test_a_damaged_block_file_is_never_served(tmp_path: Path, damage: str) -> No
         path.write_bytes(bytes(data[:100]))
     else:
         path.unlink()
-    hit = look(cache, A + [99])
+    hit = fetch(cache, A + [99])
     assert hit.matched == BS  # the first block only: the damaged one and all after it went
     assert cache.peek(A) == BS
     notices = cache.take_notices()
     if damage != "delete":
         assert any(second[:12] in n for n in notices)
     assert cache.stats().disk_failures == 1
-    put(cache, A)  # recomputed and cached again, correctly
-    assert look(cache, A + [99]).matched == len(A)
+    store(cache, A)  # recomputed and cached again, correctly
+    assert fetch(cache, A + [99]).matched == len(A)
     cache.disk.close()
 
 
@@ -125,7 +111,7 @@ def test_the_disk_budget_is_respected(tmp_path: Path) -> None:
     cache = make_tiered_cache(tmp_path / "s", num_blocks=4, block_size=BS,
                               budget_bytes=3 * (per_block + 1024))
     for start in range(0, 80, 16):
-        put(cache, list(range(start + 100, start + 116)))
+        store(cache, list(range(start + 100, start + 116)))
     assert cache.disk is not None
     cache.disk.flush()
     stats = cache.disk.stats()
@@ -140,7 +126,7 @@ def test_the_disk_budget_is_respected(tmp_path: Path) -> None:
 
 def test_clear_forgets_both_tiers(tmp_path: Path) -> None:
     cache = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
-    put(cache, A)
+    store(cache, A)
     cache.evict(2)
     cache.clear()
     cache.check_integrity()
@@ -213,8 +199,8 @@ def test_a_corrupt_block_is_recomputed_correctly(tiny_model, tiny_tokenizer, tmp
     run(a.engine, p)
     a.save()
     a.close()
-    store = tmp_path / "cache" / "store"
-    files = sorted((store / "blocks").rglob("*.kvb"))
+    store_dir = tmp_path / "cache" / "store"
+    files = sorted((store_dir / "blocks").rglob("*.kvb"))
     assert files
     for f in files:  # every block damaged: nothing may be served
         data = bytearray(f.read_bytes())
@@ -309,12 +295,12 @@ def test_two_processes_writing_the_same_blocks(tmp_path: Path) -> None:
     first = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
     second = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
     for cache in (first, second):
-        put(cache, A)
+        store(cache, A)
         cache.evict(8)
     for cache in (first, second):
         assert cache.disk is not None
         cache.disk.flush()
-    hit = look(second, A + [1])
+    hit = fetch(second, A + [1])
     assert hit.source is HitSource.DISK and hit.matched == len(A)
     for cache in (first, second):
         assert cache.disk is not None

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from _server_helpers import wait_healthy
 from typer.testing import CliRunner
 
 from kvchat.cli import app as cli_app
@@ -540,15 +541,7 @@ def test_serve_saves_the_snapshot_on_shutdown(
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
+        wait_healthy(url, deadline, proc)
         with pytest.raises(SessionsLocked), sessions_lock(sessions, "test", wait_s=0):
             pass
         reply = httpx.post(f"{url}/generate", json={"prompt": "Remember me.", "max_tokens": 4},

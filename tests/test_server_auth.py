@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _server_helpers import wait_healthy
 from typer.testing import CliRunner
 
 from kvchat.cli import app as cli_app
@@ -335,14 +336,7 @@ def test_serve_prints_a_new_token_once_and_requires_it(tiny_model_dir: Path,
             if "Access token:" in line:
                 token = line.split("Access token:", 1)[1].split()[0]
             assert time.monotonic() < deadline, "no token was printed"
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
+        wait_healthy(url, deadline)
         body = {"prompt": "Hi", "max_tokens": 2}
         assert httpx.post(f"{url}/generate", json=body).status_code == 401
         reply = httpx.post(f"{url}/generate", json=body, headers=bearer(token), timeout=60)
