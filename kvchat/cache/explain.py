@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kvchat.cache.block_keys import next_key
 
 if TYPE_CHECKING:
-    from kvchat.cache.radix import Node, RadixTree
+    from kvchat.cache.radix import Node, PrefixMatch, RadixTree
 
 CONTEXT = 8  # tokens shown on each side of a divergence
 
@@ -73,15 +73,19 @@ class Explanation:
 
 
 def explain(tree: RadixTree, prompt: Sequence[int], namespace: str = "",
-            tombstones: Tombstones | None = None, exact: bool = False) -> Explanation:
+            tombstones: Tombstones | None = None, exact: bool = False,
+            match: PrefixMatch | None = None) -> Explanation:
     """Where `prompt`'s cached prefix ends in `namespace` and why. A non-exact hit always
     leaves the last token to compute, so n - 1 cached tokens is a full hit; `exact` says the
-    exact index served the whole prompt."""
+    exact index served the whole prompt. `match` is the tree's walk for `prompt`, when the
+    caller already made it."""
     n = len(prompt)
-    match = tree.find_prefix(prompt, namespace)
+    if exact:
+        return Explanation(MissReason.HIT, n, n)
+    match = match if match is not None else tree.find_prefix(prompt, namespace)
     cached = match.matched
-    if exact or cached >= n - 1:
-        return Explanation(MissReason.HIT, n if exact else cached, n)
+    if cached >= n - 1:
+        return Explanation(MissReason.HIT, cached, n)
     dead = tombstones.longest(tree, namespace, prompt, cached) if tombstones else None
     if dead is not None:
         through, when, policy = dead

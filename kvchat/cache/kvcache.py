@@ -60,6 +60,7 @@ class Lookup(NamedTuple):
     logits: torch.Tensor | None  # last position's logits (exact hits only): no forward needed
     prompt_tokens: int
     disk_tokens: int = 0  # of `matched`, tokens whose blocks were loaded from the disk tier
+    why: Explanation | None = None  # where the cached prefix ended, and why (`explain`)
 
 
 class StoreResult(NamedTuple):
@@ -163,10 +164,14 @@ class PagedKVCache:
             entry, disk = disk_tier.revive_exact(self, tokens, namespace)
         if entry is not None and entry.logits is not None:
             matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
+            why = explain(self.tree, tokens, exact=True)
         else:
-            match = self.tree.find_prefix(tokens, namespace)
-            resident = match.resident(self.block_size)
-            match = self.load(match)
+            found = self.tree.find_prefix(tokens, namespace)
+            resident = found.resident(self.block_size)
+            match = self.load(found)
+            # the walk explains the miss, unless loading cut the match (a block lost on disk)
+            why = explain(self.tree, tokens, namespace, self.tombstones,
+                          match=found if match.matched == found.matched else None)
             matched = min(match.matched, max(n - 1, 0))
             blocks = match.blocks[: _ceil_div(matched, self.block_size)]
             disk = max(matched - resident, 0)
@@ -183,7 +188,7 @@ class PagedKVCache:
         if sid is not None:
             before = self._sessions.get(sid, SessionCounters())
             self._sessions[sid] = before.after_lookup(matched, n)
-        return Lookup(matched, tuple(blocks), source, logits, n, disk)
+        return Lookup(matched, tuple(blocks), source, logits, n, disk, why)
 
     def peek(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Cached prefix length, in the pool or on disk, without touching stats, timestamps,

@@ -243,8 +243,6 @@ class Engine:
             if cache is not None:
                 seq.lookup = cache.lookup(seq.prompt_ids, seq.request.sid,
                                           seq.request.namespace)
-                seq.explanation = cache.explain(seq.prompt_ids, seq.request.namespace,
-                                                exact=seq.exact)
                 seq.stored = seq.kv_len = seq.lookup.matched
             if self.runner.track_mass:
                 seq.mass = torch.zeros(0, device=self.device)

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from kvchat.cache.explain import Explanation
 from kvchat.cache.kvcache import Lookup
 from kvchat.config import SamplingParams
 from kvchat.engine.sampling import make_generator, sample
@@ -93,7 +92,6 @@ class Sequence:
         self.result: GenerationResult | None = None
         self.error: Exception | None = None
         self.lookup: Lookup | None = None  # its blocks stay acquired until the sequence ends
-        self.explanation: Explanation | None = None  # why the lookup ended where it did
         self.prompt_logits: torch.Tensor | None = None
         self.mass: torch.Tensor | None = None  # attention mass per position (H2O only)
         self.step_logits: list[torch.Tensor] | None = [] if request.record_logits else None
@@ -220,7 +218,7 @@ class Sequence:
         )
 
     def _miss_fields(self, decode: Decode) -> dict[str, Any]:
-        why = self.explanation
+        why = self.lookup.why if self.lookup is not None else None
         if why is None:
             return {}
         return {"miss_reason": why.reason.value, "diverged_at": why.diverged_at,
