@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvchat.cache.radix import common_prefix
 from kvchat.config import SamplingParams
 from kvchat.engine.codec import ChatCodec
-from kvchat.engine.scheduler import common_prefix
 from kvchat.engine.sequence import GenerationResult, Request
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, Turn

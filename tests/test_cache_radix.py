@@ -369,14 +369,14 @@ def test_lookup_does_not_scan_every_session_that_shares_a_block_head(
     for i in range(300):
         cache_store(tree, pool, [*system, 1000 + i, 5000 + i])
     calls = 0
-    real = radix._common_prefix
+    real = radix.common_prefix
 
     def counting(a: Sequence[int], b: Sequence[int], b_from: int) -> int:
         nonlocal calls
         calls += 1
         return real(a, b, b_from)
 
-    monkeypatch.setattr(radix, "_common_prefix", counting)
+    monkeypatch.setattr(radix, "common_prefix", counting)
     for query, want in [
         ([*system, 999, 1], 47),
         ([*system, 1150, 5150, 3], 49),

@@ -16,6 +16,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvchat.cache.radix import common_prefix
+
 Prompts = list[list[int]]
 
 KINDS = ("shared-system", "few-shot", "multi-turn", "repeats", "unaligned")
@@ -240,13 +242,7 @@ def build_workload(kind: str, tokenizer: Any, requests: int = 32, system_tokens:
     return builders[kind]()
 
 
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+shared_prefix = common_prefix  # the longest common prefix of two token sequences
 
 
 def ideal_prefill(prompts: Prompts) -> int:

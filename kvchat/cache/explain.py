@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from kvchat.cache.block_keys import next_key
+from kvchat.cache.radix import common_prefix
 
 if TYPE_CHECKING:
     from kvchat.cache.radix import Node, PrefixMatch, RadixTree
@@ -125,9 +126,6 @@ class Tombstones:
     def __len__(self) -> int:
         return len(self._dead)
 
-    def __bool__(self) -> bool:
-        return bool(self._dead)
-
     def record(self, key: str, prev: str, tokens: Sequence[int], policy: str,
                when: float | None = None) -> None:
         self._forget(key)
@@ -171,7 +169,7 @@ class Tombstones:
             part = prompt[lo : lo + bs]
             for key in self._after.get(prev, ()):
                 _, tokens, when, policy = self._dead[key]
-                through = lo + _common(tokens, part)
+                through = lo + common_prefix(tokens, part)
                 if through > max(start, lo) and (found is None or through > found[0]):
                     found = (through, when, policy)
             if len(part) < bs:
@@ -188,10 +186,3 @@ class Tombstones:
         for key, prev, tokens, when, policy in rows:
             out.record(str(key), str(prev), [int(t) for t in tokens], str(policy), float(when))
         return out
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    i, n = 0, min(len(a), len(b))
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -116,7 +116,8 @@ def _default_root_key(namespace: str) -> str:
     return root_key({}, namespace)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], b_from: int) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], b_from: int = 0) -> int:
+    """How many leading tokens of `a` equal those of `b` from position `b_from` on."""
     n = min(len(a), len(b) - b_from)
     i = 0
     while i < n and a[i] == b[b_from + i]:
@@ -195,7 +196,7 @@ class RadixTree:
         i = bisect.bisect_left(group, head, key=_tokens)
         best, best_len = None, 0
         for child in group[max(i - 1, 0) : i + 1]:
-            n = _common_prefix(child.tokens, tokens, pos)
+            n = common_prefix(child.tokens, tokens, pos)
             if n > best_len:
                 best, best_len = child, n
         return best, best_len

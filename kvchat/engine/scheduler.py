@@ -18,6 +18,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
+from kvchat.cache.radix import common_prefix
 from kvchat.engine.sequence import Sequence
 
 # cached prefix length of a prompt in a namespace, without touching the cache
@@ -61,14 +62,6 @@ class StepCosts:
 class PrefillPlan(NamedTuple):
     alone: list[Sequence]
     together: list[Sequence]
-
-
-def common_prefix(a: Seq[int], b: Seq[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Scheduler:
