@@ -213,3 +213,17 @@ def test_pin_system_pins_each_distinct_system_prompt_and_rows_say_why(tiny_model
     assert any(r.get("pinned") for r in meta.meta["tree"])
     shown = runner.invoke(app, ["inspect", "--sessions-dir", str(tmp_path / "s")])
     assert shown.exit_code == 0 and " pinned " in shown.output
+
+
+def test_pin_system_over_max_pinned_is_reported_and_the_run_goes_on(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "system": "You are the first helper.",
+                               "prompt": "One?"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out), "--pin-system",
+                              "--max-pinned", "0", *args(tiny_model_dir, tmp_path)])
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.output.split())
+    assert "line 1's system prompt not pinned:" in flat and "--max-pinned" in flat
+    assert "--pin-system: nothing pinned" in flat
+    assert len(out.read_text().splitlines()) == 1
