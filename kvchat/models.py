@@ -18,12 +18,20 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvchat.architectures import align_kv_heads, check_pageable, kv_heads
 from kvchat.errors import (
     EmbeddedModelMissing,
-    ModelOptionError,
     ModelPathNotFound,
     NotACausalLM,
 )
 from kvchat.gguf import ensure_converted, quiet_transformers
 from kvchat.load_errors import load_errors
+from kvchat.precision import (
+    Precision,
+    bytes_per_step,
+    gguf_precision_class,
+    resolve_device,
+    resolve_precision,
+    torch_dtype,
+)
+from kvchat.precision import itemsize as precision_itemsize
 
 if TYPE_CHECKING:
     import torch
@@ -39,19 +47,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 SourceKind = Literal["embedded", "gguf", "folder", "hub"]
-
-_DTYPE_ALIASES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-}
-_DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -87,8 +82,14 @@ class ModelFacts:
 
     def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
         """K and V, all layers, one token: 2 * n_layers * n_kv_heads * head_dim * itemsize."""
-        itemsize = _DTYPE_ITEMSIZE[dtype_name(dtype)] if isinstance(dtype, str) else dtype.itemsize
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
+        size = precision_itemsize(dtype if isinstance(dtype, str) else str(dtype))
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * size
+
+    def step_bytes(self, precision: str, tied: bool) -> int | None:
+        """About the bytes of weights one decode step reads at `precision`."""
+        if self.n_params is None:
+            return None
+        return bytes_per_step(self.n_params, self.vocab_size * self.hidden_size, tied, precision)
 
 
 @dataclass
@@ -98,11 +99,13 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     source: ModelSource
-    dtype: torch.dtype
+    dtype: torch.dtype  # of activations and K/V
     device: torch.device
     # The folder the weights were read from (the converted folder for a GGUF); None for hub ids.
     folder: Path | None
     facts: ModelFacts
+    precision: Precision
+    step_bytes: int  # weights one decode step reads, counted on the loaded model
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,17 @@ class ModelReport:
     gguf_bytes: int | None
     folder_bytes: int | None
     facts: ModelFacts
-    dtype: str
+    precision: Precision
     device: str
+    tied_head: bool  # the output head is the input embedding
+
+    @property
+    def dtype(self) -> str:
+        return self.precision.name
+
+    @property
+    def step_bytes(self) -> int | None:
+        return self.facts.step_bytes(self.precision.name, self.tied_head)
 
 
 # --- resolution -----------------------------------------------------------------------------
@@ -187,46 +199,6 @@ def embedded_gguf_path() -> Path:
 
 
 # --- GGUF conversion ------------------------------------------------------------------------
-
-
-def dtype_name(dtype: str | torch.dtype | None, device: str = "cpu") -> str:
-    """Canonical dtype name; None or "auto" means bfloat16 on a GPU, float32 on CPU."""
-    if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
-        return "bfloat16" if device.startswith("cuda") else "float32"
-    key = dtype.strip().lower() if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if key not in _DTYPE_ALIASES:
-        raise ModelOptionError(
-            f"Unknown --dtype {dtype!r}. Use float32 (fp32), bfloat16 (bf16) or float16 (fp16)."
-        )
-    return _DTYPE_ALIASES[key]
-
-
-def torch_dtype(dtype: str | None, device: str = "cpu") -> torch.dtype:
-    import torch
-
-    dtype_obj: torch.dtype = getattr(torch, dtype_name(dtype, device))
-    return dtype_obj
-
-
-def resolve_device(device: str | None = "auto") -> str:
-    """The device to load on: "auto" is cuda when torch sees a GPU, else cpu."""
-    import torch
-
-    text = (device or "auto").strip().lower()
-    if text == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        parsed = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise ModelOptionError(
-            f"Unknown --device {device!r}. Use auto, cpu, cuda or cuda:N."
-        ) from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ModelOptionError(
-            f"--device {device} was asked for, but torch sees no CUDA GPU here "
-            f"(torch {torch.__version__}). Use --device cpu, or --device auto to pick one."
-        )
-    return str(parsed)
 
 
 # --- config, facts, loading -----------------------------------------------------------------
@@ -365,7 +337,7 @@ def describe_model(
     """Resolve a model and read its config (converting a GGUF on first use), without its weights."""
     source = resolve_model(spec)
     device_name = resolve_device(device)
-    dtype_canonical = dtype_name(dtype, device_name)
+    precision = model_precision(source, dtype, device_name)
     location = weights_location(source)
     config = load_config(source, location)
     folder = Path(location) if source.is_local else None
@@ -375,9 +347,16 @@ def describe_model(
         gguf_bytes=Path(source.location).stat().st_size if source.is_gguf else None,
         folder_bytes=folder_bytes(folder) if folder is not None else None,
         facts=_with_stored_count(config, folder),
-        dtype=dtype_canonical,
+        precision=precision,
         device=device_name,
+        tied_head=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
     )
+
+
+def model_precision(source: ModelSource, dtype: str | None, device: str) -> Precision:
+    """The precision `--dtype` asks for, else the GGUF's own, else the device's default."""
+    gguf_class = gguf_precision_class(Path(source.location)) if source.is_gguf else None
+    return resolve_precision(dtype, device, gguf_class)
 
 
 def _with_stored_count(config: PretrainedConfig, folder: Path | None) -> ModelFacts:
@@ -393,11 +372,15 @@ def load_model(
     spec: str | None, dtype: str | None = None, device: str | None = "auto"
 ) -> LoadedModel:
     """Load a model and tokenizer for inference. Local folders and GGUFs never touch the network."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvchat.quant import quantize_model, step_bytes
 
     source = resolve_model(spec)
     device_name = resolve_device(device)
-    dtype_obj = torch_dtype(dtype, device_name)
+    precision = model_precision(source, dtype, device_name)
+    dtype_obj = torch_dtype(precision.compute_dtype)
     location = weights_location(source)
     config = load_config(source, location)
     placement: dict[str, Any] = {}
@@ -410,12 +393,16 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             location,
             config=config,
-            dtype=dtype_obj,
+            # quantized from the float32 weights, so a GGUF's grid is found again exactly
+            dtype=torch.float32 if precision.quantized else dtype_obj,
             local_files_only=source.is_local,
             **placement,
         )
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=source.is_local)
     model.eval()
+    facts = model_facts(config, model)  # counted before packing hides the weights in buffers
+    if precision.quantized:
+        quantize_model(model, precision.name)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -423,7 +410,9 @@ def load_model(
         dtype=dtype_obj,
         device=_input_device(model),
         folder=Path(location) if source.is_local else None,
-        facts=model_facts(config, model),
+        facts=facts,
+        precision=precision,
+        step_bytes=step_bytes(model),
     )
 
 

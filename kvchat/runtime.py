@@ -58,7 +58,7 @@ def _digest(obj: Any) -> str:
 
 def fingerprint(engine: Engine, model_label: str) -> dict[str, Any]:
     """What must be equal for stored K/V to be valid: same weights' architecture and config,
-    same tokenizer, same dtype, same block size."""
+    same tokenizer, same precision (int4 K/V differ from bfloat16 ones), same block size."""
     model = engine.runner.model
     config = model.config.to_dict()
     for volatile in ("transformers_version", "_name_or_path", "_attn_implementation_autoset",
@@ -70,7 +70,7 @@ def fingerprint(engine: Engine, model_label: str) -> dict[str, Any]:
         "model": model_label,
         "config": _digest(config),
         "tokenizer": _digest([sorted(tok.get_vocab().items()), getattr(tok, "chat_template", "")]),
-        "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "dtype": engine.runner.precision,
         "block_size": engine.cache.block_size,
     }
 

@@ -71,7 +71,10 @@ def test_models_on_a_folder_shows_the_cache_numbers(tiny_model_dir, tiny_model):
     assert row(out, "Head dim") == "16"
     assert row(out, "Max context") == "2,048 tokens"
     assert row(out, "Vocab size") == "259"
-    assert row(out, "Dtype") == "float32 on cpu"
+    assert row(out, "Precision") == "float32 on cpu (the default on CPU)"
+    # every float32 weight but the input embedding's (the untied head is read)
+    embedding = 259 * 64
+    assert row(out, "Weights read per decode step") == f"≈ {(n_params - embedding) * 4 / 1024:,.1f} KiB"
     # K and V * 2 layers * 2 KV heads * 16 dims * 4 bytes
     assert row(out, "KV bytes per token") == "512"
     assert row(out, "KV per 1k tokens") == "512 KB (0.5 MiB)"
@@ -80,8 +83,11 @@ def test_models_on_a_folder_shows_the_cache_numbers(tiny_model_dir, tiny_model):
 def test_models_dtype_option_changes_bytes_per_token(tiny_model_dir):
     result = invoke("models", "-m", str(tiny_model_dir), "--dtype", "bf16", "--device", "cpu")
     assert result.exit_code == 0, result.output
-    assert row(result.output, "Dtype") == "bfloat16 on cpu"
+    assert row(result.output, "Precision") == "bfloat16 on cpu (--dtype)"
     assert row(result.output, "KV bytes per token") == "256"
+    quantized = invoke("models", "-m", str(tiny_model_dir), "--dtype", "int4", "--device", "cpu")
+    assert row(quantized.output, "Precision") == "int4 weights, bfloat16 compute on cpu (--dtype)"
+    assert row(quantized.output, "KV bytes per token") == "256"  # K/V stay bfloat16
 
 
 def test_models_on_a_gguf_shows_the_file_and_its_converted_folder(tiny_gguf):
@@ -181,7 +187,10 @@ def test_models_on_the_embedded_default(use_embedded_cache, embedded_gguf):
     assert row(out, "Parameters").startswith("134,515,008 (")
     assert (row(out, "Layers"), row(out, "KV heads"), row(out, "Head dim")) == ("30", "3", "64")
     assert row(out, "Max context") == "8,192 tokens"
-    assert row(out, "KV bytes per token") == "46,080"
+    # a Q4_1 GGUF runs int4 (its Q8_0 head as int8): K/V in bfloat16
+    assert row(out, "Precision") == "int4 weights, bfloat16 compute on cpu (the GGUF's own weights)"
+    assert row(out, "Weights read per decode step") == "≈ 90.3 MiB"
+    assert row(out, "KV bytes per token") == "23,040"
 
 
 # ---- chat, inspect, verify: wiring and option checks (the commands have their own files) ----

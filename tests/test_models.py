@@ -24,14 +24,13 @@ from kvchat.gguf import SOURCE_RECORD, converted_dir_for
 from kvchat.models import (
     EMBEDDED_FILE,
     describe_model,
-    dtype_name,
     ensure_converted,
     load_config,
     load_model,
     model_facts,
-    resolve_device,
     resolve_model,
 )
+from kvchat.precision import dtype_name, resolve_device
 
 MISSING_HUB_ID = "kvchat-tests/no-such-model"
 
@@ -227,8 +226,9 @@ def test_default_dtype_is_bf16_on_gpu_and_fp32_on_cpu():
 
 def test_unknown_dtype_is_rejected():
     with pytest.raises(ModelOptionError) as info:
-        dtype_name("int4")
-    assert "Unknown --dtype 'int4'" in str(info.value)
+        dtype_name("int3")
+    assert "Unknown --dtype 'int3'" in str(info.value)
+    assert "int4" in str(info.value)
 
 
 def test_device_auto_and_unavailable_cuda(monkeypatch):
@@ -439,7 +439,7 @@ def test_describe_gguf_reports_both_locations_and_sizes(tiny_gguf):
 def test_embedded_smollm2_conversion_round_trip(embedded_gguf, use_embedded_cache):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    loaded = load_model(None, device="cpu")
+    loaded = load_model(None, dtype="float32", device="cpu")
     assert loaded.source.kind == "embedded"
     assert loaded.folder == converted_dir_for(embedded_gguf)
     assert loaded.facts.n_layers == 30 and loaded.facts.n_kv_heads == 3

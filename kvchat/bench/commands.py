@@ -29,7 +29,9 @@ Model = Annotated[
     typer.Option("--model", "-m", help="HF hub id, local folder or .gguf (default: embedded "
                  "SmolLM2-135M-Instruct)."),
 ]
-Dtype = Annotated[str | None, typer.Option("--dtype", help="float32 (CPU default) or bfloat16.")]
+Dtype = Annotated[str | None, typer.Option(
+    "--dtype", help="float32, bfloat16, float16, int8 or int4 (default: the model's own; see "
+    "`kvchat models`).")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 Trials = Annotated[int, typer.Option("--trials", min=1, help="Timed trials per figure.")]

@@ -26,7 +26,8 @@ def models(
     dtype: DtypeOption = None,
     device: DeviceOption = "auto",
 ) -> None:
-    """Show which model would load, from where, and what its KV cache costs per token."""
+    """Show which model would load, from where, at which precision, what one decode step reads
+    and what its KV cache costs per token."""
     report = describe_model(model, dtype=dtype, device=device)
     stdout().print(model_table(report))
 
@@ -55,7 +56,13 @@ def model_table(report: ModelReport) -> Table:
     context = "unknown" if facts.max_context is None else f"{facts.max_context:,} tokens"
     table.add_row("Max context", context)
     table.add_row("Vocab size", f"{facts.vocab_size:,}")
-    table.add_row("Dtype", f"{report.dtype} on {report.device}")
+    precision = report.precision
+    runs = precision.name + (f" weights, {precision.compute_dtype} compute"
+                             if precision.quantized else "")
+    table.add_row("Precision", f"{runs} on {report.device} ({precision.why})")
+    step = report.step_bytes
+    table.add_row("Weights read per decode step",
+                  "unknown" if step is None else f"≈ {_size(step)}")
     per_token = facts.kv_bytes_per_token(report.dtype)
     table.add_row("KV bytes per token", f"{per_token:,}")
     # 1k tokens of B bytes each take B KB.

@@ -31,7 +31,9 @@ DtypeOption = Annotated[
     str | None,
     typer.Option(
         "--dtype",
-        help="float32, bfloat16 or float16 (default: bfloat16 on a GPU, float32 on CPU).",
+        help="float32, bfloat16, float16, or weight-only int8 / int4 (computing in bfloat16; "
+        "CPU). Default: a GGUF keeps its own class (Q4 -> int4, Q5-Q8 -> int8, F16 -> float16), "
+        "anything else float32 on CPU, bfloat16 on a GPU.",
         show_default=False,
     ),
 ]

@@ -119,7 +119,7 @@ class RemoteBackend:
         pool = stats.pool
         return [
             f"model    {self.health.get('model', '?')}",
-            f"device   {self.health.get('device', '?')}",
+            f"device   {self.health.get('device', '?')} · {self.health.get('precision', '?')}",
             f"cache    {pool.total_blocks or 0:,} blocks × {pool.block_size} tok · "
             f"policy {stats.policy}",
             f"server   {self.client.url} ({self.found})",

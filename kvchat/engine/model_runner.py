@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from kvchat.cache.blocks import KV
 from kvchat.engine.attention import attention_mass, track_attention
+from kvchat.engine.decode_attention import use_decode_attention
 from kvchat.engine.past import (
     empty_past,
     pack_right_aligned,
@@ -22,6 +23,7 @@ from kvchat.engine.past import (
     reserved_past,
     wrap_past,
 )
+from kvchat.quant import precision_of
 
 
 class Prefilled(NamedTuple):
@@ -38,13 +40,25 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.track_mass = track_mass  # H2O: report attention mass per key position
+        use_decode_attention(model)
         if track_mass:
             track_attention(model)
         self.forward_calls = 0
 
     @property
     def dtype(self) -> torch.dtype:
+        """Of activations and K/V (bfloat16 under quantized weights)."""
         return next(self.model.parameters()).dtype
+
+    @property
+    def precision(self) -> str:
+        """What the weights run at: a float dtype name, int8 or int4."""
+        return precision_of(self.model)
+
+    @property
+    def precision_label(self) -> str:
+        name, compute = self.precision, str(self.dtype).removeprefix("torch.")
+        return name if name == compute else f"{name} weights, {compute} compute"
 
     def forward(
         self,

@@ -168,6 +168,7 @@ class ModelInfo:
     model_id: str  # the name /v1 endpoints report
     device: str
     fingerprint: dict[str, Any]  # of the snapshot this server writes
+    precision: str = ""  # what the weights run at, e.g. "int4 weights, bfloat16 compute"
 
 
 class CacheTree(NamedTuple):
@@ -205,7 +206,8 @@ class EngineWorker:
                               "requests that finished.", buckets=TTFT_BUCKETS_S, registry=None)
         self.tenants: dict[str, TenantCounters] = {}  # engine thread only
         self.info = ModelInfo(runtime.model_label, model_id(runtime), str(self.engine.device),
-                              fingerprint(self.engine, runtime.model_label))
+                              fingerprint(self.engine, runtime.model_label),
+                              self.engine.runner.precision_label)
         self.saved_to: Path | None = None
         self._inbox: deque[Callable[[], None]] = deque()
         self._inbox_lock = threading.Lock()

@@ -162,10 +162,9 @@ class LocalBackend:
     def banner_lines(self) -> list[str]:
         rt = self.rt
         pool = rt.cache.manager.stats()
-        dtype = str(rt.engine.runner.dtype).replace("torch.", "")
         lines = [
             f"model    {rt.model_label}",
-            f"device   {rt.engine.device} · {dtype}",
+            f"device   {rt.engine.device} · {rt.engine.runner.precision_label}",
             f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
             f"policy {rt.cache.policy.name}",
             f"sessions {rt.options.sessions_dir}",

@@ -1,0 +1,229 @@
+"""Weight-only quantized linear layers, run by torch's own CPU kernels, and the swap that puts
+them into a loaded model.
+
+Decode on CPU is bound by reading the weights, so bytes per step are the speed: SmolLM2's 30
+layers x 7 linear shapes at one row took 25.5 ms in float32, 14.1 ms in bfloat16, 4.6 ms as
+int8 and 3.2 ms as int4 here (2 threads). Both kernels take bfloat16 activations (given float32
+they fall back to a path ~30x slower) and compute each output row from its own input row only:
+a row's result is bitwise the same whatever else is in the batch, so prefill, batched decode and
+draft verification all see the same numbers.
+
+- int4: groups of 32 input columns share a scale and a zero, w = (q - 8) * scale + zero with q
+  in [0, 15] (GGUF's Q4_1 and Q4_K are such grids), packed by `_convert_weight_to_int4pack_for_cpu`.
+- int8: one scale per output row, w = q * scale, q in [-127, 127]; also used for the output head
+  under int4 (it sets every logit, and int8 costs about what int4 does at one row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+GROUP = 32
+_BF16 = torch.bfloat16
+_SNAP_TOLERANCE = 1e-3  # in grid steps: how far from a grid point a value may sit and be "on" it
+
+
+def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 values >= x (x > 0): a scale the kernel can hold exactly that
+    still keeps every quantized value in range."""
+    down = x.to(_BF16)
+    up = torch.nextafter(down, torch.full_like(down, float("inf")))
+    return torch.where(down.float() >= x, down, up)
+
+
+def _on_grid(groups: torch.Tensor, lo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    t = (groups - lo) / step.clamp_min(torch.finfo(torch.float32).tiny)
+    return ((t - t.round()).abs() <= _SNAP_TOLERANCE).all(-1, keepdim=True)
+
+
+def _grid_steps(groups: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Per group, the step of a grid anchored at the group's minimum with at most 16 levels that
+    holds every value exactly, when there is one (weights de-quantized from a 4-bit GGUF come back
+    on their own grid, not a finer one), else span / 15. The step tried is span / 15 (a group
+    that uses the full range, as Q4_1's always do), then span over the number of smallest gaps
+    it spans (Q4_K's groups need not reach both ends)."""
+    step = span / 15
+    found = _on_grid(groups, lo, step) | (span == 0)
+    if bool(found.all()):
+        return step
+    gaps = groups.sort(dim=-1).values.diff(dim=-1)
+    smallest = torch.where(gaps > span * 1e-4, gaps, span).amin(-1, keepdim=True)
+    levels = (span / smallest.clamp_min(torch.finfo(torch.float32).tiny)).round()
+    candidate = span / levels.clamp(1, 15)
+    fits = ~found & (levels <= 15) & _on_grid(groups, lo, candidate)
+    return torch.where(fits, candidate, step)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (N, K) int32 in [0, 15], scales_and_zeros (K / group, N, 2) bfloat16)."""
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // group, group)
+    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    span = hi - lo
+    step = _grid_steps(groups, lo, span)
+    # a constant group: any tiny step, so that its zero keeps the value's own precision
+    step = torch.where(span == 0, lo.abs().clamp_min(1.0) * 2.0**-20, step)
+    scale = _round_up_bf16(step)
+    zero = (lo + 8 * scale.float()).to(_BF16)
+    q = ((groups - zero.float()) / scale.float() + 8).round().clamp(0, 15).to(torch.int32)
+    scales_and_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return q.reshape(n, k), scales_and_zeros
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (N, K) int8, scales (N,) bfloat16) with one symmetric scale per output row."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = _round_up_bf16(amax / 127)
+    q = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is stored quantized; inputs of any float dtype, output in
+    bfloat16."""
+
+    bits = 16
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(_BF16),
+                                                           requires_grad=False)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = self._mm(x.reshape(-1, shape[-1]).to(_BF16).contiguous())  # (rows, N)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        tensors = [b for b in self.buffers()] + [p for p in self.parameters()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bits={self.bits}"
+
+
+class Int4Linear(QuantLinear):
+    bits = 4
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        # the packing kernel's own conditions (it raises otherwise)
+        return linear.in_features % GROUP == 0 and linear.out_features % 16 == 0
+
+    def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
+        super().__init__(linear)
+        self.group = group
+        q, scales_and_zeros = quantize_int4(linear.weight, group)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K / 2) uint8
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                          self.scales_and_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        """The (N, K) float32 weight this layer multiplies by (for tests and checks)."""
+        eye = torch.eye(self.in_features, dtype=_BF16)
+        return self._mm(eye).float().t().contiguous()
+
+
+class Int8Linear(QuantLinear):
+    bits = 8
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        # other widths crash the kernel (torch 2.13, seen at 3, 8 and 24 input columns)
+        return linear.in_features % 16 == 0
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q, scales = quantize_int8(linear.weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        q, scales = self.get_buffer("qweight"), self.get_buffer("scales")
+        return q.float() * scales.float()[:, None]
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What `quantize_model` did: layers swapped per kind, and the bytes one decode step reads
+    (every linear weight once; the embedding table is read one row per token)."""
+
+    int4_layers: int
+    int8_layers: int
+    dense_layers: int  # linear layers of a shape neither kernel takes
+    step_bytes: int
+
+
+def quantize_model(model: Any, precision: str) -> Quantized:
+    """Swap every `nn.Linear` of `model` for an int4 (or int8) one, the output head for int8,
+    and cast the rest (embeddings, norms) to bfloat16, the dtype the kernels compute in."""
+    if precision not in ("int4", "int8"):
+        raise ValueError(f"not a quantized precision: {precision}")
+    head = model.get_output_embeddings()
+    counts = {"int4": 0, "int8": 0, "dense": 0}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            new: QuantLinear
+            if precision == "int4" and child is not head and Int4Linear.fits(child):
+                new, kind = Int4Linear(child), "int4"
+            elif Int8Linear.fits(child):
+                new, kind = Int8Linear(child), "int8"
+            else:  # a shape neither kernel takes: stays dense, in bfloat16
+                counts["dense"] += 1
+                continue
+            setattr(parent, name, new)
+            counts[kind] += 1
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(_BF16)
+    return Quantized(counts["int4"], counts["int8"], counts["dense"], step_bytes(model))
+
+
+def step_bytes(model: Any) -> int:
+    """Bytes of weights one decode step reads: every linear layer's (quantized or not) and the
+    norms; the input embedding contributes one row per token, so it is left out."""
+    embed = model.get_input_embeddings()
+    skip = {id(p) for p in embed.parameters()} if embed is not None else set()
+    head = model.get_output_embeddings()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.weight_bytes()
+            skip.update(id(p) for p in module.parameters())
+    for param in model.parameters():
+        tied_head = head is not None and not isinstance(head, QuantLinear) \
+            and param is getattr(head, "weight", None)
+        if id(param) not in skip or tied_head:
+            total += param.numel() * param.element_size()
+            skip.add(id(param))
+    return total
+
+
+def precision_of(model: Any) -> str:
+    """int4 / int8 if `model` carries quantized layers, else its parameters' dtype name."""
+    bits = {m.bits for m in model.modules() if isinstance(m, QuantLinear)}
+    if bits:
+        return "int4" if 4 in bits else "int8"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
