@@ -2,25 +2,39 @@
 
 Why padding and not a paged attention function reading the pool by block table: on CPU one
 decode step costs about the same for 1 or 16 rows (it is bound by reading the weights), so
-batching is where the time goes, and padded batches use transformers' own fused SDPA kernel; a
+batching is where the time goes, and padded batches use transformers' own kernels; a
 Python-level paged attention would pay a per-layer gather each step for a saving (no duplicated
 shared prefix) that only matters when the batch's K/V rivals the weights in size.
 
-Layout: rows left-padded to a common width, so every row's next position is the same column,
-written in place into reserved buffers. The dense batch is rebuilt only when rows join
-(finished rows idle in place until then, or until half the batch has finished).
+Layout: per layer (B, H, capacity, D) buffers, reserved when the batch is built. Rows are
+left-padded so that every row's next position is the same column, `width`; a step writes its
+columns in place and attention reads the whole buffer under a (B, capacity) column mask. A step
+may carry drafts (`step(drafts)`): row i then feeds [last token, draft...] in q columns, and
+`settle(i, accepted)` keeps the columns its verification accepted; the rest stay masked, as
+holes, until the next rebuild packs the rows again. The dense batch is rebuilt only when rows
+join (finished rows idle in place until then, or until half the batch has finished).
+
+    columns  0 ........ width-kv_len ...... width-1 | width ... width+q-1 | ... capacity-1
+    row i    padding    its K/V (maybe holes)       | last, d1, ..., dq-1 | unwritten
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence as Seq
+from typing import Any, NamedTuple
 
 import torch
 
 from kvchat.cache.blocks import KV
 from kvchat.engine.model_runner import ModelRunner
-from kvchat.engine.past import pack_right_aligned, past_kv, reserved_past
+from kvchat.engine.past import pack_right_aligned, past_kv, reserve, reserved_past
 from kvchat.engine.sequence import Sequence, Status
+
+
+class DecodeStep(NamedTuple):
+    rows: list[Sequence]  # aligned with the batch dimension
+    logits: torch.Tensor  # (B, q, vocab): column j follows input j of the row
+    mass: torch.Tensor | None  # (B, capacity) attention mass per key column (H2O), or None
 
 
 class DecodeBatch:
@@ -29,7 +43,9 @@ class DecodeBatch:
         self.rows: list[Sequence] = []  # aligned with the batch dimension of the past
         self._joining: list[Sequence] = []  # bring their own compact K/V (seq.kv)
         self._past: Any = None
-        self._mask: torch.Tensor | None = None  # (B, L) bool: which columns hold real K/V
+        self._mask: torch.Tensor | None = None  # (B, capacity) bool: which columns are real
+        self._width = 0  # columns written so far; every row's next position is this column
+        self._q = 1  # columns the last step wrote per row
 
     @property
     def live(self) -> list[Sequence]:
@@ -44,18 +60,26 @@ class DecodeBatch:
         if seq in self._joining:
             self._joining.remove(seq)
 
+    def _columns(self, i: int) -> torch.Tensor:
+        """Row i's real columns, in position order."""
+        assert self._mask is not None
+        return self._mask[i, : self._width].nonzero().squeeze(1)
+
     def kv_of(self, seq: Sequence, start: int, end: int) -> list[KV]:
-        """The sequence's K/V for positions [start, end), wherever it lives now."""
+        """The sequence's K/V for positions [start, end), wherever it lives now: views, unless
+        rejected drafts left holes among its columns (then a gathered copy)."""
         if seq.kv is not None:
             return [(k[:, :, start:end], v[:, :, start:end]) for k, v in seq.kv]
         assert self._past is not None and self._mask is not None
         i = self.rows.index(seq)
-        width = self._mask.shape[1]
-        lo = width - seq.kv_len
-        return [
-            (k[i : i + 1, :, lo + start : lo + end], v[i : i + 1, :, lo + start : lo + end])
-            for k, v in past_kv(self._past, 0, width)
-        ]
+        layers = past_kv(self._past, 0, self._width)
+        lo = self._width - seq.kv_len
+        if bool(self._mask[i, lo : self._width].all()):  # no holes: one run of columns
+            return [(k[i : i + 1, :, lo + start : lo + end], v[i : i + 1, :, lo + start : lo + end])
+                    for k, v in layers]
+        cols = self._columns(i)[start:end]
+        return [(k[i : i + 1].index_select(2, cols), v[i : i + 1].index_select(2, cols))
+                for k, v in layers]
 
     def _rebuild(self) -> None:
         live = self.live
@@ -69,33 +93,62 @@ class DecodeBatch:
         capacity = width + max(1, min(room, self.runner.max_context - width))
         buffers = pack_right_aligned(per_row, [s.kv_len for s in live], width, capacity,
                                      like=per_row[0])
-        mask = torch.zeros(len(live), width, dtype=torch.bool, device=self.runner.device)
+        mask = torch.zeros(len(live), capacity, dtype=torch.bool, device=self.runner.device)
         for i, seq in enumerate(live):
-            mask[i, width - seq.kv_len :] = True
+            mask[i, width - seq.kv_len : width] = True
             seq.kv = None  # from now on its K/V live in the batch
-        self.rows, self._joining, self._mask = live, [], mask
+        self.rows, self._joining, self._mask, self._width = live, [], mask, width
         self._past = reserved_past(buffers, width, self.runner.config)
 
-    def step(self) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
-        """One decode forward over every row; returns (rows, logits (B, vocab), attention
-        mass per row over its real columns (B, K) or None). Every row's length grows by one."""
+    def prepare(self) -> list[Sequence]:
+        """The rows of the next step (rebuilding the batch first if rows joined or half of it
+        finished); a draft for the step is given per row, in this order."""
         dead = sum(s.status is not Status.RUNNING for s in self.rows)
         if self._joining or (self.rows and dead * 2 >= len(self.rows)):
             self._rebuild()
-        assert self._past is not None and self._mask is not None
-        dev = self.runner.device
-        last = torch.tensor([[s.generated[-1]] for s in self.rows], device=dev)
-        pos = torch.tensor([[s.kv_len] for s in self.rows], device=dev)
-        ones = torch.ones(len(self.rows), 1, dtype=torch.bool, device=dev)
-        mask = torch.cat([self._mask, ones], dim=1)
-        logits, mass = self.runner.forward(last, self._past, mask.long(), pos)
-        # the forward grew every row by one position: record that for all rows before any
-        # per-row work (a callback or Ctrl-C after this must not leave rows with stale lengths)
-        self._mask = mask
-        for seq in self.rows:
-            seq.kv_len += 1
-        return self.rows, logits, mass
+        return self.rows
 
-    def real_columns(self, i: int) -> torch.Tensor:
+    def step(self, drafts: Seq[Seq[int]] = ()) -> DecodeStep:
+        """One forward over every row of `prepare()`: its last token, then its draft (if any)
+        to verify. Every row's length grows by one; `settle` adds the draft tokens a row
+        accepted."""
+        self.prepare()
+        assert self._past is not None and self._mask is not None
+        dev, rows, width = self.runner.device, self.rows, self._width
+        drafts = drafts or [()] * len(rows)
+        q = 1 + max(map(len, drafts))
+        if width + q > self._mask.shape[1]:  # out of room: double, amortised like a list
+            grow = max(q, self._mask.shape[1])
+            reserve(self._past, grow)
+            self._mask = torch.cat([self._mask, self._mask.new_zeros(len(rows), grow)], dim=1)
+        ids = torch.tensor([[s.generated[-1], *d, *[s.generated[-1]] * (q - 1 - len(d))]
+                            for s, d in zip(rows, drafts, strict=True)], device=dev)
+        pos = torch.tensor([s.kv_len for s in rows], device=dev)[:, None] \
+            + torch.arange(q, device=dev)
+        for i, d in enumerate(drafts):  # a row's drafts see each other; padding is never seen
+            self._mask[i, width : width + 1 + len(d)] = True
+        columns = list(range(q)) if q > 1 else None
+        logits, mass = self.runner.forward(ids, self._past, self._mask, pos, columns=columns)
+        # the forward wrote q columns in every row: record that for all rows before any
+        # per-row work (a callback or Ctrl-C after this must not leave rows with stale lengths);
+        # draft columns count once `settle` accepts them
+        self._width, self._q = width + q, q
+        self._mask[:, width + 1 : width + q] = False
+        for seq in rows:
+            seq.kv_len += 1
+        return DecodeStep(rows, logits if columns else logits[:, None], mass)
+
+    def settle(self, i: int, accepted: int) -> None:
+        """Row i's verification accepted its first `accepted` draft tokens: their columns (the
+        ones after the row's last token) hold real K/V."""
+        if accepted:
+            assert self._mask is not None
+            start = self._width - self._q + 1
+            self._mask[i, start : start + accepted] = True
+            self.rows[i].kv_len += accepted
+
+    def real_columns(self, i: int, width: int) -> torch.Tensor:
+        """Row i's mask over the first `width` columns (what attention read: the written ones
+        for one row, the whole buffer for a batch)."""
         assert self._mask is not None
-        return self._mask[i]
+        return self._mask[i, :width]
