@@ -27,6 +27,7 @@ import torch
 from kvchat.cache import disk_tier
 from kvchat.cache.block_keys import root_key
 from kvchat.cache.blocks import KV, Block, BlockManager, fill_span
+from kvchat.cache.drafts import continuation
 from kvchat.cache.eviction import EvictionPolicy, leaf_first, make_policy
 from kvchat.cache.exact import ExactIndex
 from kvchat.cache.explain import Explanation, Tombstones, explain
@@ -194,6 +195,11 @@ class PagedKVCache:
         """Cached prefix length, in the pool or on disk, without touching stats, timestamps,
         ref counts or the disk (schedulers)."""
         return self.tree.find_prefix(tokens, namespace).matched
+
+    def draft(self, tokens: Sequence[int], namespace: str = "", k: int = 8) -> list[int]:
+        """Up to k tokens the tree holds after `tokens` (`drafts.continuation`), read like
+        `peek`: nothing changes."""
+        return continuation(self.tree, tokens, namespace, k)
 
     def load(self, match: PrefixMatch) -> PrefixMatch:
         """`match` with its on-disk blocks loaded back (see `disk_tier.load_match`)."""

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvchat.cache.kvcache import PagedKVCache
 from kvchat.config import CacheConfig
 from kvchat.engine.codec import ChatCodec
 from kvchat.engine.decode_batch import DecodeBatch
+from kvchat.engine.drafting import DRAFT_MAX, plan_drafts
 from kvchat.engine.model_runner import ModelRunner
 from kvchat.engine.past import kv_shape, layer_devices, past_kv, past_length
 from kvchat.engine.scheduler import Scheduler
@@ -124,6 +126,7 @@ class Engine:
         self.steps = 0  # decode forwards run (one per step, whatever the batch size)
         self._ids = itertools.count()
         self._admitting: list[Sequence] = []  # looked up this step, not yet in the batch
+        self.draft_max = DRAFT_MAX  # draft tokens per row and step; 0: no drafting
 
     @classmethod
     def create(cls, model: Any, tokenizer: Any, cache_config: CacheConfig | None,
@@ -142,7 +145,8 @@ class Engine:
         return cls(runner, ChatCodec(tokenizer, model), cache, batch_size)
 
     def without_cache(self) -> Engine:
-        """Same model, no cache: the cold reference for verify and benchmarks."""
+        """Same model, no cache (so no drafts either): the cold reference for verify and
+        benchmarks."""
         runner = ModelRunner(self.runner.model, self.runner.prefill_chunk)
         return Engine(runner, self.codec, None, self.batch_size)
 
@@ -322,17 +326,39 @@ class Engine:
 
     def _decode(self) -> None:
         started = time.perf_counter()
-        with torch.inference_mode():
-            rows, logits, mass = self.batch.step()
-        self.scheduler.costs.decode(time.perf_counter() - started)
-        self.steps += 1
-        for i, seq in enumerate(rows):
-            if seq.status is not Status.RUNNING:
-                continue
-            if mass is not None:
-                seq.add_mass(mass[i][self.batch.real_columns(i)])
-            if self._push(seq, logits[i]) and (seq.done or seq.check_cancel()):
-                self._finish(seq)
+        with torch.inference_mode():  # the batch's tensors are inference tensors, settle too
+            drafts: list[list[int]] = []
+            if self.cache is not None and not self.runner.track_mass:  # H2O counts every column
+                drafts = plan_drafts(self.batch.prepare(), self.cache, self.draft_max)
+            step = self.batch.step(drafts)
+            self.scheduler.costs.decode(time.perf_counter() - started)
+            self.steps += 1
+            for i, seq in enumerate(step.rows):
+                if seq.status is not Status.RUNNING:
+                    continue
+                seq.decode_forwards += 1
+                if step.mass is not None:
+                    row = step.mass[i]
+                    seq.add_mass(row[self.batch.real_columns(i, row.shape[0])])
+                if self._verify(i, seq, step.logits[i], drafts[i] if drafts else ()) \
+                        and (seq.done or seq.check_cancel()):
+                    self._finish(seq)
+
+    def _verify(self, i: int, seq: Sequence, logits: torch.Tensor, draft: Seq[int]) -> bool:
+        """Push the token after the row's last one, then, while it equals the next draft token,
+        the token the forward computed after that one (greedy: exactly the tokens decoding one
+        at a time would give). False if pushing failed the sequence."""
+        accepted = 0
+        ok = self._push(seq, logits[0])
+        while ok and accepted < len(draft) and not (seq.done or seq.check_cancel()) \
+                and seq.generated[-1] == draft[accepted]:
+            accepted += 1
+            ok = self._push(seq, logits[accepted])
+        if ok:
+            self.batch.settle(i, accepted)
+        seq.draft_tokens += len(draft)
+        seq.draft_accepted += accepted
+        return ok
 
     def _push(self, seq: Sequence, logits: torch.Tensor) -> bool:
         """Sample one token and emit its text; a failure here fails only this sequence."""

@@ -55,6 +55,9 @@ class GenerationResult:
     miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.cache.explain`) | off
     diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
     miss_detail: str = ""  # one line for people (`Explanation.describe`)
+    draft_tokens: int = 0  # tokens the cache proposed as drafts (`kvchat.cache.drafts`)
+    draft_accepted: int = 0  # of those, the ones verification kept
+    decode_forwards: int = 0  # decode forwards this request took part in
 
     @property
     def completion_tokens(self) -> int:
@@ -105,6 +108,8 @@ class Sequence:
         self._gen: torch.Generator | None = None
         self._cut_at_stop = False
         self._stopped = False  # a stop, a limit or a cancel: finishes at the end of this step
+        self.draft_tokens = self.draft_accepted = self.decode_forwards = 0
+        self.draft_retry_at = 0  # no draft lookup before this length (the last one missed)
 
     # ---- facts ----
 
@@ -214,6 +219,9 @@ class Sequence:
             stored_tokens=stored,
             step_logits=self.step_logits,
             disk_hit_tokens=self.lookup.disk_tokens if self.lookup is not None else 0,
+            draft_tokens=self.draft_tokens,
+            draft_accepted=self.draft_accepted,
+            decode_forwards=self.decode_forwards,
             **self._miss_fields(decode),
         )
 
