@@ -151,9 +151,9 @@ def run(engine: Engine, ids: list[int], max_new: int = 6) -> GenerationResult:
 
 
 def assert_same(cold: GenerationResult, warm: GenerationResult) -> None:
-    equal, first, diff = compare(cold, warm)
-    assert equal, f"tokens diverge at {first}: {cold.token_ids} vs {warm.token_ids}"
-    assert diff <= ATOL, f"max |logit diff| {diff}"
+    c = compare(cold, warm)
+    assert c.equal, f"tokens diverge at {c.first}: {cold.token_ids} vs {warm.token_ids}"
+    assert c.diff <= ATOL, f"max |logit diff| {c.diff}"
 
 
 def tiered_runtime(model: Any, tokenizer: Any, root: Path, num_blocks: int = 24,

@@ -1,5 +1,6 @@
-"""Cached generation equals cold generation (tokens identical, logits within 1e-4), for every
-policy and every way a request can hit the cache; H2O really ranks by attention mass."""
+"""Cached generation equals cold generation, for every precision, every policy and every way a
+request can hit the cache (float32: tokens identical, logits within 1e-4; bfloat16 compute:
+within `verify.tolerance`, a divergence only at a tie); H2O really ranks by attention mass."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Finished, Request, TextDelta
 from kvchat.engine.verify import compare, verify_prompt
 from kvchat.errors import KvchatError
+from kvchat.precision import QUANTIZED
+from kvchat.quant import quantize_model
 
 ATOL = 1e-4
 BLOCK = 4
@@ -35,10 +38,22 @@ def run(backend: Engine, ids: list[int], max_new: int = 8):
     )
 
 
-def assert_same(cold, warm) -> None:
-    equal, first, diff = compare(cold, warm)
-    assert equal, f"tokens diverge at {first}: {cold.token_ids} vs {warm.token_ids}"
-    assert diff <= ATOL, f"max |logit diff| {diff}"
+def assert_same(cold, warm, precision: str = "float32") -> None:
+    c = compare(cold, warm, precision)
+    if precision == "float32":
+        assert c.equal, f"tokens diverge at {c.first}: {cold.token_ids} vs {warm.token_ids}"
+        assert c.diff <= ATOL, f"max |logit diff| {c.diff}"
+    else:
+        assert c.ok, f"{precision}: {c} ({cold.token_ids} vs {warm.token_ids})"
+
+
+def at_precision(model, precision: str):
+    """The tiny model with its linear layers packed (int8 / int4) or cast (a float dtype)."""
+    if precision in QUANTIZED:
+        quantize_model(model, precision)
+    else:
+        model.to(getattr(torch, precision))
+    return model
 
 
 @pytest.fixture(params=POLICY_NAMES)
@@ -46,20 +61,25 @@ def policy(request) -> str:
     return request.param
 
 
-def test_full_hit(tiny_model, tiny_tokenizer, policy):
-    b = make_backend(tiny_model, tiny_tokenizer, policy)
+@pytest.fixture(params=("float32", "bfloat16", *QUANTIZED))
+def precise_model(request, tiny_model):
+    return at_precision(tiny_model, request.param)
+
+
+def test_full_hit(precise_model, tiny_tokenizer, policy):
+    b = make_backend(precise_model, tiny_tokenizer, policy)
     ids = prompt(1, 37)
     run(b, ids + prompt(2, 9))  # caches ids as the prefix of a longer sequence
     cold = run(b.without_cache(), ids)
     warm = run(b, ids)
     assert warm.hit_source == "radix" and warm.cache_hit_tokens == len(ids) - 1
     assert warm.computed_tokens == 1
-    assert_same(cold, warm)
+    assert_same(cold, warm, b.runner.precision)
     b.cache.check_integrity()
 
 
-def test_exact_repeat_needs_no_forward(tiny_model, tiny_tokenizer, policy):
-    b = make_backend(tiny_model, tiny_tokenizer, policy)
+def test_exact_repeat_needs_no_forward(precise_model, tiny_tokenizer, policy):
+    b = make_backend(precise_model, tiny_tokenizer, policy)
     ids = prompt(3, 29)
     cold = run(b.without_cache(), ids)
     first = run(b, ids)
@@ -72,41 +92,41 @@ def test_exact_repeat_needs_no_forward(tiny_model, tiny_tokenizer, policy):
     assert one.token_ids == cold.token_ids[:1]
     warm = run(b, ids)
     assert warm.hit_source == "exact"
-    assert_same(cold, warm)
+    assert_same(cold, warm, b.runner.precision)
     b.cache.check_integrity()
 
 
-def test_partial_and_unaligned_hits(tiny_model, tiny_tokenizer, policy):
-    b = make_backend(tiny_model, tiny_tokenizer, policy)
+def test_partial_and_unaligned_hits(precise_model, tiny_tokenizer, policy):
+    b = make_backend(precise_model, tiny_tokenizer, policy)
     shared = prompt(4, 24)  # block-aligned shared prefix
     run(b, shared + prompt(5, 10))
     ids = shared + prompt(6, 11)
     warm = run(b, ids)
     assert warm.cache_hit_tokens == 24
-    assert_same(run(b.without_cache(), ids), warm)
+    assert_same(run(b.without_cache(), ids), warm, b.runner.precision)
     odd = prompt(7, 47)  # 47 shared tokens: ends mid-block
     run(b, odd + [1, 2, 3, 4, 5])
     ids = odd + [9, 8, 7]
     warm = run(b, ids)
     assert warm.cache_hit_tokens == 47
-    assert_same(run(b.without_cache(), ids), warm)
+    assert_same(run(b.without_cache(), ids), warm, b.runner.precision)
     b.cache.check_integrity()
 
 
-def test_multi_turn_extends_history(tiny_model, tiny_tokenizer, policy):
-    b = make_backend(tiny_model, tiny_tokenizer, policy)
+def test_multi_turn_extends_history(precise_model, tiny_tokenizer, policy):
+    b = make_backend(precise_model, tiny_tokenizer, policy)
     turn1 = prompt(8, 30)
     r1 = run(b, turn1, max_new=10)
     turn2 = turn1 + r1.token_ids + prompt(9, 7)
     warm = run(b, turn2)
     # everything the model saw in turn 1 (prompt + reply except the last sampled token) is reused
     assert warm.cache_hit_tokens == len(turn1) + len(r1.token_ids) - 1
-    assert_same(run(b.without_cache(), turn2), warm)
+    assert_same(run(b.without_cache(), turn2), warm, b.runner.precision)
     b.cache.check_integrity()
 
 
-def test_hit_after_eviction_pressure(tiny_model, tiny_tokenizer, policy):
-    b = make_backend(tiny_model, tiny_tokenizer, policy, num_blocks=40)
+def test_hit_after_eviction_pressure(precise_model, tiny_tokenizer, policy):
+    b = make_backend(precise_model, tiny_tokenizer, policy, num_blocks=40)
     keep = prompt(10, 20)
     run(b, keep + prompt(11, 4))
     for seed in range(12, 20):  # far more than the pool holds
@@ -116,15 +136,15 @@ def test_hit_after_eviction_pressure(tiny_model, tiny_tokenizer, policy):
     assert stats.eviction_count > 0
     ids = keep + prompt(30, 6)
     warm = run(b, ids)
-    assert_same(run(b.without_cache(), ids), warm)
+    assert_same(run(b.without_cache(), ids), warm, b.runner.precision)
     again = run(b, ids)
     assert again.hit_source == "exact"
-    assert_same(run(b.without_cache(), ids), again)
+    assert_same(run(b.without_cache(), ids), again, b.runner.precision)
     b.cache.check_integrity()
 
 
-def test_hit_after_interruption(tiny_model, tiny_tokenizer, policy, monkeypatch):
-    b = make_backend(tiny_model, tiny_tokenizer, policy, chunk=8)
+def test_hit_after_interruption(precise_model, tiny_tokenizer, policy, monkeypatch):
+    b = make_backend(precise_model, tiny_tokenizer, policy, chunk=8)
     ids = prompt(40, 45)
     # interrupted mid-prefill: a KeyboardInterrupt raised inside the third forward
     real = b.runner.forward
@@ -156,7 +176,7 @@ def test_hit_after_interruption(tiny_model, tiny_tokenizer, policy, monkeypatch)
     b.cache.check_integrity()
     warm = run(b, ids)  # the prefill had finished, so its logits were kept: an exact hit
     assert warm.hit_source == "exact" and warm.cache_hit_tokens == len(ids)
-    assert_same(run(b.without_cache(), ids), warm)
+    assert_same(run(b.without_cache(), ids), warm, b.runner.precision)
 
 
 def test_cancel_between_steps_keeps_cache_consistent(tiny_model, tiny_tokenizer):
@@ -281,10 +301,24 @@ def test_sampling_is_seeded(tiny_model, tiny_tokenizer):
 def test_verify_rows(tiny_model, tiny_tokenizer):
     b = make_backend(tiny_model, tiny_tokenizer, "lru")
     rows = verify_prompt(b, prompt(91, 33), "p", max_new_tokens=6)
-    assert [r.scenario for r in rows] == ["prefix hit", "exact repeat"]
+    assert [r.scenario for r in rows] == ["prefix hit", "exact repeat", "plain generate"]
     assert rows[0].hit_tokens == 16 and rows[0].source == "radix"
     assert rows[1].source == "exact" and rows[1].hit_tokens == 33
-    assert all(r.tokens_equal and r.max_logit_diff <= ATOL for r in rows)
+    # the repeat's reply came from the cache's draft of the first warm run's reply
+    assert rows[1].draft_accepted > 0
+    assert all(r.tokens_equal and r.max_logit_diff <= ATOL and r.ok for r in rows)
+
+
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_verify_rows_quantized(tiny_model, tiny_tokenizer, precision):
+    """kvchat's uncached run equals transformers' generate on the same packed model (same
+    kernels), and cached runs equal it within the precision's rounding."""
+    b = make_backend(at_precision(tiny_model, precision), tiny_tokenizer, "lru")
+    assert b.runner.precision == precision
+    rows = verify_prompt(b, prompt(92, 40), "p", max_new_tokens=8)
+    assert all(r.ok for r in rows), rows
+    plain = rows[2]
+    assert plain.scenario == "plain generate" and plain.tokens_equal
 
 
 def test_transformers_calls_we_rely_on(tiny_model):
@@ -292,7 +326,14 @@ def test_transformers_calls_we_rely_on(tiny_model):
     this fails first."""
     from transformers import DynamicCache
 
-    from kvchat.engine.past import build_past, past_kv, past_length, reserved_past, wrap_past
+    from kvchat.engine.past import (
+        build_past,
+        past_kv,
+        past_length,
+        reserve,
+        reserved_past,
+        wrap_past,
+    )
 
     ids = torch.tensor([prompt(92, 12)])
     with torch.inference_mode():
@@ -323,16 +364,31 @@ def test_transformers_calls_we_rely_on(tiny_model):
         alone = tiny_model(input_ids=ids[:, :4], use_cache=True, logits_to_keep=1)
         assert torch.allclose(two.logits[0, -1], out.logits[0, -1], atol=1e-5)
         assert torch.allclose(two.logits[1, -1], alone.logits[0, -1], atol=1e-5)
-        # in-place growth inside a reserved buffer, past its capacity too: same logits as cat
+        # a reserved buffer: columns written in place; reserve() widens it before a forward
+        # that needs more room. One row hands attention its written columns (as a plain cache
+        # does); several rows the whole buffer, the unwritten columns masked (a 2-D mask is
+        # padded up to the buffer's width)
         buffers = [(torch.cat([k, torch.zeros(1, k.shape[1], 1, k.shape[3])], dim=2),
                      torch.cat([v, torch.zeros(1, v.shape[1], 1, v.shape[3])], dim=2))
                     for k, v in kv]
         reserved = reserved_past(buffers, 8, tiny_model.config)
         assert reserved.get_seq_length() == 8
+        assert reserved.get_mask_sizes(4, 0) == (12, 0)
+        with pytest.raises(ValueError, match="reserve"):
+            tiny_model(input_ids=ids[:, 8:], past_key_values=reserved, use_cache=True)
+        reserve(reserved, 4)
         grown = tiny_model(input_ids=ids[:, 8:], past_key_values=reserved, use_cache=True,
                            logits_to_keep=1)
         assert reserved.get_seq_length() == 12
         assert torch.equal(grown.logits, tail.logits)
+        rows = [(torch.cat([k, k]), torch.cat([v, v])) for k, v in buffers]
+        two_rows = reserved_past(rows, 8, tiny_model.config)
+        reserve(two_rows, 4)
+        assert two_rows.get_mask_sizes(4, 0) == (13, 0)
+        both = tiny_model(input_ids=torch.cat([ids[:, 8:]] * 2),
+                          attention_mask=torch.ones(2, 12, dtype=torch.bool),
+                          past_key_values=two_rows, use_cache=True, logits_to_keep=1)
+        assert torch.allclose(both.logits[1], tail.logits[0], atol=1e-5)
     # the H2O path: an attention function and mask registered once per model, which run the
     # model's own kernel unless a forward asks for attention mass
     from transformers import AttentionInterface

@@ -29,7 +29,7 @@ def rows(output: str) -> list[list[str]]:
     found = []
     for line in output.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) == 6 and cells[1] in ("prefix hit", "exact repeat"):
+        if len(cells) == 6 and cells[1] in ("prefix hit", "exact repeat", "plain generate"):
             found.append(cells)
     return found
 
@@ -38,24 +38,26 @@ def test_one_prompt_cached_equals_cold(verify):
     result = verify("Hi, how are you?", "--max-tokens", "6")
     assert result.exit_code == 0, result.output
     table = rows(result.output)
-    assert [r[1] for r in table] == ["prefix hit", "exact repeat"]
-    prefix, exact = table
+    assert [r[1] for r in table] == ["prefix hit", "exact repeat", "plain generate"]
+    prefix, exact, plain = table
     assert prefix[0] == "Hi, how are you?"
     hit, total = map(int, prefix[2].split()[0].split("/"))
     assert 0 < hit < total and prefix[2].endswith("radix")
     assert exact[2] == f"{total}/{total} exact"
-    assert [r[3] for r in table] == ["yes", "yes"]
-    assert [r[4] for r in table] == ["—", "—"]
+    assert plain[2] == f"0/{total} off"  # kvchat uncached against transformers' generate
+    assert [r[3] for r in table] == ["yes", "yes", "yes"]
+    assert [r[4] for r in table] == ["—", "—", "—"]
     assert all(float(r[5]) <= 1e-4 for r in table)
-    assert "All 2 cached runs match the cold runs token for token" in result.output
+    assert "All 3 runs match their reference run token for token" in result.output
+    assert "tokens came from cache drafts" in result.output  # the repeat drafted its reply
 
 
 def test_default_prompts_are_ten_and_varied(verify):
     assert len(set(cli_verify.VERIFY_PROMPTS)) == 10
     result = verify("--max-tokens", "2")
     assert result.exit_code == 0, result.output
-    assert len(rows(result.output)) == 20
-    assert "All 20 cached runs match" in result.output
+    assert len(rows(result.output)) == 30
+    assert "All 30 runs match" in result.output
 
 
 def test_a_broken_cache_is_caught_with_exit_code_1(verify, monkeypatch):
@@ -73,7 +75,7 @@ def test_a_broken_cache_is_caught_with_exit_code_1(verify, monkeypatch):
     assert "NO" in [r[3] for r in table]
     bad = next(r for r in table if r[3] == "NO")
     assert int(bad[4]) >= 0 and float(bad[5]) > 1e-3
-    assert re.search(r"[12] of 2 cached runs differ from the cold run", result.output)
+    assert re.search(r"[12] of 3 runs differ from their reference run", result.output)
 
 
 def test_prompt_file_with_messages_ids_and_system(verify, tmp_path):
@@ -87,7 +89,7 @@ def test_prompt_file_with_messages_ids_and_system(verify, tmp_path):
     ]))
     result = verify("--file", str(path), "--max-tokens", "4")
     assert result.exit_code == 0, result.output
-    assert [r[0] for r in rows(result.output)] == ["Name a colour."] * 2 + ["chat-2"] * 2
+    assert [r[0] for r in rows(result.output)] == ["Name a colour."] * 3 + ["chat-2"] * 3
 
 
 @pytest.mark.parametrize(

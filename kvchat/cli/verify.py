@@ -84,8 +84,10 @@ def verify(
     *,
     options: RuntimeOptions,
 ) -> None:
-    """Check that cached generation equals cold generation: per prompt, the first divergent
-    token and the largest logit difference. Exit code 1 if any greedy output differs."""
+    """Check that cached generation equals cold generation, and cold generation equals
+    transformers' own `generate` on the same model: per prompt, the first divergent token and
+    the largest logit difference. Exit code 1 if any greedy output differs by more than the
+    precision's rounding explains (a tie within it is reported, not failed)."""
     from kvchat.ui.cache_view import preview
     from kvchat.ui.verify_view import verify_summary, verify_table
 
@@ -112,5 +114,5 @@ def verify(
     console.print(verify_summary(rows))
     elapsed = time.perf_counter() - started
     console.print(f"[dim]{len(prompts)} prompt(s) in {elapsed:.1f} s[/dim]")
-    if not all(r.tokens_equal for r in rows):
+    if not all(r.ok for r in rows):
         raise typer.Exit(1)
