@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -247,7 +248,8 @@ def test_chat_from_a_pipe_runs_turns_and_names_a_new_session(tiny_model_dir, tmp
     assert re.search(r"turn 2 · [1-9]\d*/\d+ cached", out)
     assert "Unknown command /bogus." in out
     assert (root / "chat-1.json").exists() and (root / "cache" / "index.json").exists()
-    assert "(kvchat chat, since" in (root / ".lock").read_text()  # it names the last holder
+    holder = json.loads((root / ".lock").read_text())  # it names the last holder, as JSON
+    assert holder["what"] == "kvchat chat" and holder["url"] is None
 
 
 
@@ -337,3 +339,9 @@ def test_runtime_commands_share_the_family_defaults(command):
 def test_a_bad_family_option_is_a_clean_error_before_loading(tmp_path):
     result = invoke("verify", "hi", "--cache-mb", "0", "--model", "/nonexistent")
     assert_clean_error(result, "--cache-mb must be positive, got 0.0.")
+
+
+def test_token_without_a_server_says_how_to_start_one(tmp_path):
+    result = invoke("token", "--sessions-dir", str(tmp_path / "s"))
+    assert result.exit_code == 1
+    assert "No kvchat server holds" in result.output and "kvchat serve --detach" in result.output
