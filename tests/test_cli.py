@@ -345,3 +345,16 @@ def test_token_without_a_server_says_how_to_start_one(tmp_path):
     result = invoke("token", "--sessions-dir", str(tmp_path / "s"))
     assert result.exit_code == 1
     assert "No kvchat server holds" in result.output and "kvchat serve --detach" in result.output
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["chat"], ["bench", "cache"]])
+def test_flags_show_no_value_type_in_help(command):
+    out = invoke(*command, "--help").output
+    assert "--help" in out and "<bool>" not in out
+    assert re.search(r"--json\s+Print (JSON|the result)", out) or command in ([], ["chat"])
+
+
+def test_inspect_standalone_help_says_it_reads_the_snapshot():
+    out = " ".join(invoke("inspect", "--help").output.replace("│", " ").split())
+    assert "Read the saved snapshot in the sessions dir even while a kvchat server holds it" in out
+    assert "Load the model" not in out

@@ -27,7 +27,19 @@ def stderr() -> Console:
 
 
 class _KvchatGroup(TyperGroup):
-    """Reports kvchat's own errors as one red paragraph and exit code 2, never a traceback."""
+    """Reports kvchat's own errors as one red paragraph and exit code 2, never a traceback;
+    its commands' help shows no type for on/off flags."""
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _untyped_flags(command, ctx)
+        return command
+
+    def get_params(self, ctx: Any) -> Any:
+        params = super().get_params(ctx)
+        _untyped_flags(self, ctx, params)
+        return params
 
     # Any: typer vendors its own click, whose Context type it does not export.
     def invoke(self, ctx: Any) -> Any:
@@ -39,6 +51,17 @@ class _KvchatGroup(TyperGroup):
         except KeyboardInterrupt:
             _report_interrupt()
             raise typer.Exit(INTERRUPT_EXIT_CODE) from None
+
+
+def _untyped_flags(command: Any, ctx: Any, params: Any = None) -> None:
+    """Typer's help gives every option a type column, `--json <bool>` for a flag that takes no
+    value; an empty metavar leaves it blank (click's own help never shows a flag's metavar)."""
+    own = [*command.params, command.get_help_option(ctx)] if params is None else params
+    for param in own:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _untyped_flags(sub, ctx)
 
 
 def _report_error(error: KvchatError) -> None:

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from kvchat.cli.app import app, stderr, stdout
-from kvchat.cli.attach_options import ConnectOption, StandaloneOption, TokenOption
+from kvchat.cli.attach_options import ConnectOption, TokenOption
 from kvchat.cli.options import SessionsDirOption
 from kvchat.errors import KvchatError
 
@@ -34,6 +34,12 @@ SystemOption = Annotated[
     str | None,
     typer.Option("--system", help="With --explain: the conversation's system prompt.",
                  show_default=False),
+]
+StandaloneOption = Annotated[
+    bool,
+    typer.Option("--standalone", help="Read the saved snapshot in the sessions dir even while "
+                 "a kvchat server holds it (the server's live cache may have moved on since its "
+                 "last save); inspect never loads a model."),
 ]
 RawOption = Annotated[
     bool, typer.Option("--raw", help="With --explain: the text is the exact prompt (no chat "
