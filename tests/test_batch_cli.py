@@ -227,3 +227,24 @@ def test_pin_system_over_max_pinned_is_reported_and_the_run_goes_on(tiny_model_d
     assert "line 1's system prompt not pinned:" in flat and "--max-pinned" in flat
     assert "--pin-system: nothing pinned" in flat
     assert len(out.read_text().splitlines()) == 1
+
+
+def test_a_file_run_again_later_gets_exact_hits(tiny_model_dir, tmp_path):
+    # each run is a new process's cache: exact entries saved by an earlier run and not hit
+    # since must be saved again, not lost, so the first file's rerun is exact throughout
+    first, other = tmp_path / "first.jsonl", tmp_path / "other.jsonl"
+    first.write_text('{"system": "Be brief.", "prompt": "One?"}\n'
+                     '{"system": "Be brief.", "prompt": "Two?"}\n')
+    other.write_text('{"prompt": "Something else entirely"}\n')
+    for path in (first, other, first):
+        out = tmp_path / f"{path.stem}.out"
+        res = runner.invoke(app, ["batch", str(path), "-o", str(out),
+                                  *args(tiny_model_dir, tmp_path, "--batch-size", "2")])
+        assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in (tmp_path / "first.out").read_text().splitlines()]
+    assert [(r["hit_source"], r["cache_hit_tokens"] == r["prompt_tokens"]) for r in rows] == [
+        ("exact", True), ("exact", True)]
+    listed = json.loads(runner.invoke(app, ["inspect", "--json", "--sessions-dir",
+                                            str(tmp_path / "s")]).output)["exact"]
+    assert len(listed) == 3  # both files' prompts
+    assert len(list((tmp_path / "s" / "cache" / "exact").glob("*.safetensors"))) == 3

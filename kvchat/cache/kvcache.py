@@ -359,6 +359,7 @@ class PagedKVCache:
         """Drop everything no request is using (first blocks and pins too); returns blocks
         freed."""
         self.exact.clear()
+        self.saved_exact.clear()
         self.pins.clear()
         for node, _ in list(self.tree.nodes()):  # what is only on disk goes too
             if node.on_disk and (node.parent is None or not node.parent.on_disk):
