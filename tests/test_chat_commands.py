@@ -362,3 +362,36 @@ def test_pin_refuses_past_max_pinned(tiny_model, tiny_tokenizer, tmp_path):
     out, _ = run_chat(rt, "hello there", "/pin all", name="big", panels="off")
     flat = " ".join(out.split())
     assert "Not pinned:" in flat and "--max-pinned" in flat and len(rt.cache.pins) == 0
+
+
+def test_retry_after_a_stopped_reply_says_it_is_the_same_reply(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    runner = rt.engine.runner
+    forward = runner.forward
+    calls = {"n": 0}
+
+    def ctrl_c_in_the_first_reply(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # one prefill, then decode steps
+            signal.raise_signal(signal.SIGINT)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", ctrl_c_in_the_first_reply)
+    out, chat = run_chat(rt, "tell me a long story", "/retry", max_tokens=12, panels="off")
+    turn = chat.session.turns[-1]
+    assert turn.finish_reason != "interrupted" and turn.completion_tokens > 4
+    flat = " ".join(out.split())
+    assert "at temperature 0 the reply is the same as the stopped one, this time not " \
+           "stopped." in flat
+    assert "different" not in flat
+
+
+def test_compare_replies_tells_a_cut_reply_from_a_different_one():
+    from kvchat.ui.chat_moves import compare_replies
+
+    assert compare_replies([1, 2], "stop", [1, 2], "stop") == "identical"
+    assert compare_replies([1, 2, 3], "stop", [1, 2], "interrupted").startswith("the same as before")
+    assert compare_replies([1, 2], "interrupted", [1, 3], "length") == "different"
+    assert compare_replies([1, 2], "stop", [1, 2, 3], "length") == "different"
