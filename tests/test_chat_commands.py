@@ -163,7 +163,19 @@ def test_sessions_switch_new_reset_system_clear(tiny_model, tiny_tokenizer, tmp_
     demo = rt.store.load("demo")
     assert demo.turns == [] and demo.system == "Answer in French."
     assert rt.cache.stats().tree_tokens == 0
+    # sessions nothing happened in leave no file behind
+    assert rt.store.names() == ["demo"]
     rt.cache.check_integrity()
+
+
+def test_an_empty_new_session_is_not_saved_and_its_name_stays_free(tiny_model, tiny_tokenizer,
+                                                                   tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(rt, "/new", "/new", "/exit", name="chat-1")
+    assert "session chat-2: new\nsession chat-1: new" in out  # chat-1 was never saved
+    assert rt.store.names() == []
+    out, chat = run_chat(rt, "hello", name="chat-1")
+    assert rt.store.names() == ["chat-1"]
 
 
 def test_snapshot_every_three_turns_and_on_an_exception(tiny_model, tiny_tokenizer, tmp_path):

@@ -48,6 +48,7 @@ class ConversationMoves:
     _say: Callable[..., None]
     _decode: Callable[[Sequence[int]], str]
     _enter: Callable[[Session], None]
+    _save_session: Callable[[], None]
     console: Console
 
     def turn(self, text: str, params: SamplingParams | None = None) -> None:
@@ -100,7 +101,7 @@ class ConversationMoves:
         name = validate_name(arg)
         if self.store.exists(name):
             raise SessionError(f"A session {name!r} exists already; fork under another name.")
-        self.store.save(self.session)
+        self._save_session()
         fork = self.session.fork(name)
         self.store.save(fork)
         self._say(f"Forked {self.session.name} into {name}: {len(fork.tokens):,} tokens of "
