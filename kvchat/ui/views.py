@@ -108,15 +108,17 @@ class TurnView:
         return ratio(self.hit_tokens, self.prompt_tokens)
 
 
+RATE_MIN_TOKENS = 32  # shorter prefills measure mostly a forward pass's fixed cost
+
+
 def prefill_rate(samples: Iterable[tuple[int, float]]) -> float | None:
     """Milliseconds per prompt token, from (computed tokens, prefill ms) of turns that ran a
-    prefill: the largest one (the latest of equals), since a short prefill measures mostly the
-    fixed cost of a forward pass rather than the cost per token."""
-    best: tuple[int, float] | None = None
-    for n, t in samples:
-        if n > 0 and t > 0 and (best is None or n >= best[0]):
-            best = (n, t)
-    return None if best is None else best[1] / best[0]
+    prefill: the fastest of those that computed at least RATE_MIN_TOKENS tokens (else of all).
+    A prefill slowed by a busy moment says nothing about what the hit tokens would cost, and
+    the fastest rate keeps the estimate of time saved from overstating it."""
+    timed = [(n, t) for n, t in samples if n > 0 and t > 0]
+    long_enough = [(n, t) for n, t in timed if n >= RATE_MIN_TOKENS] or timed
+    return min((t / n for n, t in long_enough), default=None)
 
 
 def estimate_saved_ms(hit_tokens: int, rate: float | None) -> float | None:
