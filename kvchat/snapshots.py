@@ -88,7 +88,8 @@ def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
 
     folder = private_dir(cache_dir(private_dir(Path(root))))
     meta = export_index(cache)
-    _save_exact(folder / EXACT, exact_logits(cache), {rec["logits"] for rec in meta.get("exact", [])})
+    listed = {rec["logits"] for rec in meta.get("exact", [])}
+    _save_exact(folder / EXACT, exact_logits(cache), listed)
     meta.update(extra)
     meta.update(fingerprint=fingerprint, snapshot_id=uuid.uuid4().hex[:12], saved_at=time.time())
     atomic_write(folder / INDEX, json.dumps(meta).encode(), "the cache index")

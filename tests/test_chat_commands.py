@@ -404,6 +404,7 @@ def test_compare_replies_tells_a_cut_reply_from_a_different_one():
     from kvchat.ui.chat_moves import compare_replies
 
     assert compare_replies([1, 2], "stop", [1, 2], "stop") == "identical"
-    assert compare_replies([1, 2, 3], "stop", [1, 2], "interrupted").startswith("the same as before")
+    cut = compare_replies([1, 2, 3], "stop", [1, 2], "interrupted")
+    assert cut.startswith("the same as before")
     assert compare_replies([1, 2], "interrupted", [1, 3], "length") == "different"
     assert compare_replies([1, 2], "stop", [1, 2, 3], "length") == "different"

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from kvchat.cache.stats import CacheStats, PoolStats, SessionCounters
 from kvchat.ui import cache_view as cv
-from kvchat.ui import views
+from kvchat.ui import inspect_view, views
 from kvchat.ui.cache_view import ExactView, NodeView
 from kvchat.ui.views import TurnView
 
@@ -164,7 +164,7 @@ def test_prefill_rate_is_the_fastest_of_the_long_prefills():
 def test_tree_json_schema_and_depth_limit():
     doc = cv.tree_json(NODES, letters, depth=1)
     assert doc == [{
-        "start": 0, "n_tokens": 16, "n_blocks": 1, "max_ref": 0,
+        "start": 0, "n_tokens": 16, "n_blocks": 1, "disk_blocks": 0, "max_ref": 0,
         "owners": ["demo", "other", "x"], "pinned": False, "preview": "abcdefghijklmnop",
         "tokens": list(range(16)), "children": [], "children_omitted": 4,
     }]
@@ -233,7 +233,7 @@ def test_meta_that_is_not_a_cache_is_a_format_error():
 def test_exact_table_lists_newest_first_and_counts_the_rest():
     # each entry is a prefix of the next: only the longest has a part of its own
     entries = [ExactView(tuple(range(n)), n // 4 + 1, n % 2 == 0) for n in range(1, 14)]
-    text = render(views.exact_table(entries, letters, limit=2))
+    text = render(inspect_view.exact_table(entries, letters, limit=2))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     assert lines[0] == "exact index · 13 entries"
     assert lines[1].split() == ["tokens", "blocks", "logits", "what", "sets", "it", "apart"]

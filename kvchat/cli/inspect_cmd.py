@@ -82,7 +82,7 @@ def inspect_snapshot(
     from kvchat.sessions import cache_dir, validate_name
     from kvchat.snapshots import INDEX, read_snapshot_meta
     from kvchat.ui import cache_view as cv
-    from kvchat.ui.views import SnapshotFacts, inspect_view
+    from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
 
     if session is not None:
         validate_name(session)
@@ -126,7 +126,8 @@ def inspect_snapshot(
         dtype=str(fingerprint.get("dtype", "?")),
         saved_at=meta.get("saved_at"),
     )
-    stdout().print(inspect_view(facts, stats, nodes, exact, decode, depth or 6, 8, session))
+    stdout().print(inspect_view(facts, stats, nodes, exact, decode, depth or 6, 8, session,
+                                _disk_tier(meta, sessions_dir)))
 
 
 def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: bool,
@@ -176,7 +177,7 @@ def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
     """The live cache of a running server: /cache/tree, the document --json prints."""
     from kvchat.client import Client
     from kvchat.client import documents as docs
-    from kvchat.ui.views import SnapshotFacts, inspect_view
+    from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
 
     with Client(server.url, server.token) as client:
         doc = client.cache_tree(depth if as_json else None, session)
@@ -194,7 +195,7 @@ def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
                                 docs.nodes_from_document(doc["tree"]),
                                 docs.exact_from_document(doc["exact"]),
                                 _snapshot_decoder(snapshot.get("tokenizer_file")),
-                                depth or 6, 8, session))
+                                depth or 6, 8, session, doc.get("tiers", {}).get("disk")))
 
 
 def _disk_tier(meta: dict[str, Any], sessions_dir: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Rich renderables for kvchat's terminal output: pure functions of plain data.
 
-Everything the chat REPL and `kvchat inspect` print is built here (`kvchat verify`'s tables
-are in `verify_view`), from the
+Everything the chat REPL prints is built here (`kvchat inspect`'s text is in `inspect_view`,
+`kvchat verify`'s tables in `verify_view`), from the
 plain views in `cache_view` and small dataclasses; nothing here touches a model or torch, so each
 view is tested by rendering it to text. Every view fits an 80-column terminal; the per-turn panels
 come in three sizes (`/panels off|compact|full`), compact being one line per panel.
@@ -25,7 +25,6 @@ from rich.tree import Tree
 from kvchat.cache.stats import CacheStats, ratio
 from kvchat.ui.cache_view import (
     Decode,
-    ExactView,
     NodeView,
     distinct_offsets,
     distinct_preview,
@@ -178,7 +177,8 @@ def pool_panel(stats: CacheStats, mode: str = "full") -> RenderableType:
         bar(pool.utilisation or 0.0),
         f"{free} · evictions {s.eviction_count:,}",
         f"hit rate {pct(s.hit_rate)} ({pct(s.token_hit_rate)} of tokens)",
-        f"cached {s.tree_tokens:,} tok in {plural(s.tree_nodes, 'node')}",
+        f"cached {s.tree_tokens:,} tok in {plural(s.tree_nodes, 'node')}"
+        + (f" · {s.disk_tokens:,} on disk" if s.disk_tokens else ""),
     ]
     return Panel(
         Text("\n".join(lines)), title=f"block pool · {s.policy}", title_align="left",
@@ -196,12 +196,21 @@ def _owners(owners: Sequence[str], limit: int = 2) -> str:
     return shown + (f" +{len(owners) - limit}" if len(owners) > limit else "")
 
 
+def blocks_label(node: NodeView) -> str:
+    """A node's blocks by tier: "3 blk", "2 blk on disk", "1 blk + 2 on disk"."""
+    if not node.disk_blocks:
+        return f"{node.blocks:,} blk"
+    if not node.blocks:
+        return f"{node.disk_blocks:,} blk on disk"
+    return f"{node.blocks:,} blk + {node.disk_blocks:,} on disk"
+
+
 def node_label(
     node: NodeView, decode: Decode | None, highlight: str | None = None, shared: int = 0
 ) -> Text:
     """Counts, then a preview of the edge's text after the `shared` tokens it has in common
     with a sibling (siblings can share the head of the block they branch in)."""
-    label = Text(f"{node.n_tokens:,} tok · {node.blocks:,} blk · ref {node.max_ref} ")
+    label = Text(f"{node.n_tokens:,} tok · {blocks_label(node)} · ref {node.max_ref} ")
     if node.pinned:
         label.append("pinned ", style="bold magenta")
     label.append(f'"{distinct_preview(node.tokens, shared, decode)}"', style="cyan")
@@ -368,58 +377,3 @@ def sessions_table(rows: Sequence[SessionRow]) -> RenderableType:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated))
         table.add_row("*" if r.current else "", r.name, str(r.turns), when)
     return table
-
-
-# ---- inspect -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SnapshotFacts:
-    path: str
-    model: str
-    dtype: str
-    saved_at: float | None
-
-
-def exact_table(entries: Sequence[ExactView], decode: Decode | None, limit: int = 10) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, title=f"exact index · {len(entries):,} entries",
-                  title_justify="left")
-    table.add_column("tokens", justify="right")
-    table.add_column("blocks", justify="right")
-    table.add_column("logits")
-    table.add_column("what sets it apart")
-    shared = distinct_offsets([e.tokens for e in entries])
-    newest_first = list(reversed(list(zip(entries, shared, strict=True))))  # oldest are first
-    for e, s in newest_first[:limit]:
-        table.add_row(f"{len(e.tokens):,}", f"{e.blocks:,}", "yes" if e.has_logits else "no",
-                      Text(distinct_preview(e.tokens, s, decode, 30)))
-    if len(entries) > limit:
-        table.add_row("…", "", "", Text(f"{len(entries) - limit:,} more (--json lists all)"))
-    return table
-
-
-def inspect_view(
-    facts: SnapshotFacts,
-    stats: CacheStats,
-    nodes: Sequence[NodeView],
-    exact: Sequence[ExactView],
-    decode: Decode | None,
-    depth: int,
-    max_children: int,
-    session: str | None = None,
-) -> RenderableType:
-    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(facts.saved_at))
-            if facts.saved_at else "unknown")
-    head = Text(
-        f"snapshot {facts.path}\nsaved {when} · {facts.model} · {facts.dtype} · "
-        f"block {stats.pool.block_size} tok"
-    )
-    if decode is None:
-        head.append("\n(no tokenizer file recorded: previews show token ids)", style="dim")
-    title = "radix tree" if session is None else f"radix tree (session {session})"
-    parts: list[RenderableType] = [head, pool_panel(stats, "full")]
-    if stats.sessions:
-        parts.append(sessions_counters_table(stats))
-    parts.append(tree_view(nodes, decode, depth, max_children, session, title))
-    parts.append(exact_table(exact, decode))
-    return Group(*parts)
