@@ -20,6 +20,7 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "disk_hit_tokens": r.disk_hit_tokens,
         "hit_source": r.hit_source,
         "miss_reason": r.miss_reason,  # why the cached prefix ended there (`kvchat.cache.explain`)
+        "miss_label": r.miss_label,  # the same for people: "new", "shared prefix", ...
         "diverged_at": r.diverged_at,
         "miss_detail": r.miss_detail,
         "finish_reason": r.finish_reason,

@@ -32,6 +32,9 @@ def test_batch_writes_results_in_order_and_saves_the_cache(tiny_model_dir, tmp_p
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r.get("id") for r in rows[:2]] == ["a", "b"] and rows[2]["custom_id"] == "c"
     assert rows[1]["cache_hit_tokens"] > 0  # the shared system prompt
+    # row b leaves row a's text after the system prompt they share: normal, and labelled so
+    assert (rows[1]["miss_reason"], rows[1]["miss_label"]) == ("diverged", "shared prefix")
+    assert (rows[0]["miss_reason"], rows[0]["miss_label"]) == ("cold", "cold")
     assert rows[2]["response"]["body"]["usage"]["completion_tokens"] <= 2
     assert "hit rate" in res.output and "prefill computed / total" in res.output
     assert "batch size" in res.output and "2" in res.output

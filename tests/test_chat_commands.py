@@ -361,7 +361,9 @@ def test_a_pinned_system_prompt_survives_pressure_and_the_panel_says_why(
     out, chat = run_chat(rt, "/system You are a terse assistant for kvchat tests.",
                          "a new question", name="again")
     assert chat.session.turns[-1].hit_tokens >= len(pin.tokens)
-    assert "why diverged at token" in out
+    # it shares the system prompt, then leaves what the other conversation said next
+    assert f"shared prefix {chat.session.turns[-1].hit_tokens} tok, as earlier conversations " \
+           "began; then new" in " ".join(out.split())
     out, chat = run_chat(rt, "/unpin", name="pinned", panels="off")
     assert "Unpinned system prompt" in " ".join(out.split()) and len(rt.cache.pins) == 0
     rt.cache.check_integrity()
@@ -408,3 +410,15 @@ def test_compare_replies_tells_a_cut_reply_from_a_different_one():
     assert cut.startswith("the same as before")
     assert compare_replies([1, 2], "interrupted", [1, 3], "length") == "different"
     assert compare_replies([1, 2], "stop", [1, 2, 3], "length") == "different"
+
+
+def test_an_ordinary_turn_reads_as_new_not_as_a_cold_miss(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(rt, "first question", "second question")
+    first, second = chat.session.turns
+    flat = " ".join(out.split("turn 2 · cache")[1].replace("│", " ").split())
+    # the whole history was cached; what was computed is the new message and its template
+    assert f"new {second.prompt_tokens - second.hit_tokens} tok: this turn's message, not " \
+           "seen before" in flat
+    assert "why" not in flat
+    assert "why cold: none of the" in out.split("turn 2 · cache")[0]  # the first was cold

@@ -95,7 +95,8 @@ class RemoteReply:
         why = result or {}
         return TurnDone(turn, turn.ttft_ms, turn.prefill_ms,
                         turn.prompt_tokens - turn.hit_tokens, rate, source, disk,
-                        str(why.get("miss_detail") or ""), str(why.get("miss_reason") or ""))
+                        str(why.get("miss_detail") or ""), str(why.get("miss_reason") or ""),
+                        str(why.get("miss_label") or why.get("miss_reason") or ""))
 
 
 class RemoteBackend:

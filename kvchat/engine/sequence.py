@@ -34,6 +34,8 @@ class Request:
     sid: str | None = None  # session name, for per-session cache counters
     record_logits: bool = False  # keep every step's logits row (kvchat verify)
     namespace: str = ""  # cache namespace: entries of one are never a hit in another
+    own_from: int = 0  # where the request's own text starts (after a history / system prompt)
+    after_history: bool = False  # own_from ends a session's history (else a shared head)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class GenerationResult:
     miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.cache.explain`) | off
     diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
     miss_detail: str = ""  # one line for people (`Explanation.describe`)
+    miss_label: str = "off"  # miss_reason as people read it: new, shared prefix (`label`), ...
 
     @property
     def completion_tokens(self) -> int:
@@ -222,7 +225,8 @@ class Sequence:
         if why is None:
             return {}
         return {"miss_reason": why.reason.value, "diverged_at": why.diverged_at,
-                "miss_detail": why.describe(self.prompt_ids, decode)}
+                "miss_detail": why.describe(self.prompt_ids, decode),
+                "miss_label": why.label(self.request.own_from, self.request.after_history)}
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.value}, prompt={len(self.prompt_ids)}, "

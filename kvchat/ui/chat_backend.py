@@ -36,6 +36,7 @@ class TurnDone(NamedTuple):
     disk_hit_tokens: int = 0  # of the turn's hit tokens, those loaded back from disk
     miss_detail: str = ""  # why the cached prefix ended where it did (`kvchat.cache.explain`)
     miss_reason: str = ""
+    miss_label: str = ""  # the reason as people read it (`Explanation.label`)
 
 
 class PinInfo(NamedTuple):
@@ -142,7 +143,7 @@ class LocalReply:
         assert turn is not None
         return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
                         result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens,
-                        result.miss_detail, result.miss_reason)
+                        result.miss_detail, result.miss_reason, result.miss_label)
 
 
 class LocalBackend:

@@ -254,6 +254,7 @@ class Chat(ConversationMoves):
             saved_ms=views.estimate_saved_ms(turn.hit_tokens, rate),
             disk_hit_tokens=done.disk_hit_tokens,
             miss=done.miss_detail if done.miss_reason not in ("", "hit", "off") else "",
+            miss_label=done.miss_label,
         )
         if self.panels != "off":
             self.console.print(

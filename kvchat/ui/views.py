@@ -97,6 +97,7 @@ class TurnView:
     saved_ms: float | None  # estimated prefill time the hit tokens saved
     disk_hit_tokens: int = 0  # of hit_tokens, those loaded back from the disk tier
     miss: str = ""  # why the cached prefix ended where it did, when not a full hit
+    miss_label: str = ""  # the reason as people read it: "new", "shared prefix", "cold", ...
 
     @property
     def computed_tokens(self) -> int:
@@ -147,7 +148,12 @@ def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
     disk = t.disk_hit_tokens
     if disk:  # the hit came (partly) from the disk tier: say how much
         lines.insert(2, f"memory {t.hit_tokens - disk:,} tok · disk {disk:,} tok")
-    if t.miss:
+    if t.miss_label == "new":  # ordinary: the history was cached, the new message is not
+        lines.append(f"new {t.computed_tokens:,} tok: this turn's message, not seen before")
+    elif t.miss_label == "shared prefix":
+        lines.append(f"shared prefix {t.hit_tokens:,} tok, as earlier conversations began; "
+                     "then new")
+    elif t.miss:
         lines.append(f"why {t.miss}")
     return Panel(
         Text("\n".join(lines)), title=f"turn {t.number} · cache", title_align="left",
