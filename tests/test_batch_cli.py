@@ -251,3 +251,21 @@ def test_a_file_run_again_later_gets_exact_hits(tiny_model_dir, tmp_path):
                                             str(tmp_path / "s")]).output)["exact"]
     assert len(listed) == 3  # both files' prompts
     assert len(list((tmp_path / "s" / "cache" / "exact").glob("*.safetensors"))) == 3
+
+
+def test_a_lines_own_max_tokens_wins_and_the_help_and_summary_say_so(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "one", "max_tokens": 2}\n{"prompt": "two", "max_tokens": 2}\n'
+                   '{"prompt": "three"}\n')
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out),
+                              *args(tiny_model_dir, tmp_path, "--batch-size", "2",
+                                    max_tokens=5)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["completion_tokens"] for r in rows] == [2, 2, 5]
+    flat = " ".join(res.output.split())
+    assert "max tokens 5 (--max-tokens) for 1 line(s); 2 line(s) set their own, which wins: 2" \
+        in flat
+    help_text = " ".join(runner.invoke(app, ["batch", "--help"]).output.replace("│", " ").split())
+    assert "a line's own max_tokens wins over this" in help_text
