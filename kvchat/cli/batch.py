@@ -199,7 +199,8 @@ def _batch_size_option(value: str) -> int | None:
     return size
 
 
-def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tokens: int) -> str:
+def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tokens: int,
+                       ui: Console) -> str:
     """Set the engine's batch size; returns how it was chosen, for the summary."""
     from kvchat.engine.autobatch import choose_batch_size
     from kvchat.gguf import cache_dir
@@ -216,7 +217,7 @@ def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tok
     key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
           f"{torch_threads()}"
     choice = choose_batch_size(engine.runner, key, cache_dir() / "batch-size.json", pool,
-                               longest)
+                               longest, status=ui.status)
     engine.batch_size = choice.size
     return choice.describe()
 
@@ -244,7 +245,7 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
         runtime = Runtime.open(options.build())
         if runtime.notice:
             ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
-        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens)
+        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens, ui)
 
         def start(update: Any) -> BatchRun:
             return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
