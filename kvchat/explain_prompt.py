@@ -159,6 +159,11 @@ def prompt_ids(meta: Mapping[str, Any], spec: PromptSpec, tok: SnapshotTokenizer
     if spec.raw is not None:
         return tok.encode(spec.raw)
     template = meta.get("chat_template")
+    if template is None and isinstance(meta.get("plain_start"), str):
+        # a model without a chat template: chat's plain-text format (`kvchat.chat_template`)
+        from kvchat.chat_template import transcript
+
+        return tok.encode(meta["plain_start"] + transcript(spec.messages, True))
     if not isinstance(template, str) or not template:
         raise ExplainError("The cache snapshot records no chat template; "
                            f"{RERUN}, or pass --raw with the exact prompt text.")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvchat.architectures import align_kv_heads, check_pageable, kv_heads
+from kvchat.chat_template import folder_has_template
 from kvchat.errors import (
     EmbeddedModelMissing,
     ModelOptionError,
@@ -84,6 +85,8 @@ class ModelFacts:
     vocab_size: int
     max_context: int | None
     n_params: int | None
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to
+    sliding_layers: int | None = None  # how many layers slide (None: all of them)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
         """K and V, all layers, one token: 2 * n_layers * n_kv_heads * head_dim * itemsize."""
@@ -116,6 +119,7 @@ class ModelReport:
     facts: ModelFacts
     dtype: str
     device: str
+    chat_template: bool | None = None  # the folder carries one (None: a hub id, not read)
 
 
 # --- resolution -----------------------------------------------------------------------------
@@ -313,7 +317,25 @@ def model_facts(
         max_context=getattr(text, "max_position_embeddings", None),
         n_params=count_parameters(model) if model is not None
         else _meta_parameter_count(config) if count else None,
+        **_sliding_window(text),
     )
+
+
+def _sliding_window(text: Any) -> dict[str, int | None]:
+    """The sliding window, and on how many layers when only some have one (Gemma 2 and 3
+    alternate), from the config; none when the config turns it off (Qwen2's default)."""
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(text, "use_sliding_window",
+                                                             True) is False:
+        return {}
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, list) and types:
+        sliding = sum(1 for t in types if t == "sliding_attention")
+        if not sliding:
+            return {}
+        return {"sliding_window": window,
+                "sliding_layers": None if sliding == len(types) else sliding}
+    return {"sliding_window": window}
 
 
 def count_parameters(model: Any) -> int:
@@ -377,6 +399,7 @@ def describe_model(
         facts=_with_stored_count(config, folder),
         dtype=dtype_canonical,
         device=device_name,
+        chat_template=folder_has_template(folder) if folder is not None else None,
     )
 
 

@@ -46,10 +46,30 @@ def chat_completion(r: GenerationResult, completion_id: str, model: str = "kvcha
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
                      "finish_reason": openai_finish_reason(r.finish_reason)}],
-        "usage": {
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": r.cache_hit_tokens},
-        },
+        "usage": usage(r),
+    }
+
+
+def text_completion(r: GenerationResult, completion_id: str, model: str = "kvchat") -> (
+    dict[str, Any]
+):
+    """An OpenAI (legacy) `text_completion` object, as /v1/completions answers."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": r.text, "logprobs": None,
+                     "finish_reason": openai_finish_reason(r.finish_reason)}],
+        "usage": usage(r),
+    }
+
+
+def usage(r: GenerationResult) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` carries the cache hit."""
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "total_tokens": r.prompt_tokens + r.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": r.cache_hit_tokens},
     }

@@ -57,8 +57,8 @@ def conversation(session: Session, user_text: str | None = None) -> list[Message
 def next_prompt(codec: ChatCodec, session: Session, user_text: str) -> list[int]:
     """Token ids for the next turn: the session's history extended by the new user message."""
     messages = conversation(session, user_text)
-    if not session.tokens:
-        return codec.encode_chat(messages)
+    if not session.tokens:  # a conversation even when it is one message (no plain prompt)
+        return codec.encode(codec.render_chat(messages, add_generation_prompt=True))
     full = codec.render_chat(messages, add_generation_prompt=True)
     seen = codec.decode(session.tokens, skip_special_tokens=False)
     if full.startswith(seen):
@@ -116,7 +116,7 @@ def prepare_turn(
             msgs.insert(0, {"role": "system", "content": system})
         prompt_ids = codec.encode_chat(msgs)
         own = _head_length(codec, msgs[:-1], prompt_ids) if msgs[-1]["role"] == "user" else 0
-        return PreparedTurn(prompt_ids, params, own_from=own)
+        return PreparedTurn(prompt_ids, _stopping(params, codec.turn_stops(msgs)), own_from=own)
     if not messages or messages[-1]["role"] != "user":
         raise TurnError("the last message of a session turn must be the user's")
     *earlier, last = messages
@@ -137,8 +137,15 @@ def prepare_turn(
     # the reply's last token was sampled, never fed to the model: this turn computes its K/V
     own = len(session.tokens) - 1 if history else _head_length(codec, conversation(session),
                                                                prompt)
-    return PreparedTurn(prompt, params, session, last["content"], saved, own_from=own,
-                        after_history=history)
+    stops = codec.turn_stops(conversation(session), session=True)
+    return PreparedTurn(prompt, _stopping(params, stops), session, last["content"], saved,
+                        own_from=own, after_history=history)
+
+
+def _stopping(params: SamplingParams, stops: tuple[str, ...]) -> SamplingParams:
+    """`params` that also stop at `stops` (the plain-text format's next "User:" line)."""
+    extra = tuple(s for s in stops if s not in params.stop)
+    return replace(params, stop=params.stop + extra) if extra else params
 
 
 def record_turn(

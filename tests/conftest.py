@@ -238,6 +238,19 @@ def tiny_model_dir(
 
 
 @pytest.fixture(scope="session")
+def tiny_base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model saved as a base model: the same weights and vocabulary, no chat
+    template anywhere in the folder."""
+    folder = tmp_path_factory.mktemp("tiny-base-model")
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = None
+    build_tiny_model(build_tiny_config(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert not (folder / "chat_template.jinja").exists()
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(
     tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: PreTrainedTokenizerFast
 ) -> Path:

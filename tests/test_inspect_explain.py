@@ -181,9 +181,14 @@ def test_explain_imports_neither_torch_nor_transformers(saved):
     assert "HEAVY []" in out.stdout
 
 
+DROP = object()  # _copy_with: leave the key out, as an older kvchat's index does
+
+
 def _copy_with(saved: Saved, tmp_path: Path, **changes: Any) -> Path:
     meta = json.loads((saved.root / "cache" / "index.json").read_text())
     meta.update(changes)
+    for key in [k for k, v in changes.items() if v is DROP]:
+        del meta[key]
     (tmp_path / "cache").mkdir(parents=True)
     (tmp_path / "cache" / "index.json").write_text(json.dumps(meta))
     return tmp_path
@@ -195,7 +200,7 @@ def _copy_with(saved: Saved, tmp_path: Path, **changes: Any) -> Path:
         ({"tokenizer_file": None}, (), "records no tokenizer file"),
         ({"tokenizer_file": "/nonexistent/tokenizer.json"}, (),
          "/nonexistent/tokenizer.json, cannot be read"),
-        ({"chat_template": None}, (), "run `kvchat chat`"),
+        ({"chat_template": None, "plain_start": DROP}, (), "run `kvchat chat`"),  # older
     ],
     ids=["no-tokenizer", "tokenizer-gone", "no-template"],
 )

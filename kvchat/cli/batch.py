@@ -245,6 +245,11 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
         runtime = Runtime.open(options.build())
         if runtime.notice:
             ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
+        if not runtime.engine.codec.has_template:
+            from kvchat.chat_template import NO_TEMPLATE
+
+            ui.print(f"[yellow]{escape(runtime.model_label)} {escape(NO_TEMPLATE)}[/yellow]",
+                     soft_wrap=True)
         size = _choose_batch_size(runtime, fixed_size, plan, max_tokens, ui)
 
         def start(update: Any) -> BatchRun:

@@ -99,4 +99,5 @@ async def healthz(request: Request, state: State) -> Any:
     tenant = getattr(request.state, "tenant", None)
     admin = isinstance(tenant, Tenant) and tenant.admin
     model = worker.info.label if admin else worker.info.model_id
-    return {"status": "ok", "model": model, "device": worker.info.device}
+    return {"status": "ok", "model": model, "device": worker.info.device,
+            "chat_template": worker.codec.has_template}

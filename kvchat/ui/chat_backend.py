@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvchat.errors import KvchatError
 
+# the banner's line for a model without a chat template (`kvchat.chat_template`)
+PLAIN_LINE = ("template none: plain text, 'User:' / 'Assistant:' paragraphs "
+              "(--chat-template sets one)")
+
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
@@ -166,6 +170,7 @@ class LocalBackend:
         dtype = str(rt.engine.runner.dtype).replace("torch.", "")
         lines = [
             f"model    {rt.model_label}",
+            *([] if rt.engine.codec.has_template else [PLAIN_LINE]),
             f"device   {rt.engine.device} · {dtype}",
             f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
             f"policy {rt.cache.policy.name}",
