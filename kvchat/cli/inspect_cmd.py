@@ -27,8 +27,9 @@ ExplainOption = Annotated[
 ]
 ExplainFileOption = Annotated[
     Path | None,
-    typer.Option("--explain-file", help="--explain with the file's text (or its one batch row "
-                 "with \"messages\" or \"prompt\").", show_default=False, dir_okay=False),
+    typer.Option("--explain-file", help="--explain with the file's text, its one batch row "
+                 "(\"messages\" or \"prompt\"), or each line of a JSONL request file (one "
+                 "answer per line).", show_default=False, dir_okay=False),
 ]
 SystemOption = Annotated[
     str | None,
@@ -74,9 +75,9 @@ def inspect_snapshot(
     """Show the saved cache (radix tree, exact index, stats) without loading the model; while
     a kvchat server holds the sessions dir (or with --connect), its live cache. --explain says
     why a prompt would miss the saved cache."""
-    spec = _explain_spec(explain_text, explain_file, system, raw, connect)
-    if spec is not None:
-        _explain(sessions_dir, spec, as_json)
+    specs = _explain_spec(explain_text, explain_file, system, raw, connect)
+    if specs is not None:
+        _explain(sessions_dir, specs, as_json)
         return
     from kvchat.cli.attach_options import find_server
     from kvchat.sessions import cache_dir, validate_name
@@ -131,8 +132,9 @@ def inspect_snapshot(
 
 
 def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: bool,
-                  connect: str | None) -> PromptSpec | None:
-    """The prompt --explain asks about; None when inspect shows the cache instead."""
+                  connect: str | None) -> list[tuple[int | None, PromptSpec]] | None:
+    """The prompts --explain asks about (with their line in a JSONL file); None when inspect
+    shows the cache instead."""
     if text is None and file is None and system is None and not raw:
         return None
     from kvchat.explain_prompt import PromptSpec
@@ -144,13 +146,15 @@ def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: 
     if connect is not None:
         raise KvchatError("--explain reads the saved snapshot; it does not use --connect.")
     if text is not None:
-        return PromptSpec.of_text(text, system, raw)
+        return [(None, PromptSpec.of_text(text, system, raw))]
     assert file is not None
-    return PromptSpec.of_file(file, system, raw)
+    return PromptSpec.all_of_file(file, system, raw)
 
 
-def _explain(sessions_dir: Path, spec: PromptSpec, as_json: bool) -> None:
-    """Why the prompt would miss, from index.json alone (no model, no torch)."""
+def _explain(sessions_dir: Path, specs: list[tuple[int | None, PromptSpec]],
+             as_json: bool) -> None:
+    """Why each prompt would miss, from index.json alone (no model, no torch); one panel (or
+    JSON line, with its "line") per line of a JSONL file."""
     from kvchat.explain_prompt import explain_snapshot
     from kvchat.sessions import cache_dir
     from kvchat.snapshots import INDEX, read_snapshot_meta
@@ -163,13 +167,16 @@ def _explain(sessions_dir: Path, spec: PromptSpec, as_json: bool) -> None:
             stderr().print(f"No cache snapshot in {escape(str(index.parent))}: `kvchat chat` "
                            "or `kvchat batch` writes one there.")
             raise typer.Exit(1)
-        result = explain_snapshot(info.meta, spec)
+        results = [(line, explain_snapshot(info.meta, spec)) for line, spec in specs]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KvchatError(f"The cache snapshot {index} cannot be read ({exc}).") from None
-    if as_json:
-        typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
-        return
-    stdout().print(explain_panel(result, str(index)))
+    for line, result in results:
+        if as_json:
+            where = {} if line is None else {"line": line}
+            typer.echo(json.dumps({**where, **result.to_json()}, ensure_ascii=False))
+        else:
+            stdout().print(explain_panel(result, str(index) + ("" if line is None
+                                                               else f" · line {line}")))
 
 
 def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
