@@ -1,8 +1,10 @@
 """Cached vs uncached equivalence on a real model: what `kvchat verify` reports.
 
-For each prompt: a cold run with the cache off, then warm runs through the cache - after caching
-the first half of the prompt (a radix hit) and again (an exact repeat) - compared token by token
-and logit by logit. Greedy decoding, so any difference is a cache bug or a float tie.
+For each prompt, on its own (the cache is emptied first, so an earlier prompt's blocks never
+make the hit larger than it says): a cold run with the cache off, then warm runs through the
+cache - after caching the first half of the prompt (a radix hit) and again (an exact repeat) -
+compared token by token and logit by logit. Greedy decoding, so any difference is a cache bug
+or a float tie.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def verify_prompt(engine: Engine, prompt_ids: Sequence[int], label: str, max_new
     if engine.cache is None:
         raise ValueError("verify needs an engine with a cache")
     ids = list(prompt_ids)
+    engine.cache.clear()
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     cold = engine.without_cache().generate(Request(ids, greedy, record_logits=True))
     half = ids[: max(1, len(ids) // 2)]
