@@ -358,3 +358,18 @@ def test_inspect_standalone_help_says_it_reads_the_snapshot():
     out = " ".join(invoke("inspect", "--help").output.replace("│", " ").split())
     assert "Read the saved snapshot in the sessions dir even while a kvchat server holds it" in out
     assert "Load the model" not in out
+
+
+def test_an_unexpected_error_is_one_paragraph_not_a_traceback(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the model's forward exploded\nsecond line")
+
+    monkeypatch.setattr(cli_models, "describe_model", broken)
+    result = invoke("models")
+    assert result.exit_code == 2
+    out = " ".join(result.output.split())
+    assert "kvchat stopped on an unexpected error (RuntimeError: the model's forward exploded)" \
+        in out and "KVCHAT_TRACEBACK=1" in out
+    assert "Traceback" not in result.output and "second line" not in result.output
+    monkeypatch.setenv("KVCHAT_TRACEBACK", "1")
+    assert isinstance(invoke("models").exception, RuntimeError)  # for whoever debugs it

@@ -1,8 +1,10 @@
 """The `kvchat` Typer app: kvchat's errors as one red paragraph (exit 2), Ctrl-C as exit 130,
-never a traceback; the commands register themselves on `app` from their own modules."""
+never a traceback (an unexpected error too, unless $KVCHAT_TRACEBACK asks for one); the commands
+register themselves on `app` from their own modules."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 import typer
@@ -15,6 +17,7 @@ from kvchat.errors import KvchatError
 
 ERROR_EXIT_CODE = 2
 INTERRUPT_EXIT_CODE = 130
+TRACEBACK_ENV = "KVCHAT_TRACEBACK"  # set: an unexpected error shows its traceback
 
 
 def stdout() -> Console:
@@ -51,6 +54,13 @@ class _KvchatGroup(TyperGroup):
         except KeyboardInterrupt:
             _report_interrupt()
             raise typer.Exit(INTERRUPT_EXIT_CODE) from None
+        except Exception as error:
+            # Exit, Abort and click's usage errors (they carry an exit code) are click's own
+            if isinstance(error, (typer.Exit, typer.Abort)) or hasattr(error, "exit_code") \
+                    or os.environ.get(TRACEBACK_ENV):
+                raise
+            _report_unexpected(error)
+            raise typer.Exit(ERROR_EXIT_CODE) from None
 
 
 def _untyped_flags(command: Any, ctx: Any, params: Any = None) -> None:
@@ -66,6 +76,15 @@ def _untyped_flags(command: Any, ctx: Any, params: Any = None) -> None:
 
 def _report_error(error: KvchatError) -> None:
     stderr().print(f"[bold red]Error:[/bold red] [red]{escape(str(error))}[/red]")
+
+
+def _report_unexpected(error: Exception) -> None:
+    text = str(error).strip()
+    detail = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    stderr().print(f"[bold red]Error:[/bold red] [red]kvchat stopped on an unexpected error "
+                   f"({escape(detail)}). This is a bug in kvchat, or a model it cannot run; run "
+                   f"the command again with {TRACEBACK_ENV}=1 to see where it happened, and "
+                   "please report it.[/red]")
 
 
 def _report_interrupt() -> None:
