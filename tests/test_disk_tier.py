@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _cache_helpers import fetch, make_tiered_cache, store
 
 from kvchat.cache.kvcache import HitSource
 from kvchat.cache.store_index import block_path
-from kvchat.cache.tree_index import export_index, import_index
+from kvchat.cache.tree_index import exact_logits, export_index, import_index
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import GenerationResult, Request
@@ -45,6 +46,22 @@ def test_evicted_blocks_spill_to_disk_and_a_lookup_loads_them_back(tmp_path: Pat
     assert hit.source is HitSource.RADIX and hit.disk_tokens == 0  # resident again
     stats = cache.stats()
     assert stats.disk_hits == 1 and stats.disk_hit_tokens == len(A) and stats.spilled_blocks == 6
+    assert cache.disk is not None
+    cache.disk.close()
+
+
+def test_an_exact_entry_outlives_its_blocks_spilling_to_disk(tmp_path: Path) -> None:
+    cache = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
+    logits = torch.arange(5.0)
+    store(cache, A, logits=logits)
+    assert cache.evict(8) == 4 and len(cache.exact) == 0  # its blocks are only on disk now
+    hit = fetch(cache, A)  # the same prompt again: exact, the path loaded back
+    assert hit.source is HitSource.EXACT and hit.matched == len(A)
+    assert hit.logits is not None and torch.equal(hit.logits, logits)
+    assert len(cache.exact) == 1 and not cache.saved_exact
+    # saved while parked, its logits go beside the index like a live entry's
+    cache.evict(8)
+    assert list(exact_logits(cache).values())[0] is logits
     assert cache.disk is not None
     cache.disk.close()
 

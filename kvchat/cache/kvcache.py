@@ -339,8 +339,9 @@ class PagedKVCache:
 
         def take(node: Node) -> None:
             victim = node.blocks[-1]
-            self.exact.drop_block(victim)
+            gone = self.exact.take_block(victim)
             if to_disk and self.disk is not None:
+                disk_tier.park_exact(self, gone)  # exact again once the path loads back
                 disk_tier.spill(self.disk, self.manager, tree, node)
             else:
                 self.tombstones.record_node_block(tree, node, len(node.blocks) - 1, why)

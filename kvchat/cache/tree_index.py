@@ -121,10 +121,12 @@ def exact_name(tree: RadixTree, namespace: str, tokens: Sequence[int]) -> str:
 
 
 def exact_logits(cache: PagedKVCache) -> dict[str, Any]:
-    """The exact entries' logits rows by file name (`exact_name`): what a save writes beside
-    the index, once per entry."""
-    return {exact_name(cache.tree, e.namespace, t): e.logits for t, e in cache.exact.items()
-            if e.logits is not None}
+    """The exact entries' logits rows by file name (`exact_name`), those parked while their
+    blocks are on disk too: what a save writes beside the index, once per entry."""
+    rows = {exact_name(cache.tree, ns, t): row
+            for (ns, t), row in disk_tier.held_logits(cache).items()}
+    return rows | {exact_name(cache.tree, e.namespace, t): e.logits
+                   for t, e in cache.exact.items() if e.logits is not None}
 
 
 def import_index(cache: PagedKVCache, meta: Mapping[str, Any],
