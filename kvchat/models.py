@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvchat.architectures import align_kv_heads, check_pageable, kv_heads
+from kvchat.architectures import align_kv_heads, check_pageable, kv_heads, sliding_window
 from kvchat.chat_template import folder_has_template
 from kvchat.errors import (
     EmbeddedModelMissing,
@@ -317,25 +317,8 @@ def model_facts(
         max_context=getattr(text, "max_position_embeddings", None),
         n_params=count_parameters(model) if model is not None
         else _meta_parameter_count(config) if count else None,
-        **_sliding_window(text),
+        **sliding_window(text),
     )
-
-
-def _sliding_window(text: Any) -> dict[str, int | None]:
-    """The sliding window, and on how many layers when only some have one (Gemma 2 and 3
-    alternate), from the config; none when the config turns it off (Qwen2's default)."""
-    window = getattr(text, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0 or getattr(text, "use_sliding_window",
-                                                             True) is False:
-        return {}
-    types = getattr(text, "layer_types", None)
-    if isinstance(types, list) and types:
-        sliding = sum(1 for t in types if t == "sliding_attention")
-        if not sliding:
-            return {}
-        return {"sliding_window": window,
-                "sliding_layers": None if sliding == len(types) else sliding}
-    return {"sliding_window": window}
 
 
 def count_parameters(model: Any) -> int:

@@ -500,3 +500,14 @@ def test_a_gguf_transformers_cannot_read_is_one_paragraph(tmp_path):
     assert message.startswith("Could not convert broken.gguf into a model folder")
     assert "\n" not in message and "Q2_K-Q6_K" in message
     assert not list(converted_dir_for(broken).parent.glob(f"*{broken.stem}*"))  # nothing left
+
+
+def test_the_sliding_window_is_read_per_layer_kind():
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
+
+    from kvchat.architectures import sliding_window
+
+    gemma = Gemma3TextConfig(num_hidden_layers=6, sliding_window=512)
+    assert sliding_window(gemma) == {"sliding_window": 512, "sliding_layers": 5}  # 5 of 6 slide
+    assert sliding_window(MistralConfig(sliding_window=4096)) == {"sliding_window": 4096}
+    assert sliding_window(Qwen2Config()) == {}  # use_sliding_window is off by default

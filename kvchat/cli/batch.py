@@ -56,6 +56,13 @@ class _Plan:
         return [i.line for i in self.items] + [b.line for b in self.bad]
 
 
+LineMaxTokensOption = Annotated[
+    int, typer.Option("--max-tokens", min=1, help="Most tokens per reply for lines that do not "
+                      "set their own: a line's own max_tokens wins over this (the summary says "
+                      "how many lines set one).")
+]
+
+
 @app.command()
 @lazy_runtime_options()
 def batch(
@@ -79,11 +86,7 @@ def batch(
                           "(decode steps measured once per model and device, kept in the kvchat "
                           "cache dir, and bounded so every row's K/V fits the pool).")
     ] = "auto",
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Most tokens per reply for lines that "
-                          "do not set their own: a line's own max_tokens wins over this (the "
-                          "summary says how many lines set one).")
-    ] = 256,
+    max_tokens: LineMaxTokensOption = 256,
     temperature: Annotated[
         float, typer.Option("--temperature", help="Default for lines without one; 0 is greedy.",
                             min=0.0)
