@@ -196,3 +196,28 @@ def test_chat_template_names_and_files(tmp_path, tiny_tokenizer):
     config = tmp_path / "tokenizer_config.json"
     config.write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     assert resolve(str(config), tiny_tokenizer) == CHAT_TEMPLATE
+
+
+def test_a_stop_string_is_never_streamed_in_part():
+    import torch
+
+    from kvchat.config import SamplingParams
+    from kvchat.engine.sequence import Request, Sequence
+
+    def run(text: str, max_new: int = 100, cancel_at: int | None = None) -> tuple[str, str]:
+        events: list[object] = []
+        seq = Sequence(0, Request([1], SamplingParams(max_new_tokens=max_new,
+                                                      stop=TRANSCRIPT_STOPS)), events.append)
+        sent = ""
+        for i, char in enumerate(text):
+            logits = torch.full((300,), -1e9)
+            logits[ord(char)] = 0.0
+            sent += seq.push(logits, lambda ids: "".join(map(chr, ids)), frozenset(), 10**6)
+            if seq.done or i + 1 == cancel_at:
+                break
+        seq.result = seq.result_of(lambda ids: "".join(map(chr, ids)), 0)
+        return sent + seq.unsent(), seq.result.text
+
+    assert run(" Paris.\n\nUser: and") == (" Paris.", " Paris.")  # "\n\nUser" never shown
+    assert run(" Hi\n\nUs", max_new=6) == (" Hi\n\nU", " Hi\n\nU")  # held, then flushed
+    assert run(" Hi\n\nUs", cancel_at=6) == (" Hi\n\nU", " Hi\n\nU")  # an interrupt too
