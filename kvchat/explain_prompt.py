@@ -54,6 +54,32 @@ class PromptSpec:
         row = _batch_row(text)
         if row is None or raw:
             return cls.of_text(text, system, raw)
+        return cls._of_row(row, system)
+
+    @classmethod
+    def all_of_file(cls, path: Path, system: str | None, raw: bool
+                    ) -> list[tuple[int | None, PromptSpec]]:
+        """The prompts of a file, by line: each line of a JSONL request file (two lines or
+        more, the first a `kvchat batch` row; every line must be one), else the file as one
+        prompt (`of_file`, line None)."""
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ExplainError(f"Cannot read the prompt file {path}: {exc}") from None
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        if raw or len(lines) < 2 or _batch_row(lines[0][1]) is None:
+            return [(None, cls.of_file(path, system, raw))]
+        out: list[tuple[int | None, PromptSpec]] = []
+        for number, line in lines:
+            row = _batch_row(line, number)
+            if row is None:
+                raise ExplainError(f"{path} line {number} is not a batch row (JSON with "
+                                   "\"messages\" or \"prompt\"), unlike line 1.")
+            out.append((number, cls._of_row(row, system)))
+        return out
+
+    @classmethod
+    def _of_row(cls, row: Any, system: str | None) -> PromptSpec:
         msgs = [dict(m) for m in row.messages]
         system = row.system if row.system is not None else system
         if system is not None and not any(m["role"] == "system" for m in msgs):
@@ -61,8 +87,8 @@ class PromptSpec:
         return cls(tuple(msgs))
 
 
-def _batch_row(text: str) -> Any:
-    """The file as one batch row, or None when it is not a JSON object with a turn."""
+def _batch_row(text: str, line: int = 1) -> Any:
+    """The text as one batch row, or None when it is not a JSON object with a turn."""
     from kvchat.batch.requests import LineError, parse_line
 
     try:
@@ -72,9 +98,10 @@ def _batch_row(text: str) -> Any:
     if not isinstance(obj, dict) or not ({"messages", "prompt", "body"} & obj.keys()):
         return None
     try:
-        return parse_line(text.strip(), 1)
+        return parse_line(text.strip(), line)
     except LineError as exc:
-        raise ExplainError(f"The prompt file is a JSON object but not a batch row: {exc}"
+        where = f" (line {line})" if line > 1 else ""
+        raise ExplainError(f"The prompt file{where} is a JSON object but not a batch row: {exc}"
                            ) from None
 
 
@@ -159,6 +186,11 @@ def prompt_ids(meta: Mapping[str, Any], spec: PromptSpec, tok: SnapshotTokenizer
     if spec.raw is not None:
         return tok.encode(spec.raw)
     template = meta.get("chat_template")
+    if template is None and isinstance(meta.get("plain_start"), str):
+        # a model without a chat template: chat's plain-text format (`kvchat.chat_template`)
+        from kvchat.chat_template import transcript
+
+        return tok.encode(meta["plain_start"] + transcript(spec.messages, True))
     if not isinstance(template, str) or not template:
         raise ExplainError("The cache snapshot records no chat template; "
                            f"{RERUN}, or pass --raw with the exact prompt text.")

@@ -33,9 +33,13 @@ def load_errors(source: ModelSource) -> Iterator[None]:
         ) from error
     except Exception as error:
         # The hub client's HTTP and connection errors do not all derive from OSError.
-        if source.is_local or not _is_hub_error(error):
-            raise
-        raise HubUnreachable(_hub_message(source.location, _first_line(error))) from error
+        if not source.is_local and _is_hub_error(error):
+            raise HubUnreachable(_hub_message(source.location, _first_line(error))) from error
+        # anything else transformers raises while reading a model: one paragraph, not a trace
+        raise ModelError(
+            f"transformers could not load {source.description} ({source.location}): "
+            f"{type(error).__name__}: {_first_line(error)}"
+        ) from error
 
 
 def _hub_message(repo_id: str, detail: str) -> str:

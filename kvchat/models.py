@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvchat.architectures import align_kv_heads, check_pageable, kv_heads
+from kvchat.architectures import align_kv_heads, check_pageable, kv_heads, sliding_window
+from kvchat.chat_template import folder_has_template
 from kvchat.errors import (
     EmbeddedModelMissing,
     ModelPathNotFound,
@@ -79,6 +80,8 @@ class ModelFacts:
     vocab_size: int
     max_context: int | None
     n_params: int | None
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to
+    sliding_layers: int | None = None  # how many layers slide (None: all of them)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
         """K and V, all layers, one token: 2 * n_layers * n_kv_heads * head_dim * itemsize."""
@@ -120,6 +123,7 @@ class ModelReport:
     precision: Precision
     device: str
     tied_head: bool  # the output head is the input embedding
+    chat_template: bool | None = None  # the folder carries one (None: a hub id, not read)
 
     @property
     def dtype(self) -> str:
@@ -285,6 +289,7 @@ def model_facts(
         max_context=getattr(text, "max_position_embeddings", None),
         n_params=count_parameters(model) if model is not None
         else _meta_parameter_count(config) if count else None,
+        **sliding_window(text),
     )
 
 
@@ -350,6 +355,7 @@ def describe_model(
         precision=precision,
         device=device_name,
         tied_head=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
+        chat_template=folder_has_template(folder) if folder is not None else None,
     )
 
 

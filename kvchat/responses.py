@@ -20,6 +20,7 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "disk_hit_tokens": r.disk_hit_tokens,
         "hit_source": r.hit_source,
         "miss_reason": r.miss_reason,  # why the cached prefix ended there (`kvchat.cache.explain`)
+        "miss_label": r.miss_label,  # the same for people: "new", "shared prefix", ...
         "diverged_at": r.diverged_at,
         "miss_detail": r.miss_detail,
         "finish_reason": r.finish_reason,
@@ -45,10 +46,30 @@ def chat_completion(r: GenerationResult, completion_id: str, model: str = "kvcha
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
                      "finish_reason": openai_finish_reason(r.finish_reason)}],
-        "usage": {
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": r.cache_hit_tokens},
-        },
+        "usage": usage(r),
+    }
+
+
+def text_completion(r: GenerationResult, completion_id: str, model: str = "kvchat") -> (
+    dict[str, Any]
+):
+    """An OpenAI (legacy) `text_completion` object, as /v1/completions answers."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": r.text, "logprobs": None,
+                     "finish_reason": openai_finish_reason(r.finish_reason)}],
+        "usage": usage(r),
+    }
+
+
+def usage(r: GenerationResult) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` carries the cache hit."""
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "total_tokens": r.prompt_tokens + r.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": r.cache_hit_tokens},
     }

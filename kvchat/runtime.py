@@ -35,6 +35,7 @@ class RuntimeOptions:
     persist: bool = True  # load and save the cache under sessions_dir/cache
     disk_cache_gb: float = 10.0  # the disk tier's budget; 0: evicted blocks are dropped
     store_dir: Path | None = None  # the disk tier's folder (default: sessions_dir/cache/store)
+    chat_template: str | None = None  # --chat-template (None: the model's own, if any)
 
     def __post_init__(self) -> None:
         import math
@@ -82,14 +83,12 @@ def tokenizer_file(tokenizer: Any) -> str | None:
     return str(path.resolve()) if path.exists() else None
 
 
-def template_fields(tokenizer: Any) -> dict[str, Any]:
-    """The chat template and the special tokens it may read (bos_token, eos_token...), for
+def template_fields(codec: Any) -> dict[str, Any]:
+    """The chat template in use (None: kvchat's plain-text format, with the text the tokenizer
+    starts a prompt with) and the special tokens it may read (bos_token, eos_token...), for
     `kvchat inspect --explain` to render a prompt as `kvchat chat` would, without transformers."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates: the one apply_chat_template uses
-        template = template.get("default")
-    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
-    return {"chat_template": template if isinstance(template, str) else None,
+    tokens = getattr(codec.tokenizer, "special_tokens_map", None) or {}
+    return {"chat_template": codec.template, "plain_start": codec.start_text,
             "special_tokens": {k: v for k, v in tokens.items() if isinstance(v, str)}}
 
 
@@ -139,6 +138,11 @@ class Runtime:
         loaded = load_model(options.model, dtype=options.dtype, device=options.device)
         engine = Engine.create(loaded.model, loaded.tokenizer, options.cache,
                                batch_size=options.batch_size, prefill_chunk=options.prefill_chunk)
+        if options.chat_template is not None:
+            from kvchat.chat_template import resolve
+
+            # the tokenizer is left as it is: the fingerprint (and the cache) stay the model's
+            engine.codec.use_template(resolve(options.chat_template, loaded.tokenizer))
         runtime = cls(engine, options, loaded.source.description)
         runtime.restore()
         return runtime
@@ -164,7 +168,7 @@ class Runtime:
         pool = self.cache.manager.stats()
         extra = {"tokenizer_file": tokenizer_file(self.engine.codec.tokenizer),
                  "model_label": self.model_label,
-                 **template_fields(self.engine.codec.tokenizer),
+                 **template_fields(self.engine.codec),
                  "store_dir": str(self.options.store_path.resolve()),
                  # the pool's size is not in the blocks list; `kvchat inspect` shows occupancy
                  "pool": {"total_blocks": pool.total_blocks,

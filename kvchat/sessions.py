@@ -9,8 +9,8 @@ whatever the umask: transcripts and the cache tree hold prompt text):
     cache/store/, cache/exact/  the disk tier's block files and the exact entries' logits
     cache/set-aside/            indexes and files that did not match or parse (never deleted)
     .history                    the REPL's input history
-    .lock                       held by the process using this dir: its pid, and a server's
-                                address and access token (0600)
+    .lock                       held by the process using this dir, as one JSON object: its
+                                pid, and a server's address and access token (0600)
 
 Every write is atomic (temp file, fsync, rename): an interrupted save leaves the previous state,
 a failed one (read-only folder, full disk) raises SessionWriteError saying what to do.
@@ -293,14 +293,15 @@ class HeldLock:
         with contextlib.suppress(OSError):  # who holds it is a courtesy; the flock is the lock
             self._fh.seek(0)
             self._fh.truncate()
-            # a line for people, then the line kvchat reads back
-            self._fh.write(f"{self.holder.describe()}\n{json.dumps(self.holder._asdict())}\n")
+            # plain JSON, for kvchat and any other tool ("what" and "since" name the holder)
+            self._fh.write(json.dumps(self.holder._asdict()) + "\n")
             self._fh.flush()
 
 
 def _parse_holder(text: str) -> LockHolder | None:
     try:
-        data = json.loads(text.splitlines()[-1])
+        # one JSON object; an older kvchat wrote a line for people before it
+        data = json.loads(text.strip().splitlines()[-1])
         return LockHolder(int(data["pid"]), str(data["what"]), str(data["since"]),
                           data.get("url"), data.get("token"))
     except (ValueError, KeyError, TypeError, IndexError):

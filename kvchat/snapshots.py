@@ -88,26 +88,27 @@ def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
 
     folder = private_dir(cache_dir(private_dir(Path(root))))
     meta = export_index(cache)
-    _save_exact(folder / EXACT, exact_logits(cache))
+    listed = {rec["logits"] for rec in meta.get("exact", [])}
+    _save_exact(folder / EXACT, exact_logits(cache), listed)
     meta.update(extra)
     meta.update(fingerprint=fingerprint, snapshot_id=uuid.uuid4().hex[:12], saved_at=time.time())
     atomic_write(folder / INDEX, json.dumps(meta).encode(), "the cache index")
     return folder / INDEX
 
 
-def _save_exact(folder: Path, logits: dict[str, Any]) -> None:
-    """Each exact entry's logits row in a file of its own, written once (the name hashes the
-    prompt); files of entries that are gone are removed."""
+def _save_exact(folder: Path, logits: dict[str, Any], keep: set[str]) -> None:
+    """Each live exact entry's logits row in a file of its own, written once (the name hashes
+    the prompt); files of entries not in `keep` (the names the index lists) are removed."""
     from safetensors.torch import save
 
     private_dir(folder, "the exact entries' folder")
     for name, row in logits.items():
         path = folder / f"{name}.safetensors"
-        if not path.exists():
+        if name in keep and not path.exists():
             data = save({"logits": row.detach().to("cpu").contiguous()})
             atomic_write(path, data, "an exact entry's logits")
     for old in folder.glob("*.safetensors"):
-        if old.stem not in logits:
+        if old.stem not in keep:
             with contextlib.suppress(OSError):
                 old.unlink()
 

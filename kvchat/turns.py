@@ -57,8 +57,8 @@ def conversation(session: Session, user_text: str | None = None) -> list[Message
 def next_prompt(codec: ChatCodec, session: Session, user_text: str) -> list[int]:
     """Token ids for the next turn: the session's history extended by the new user message."""
     messages = conversation(session, user_text)
-    if not session.tokens:
-        return codec.encode_chat(messages)
+    if not session.tokens:  # a conversation even when it is one message (no plain prompt)
+        return codec.encode(codec.render_chat(messages, add_generation_prompt=True))
     full = codec.render_chat(messages, add_generation_prompt=True)
     seen = codec.decode(session.tokens, skip_special_tokens=False)
     if full.startswith(seen):
@@ -75,11 +75,14 @@ class PreparedTurn:
     session: Session | None = None
     user_text: str | None = None
     _saved: tuple[str | None, list[Message], list[int]] | None = field(default=None, repr=False)
+    own_from: int = 0  # where this turn's own text starts: after the history or system prompt
+    after_history: bool = False  # own_from ends the session's history
 
     def request(self, namespace: str = "") -> Request:
         """The engine request of this turn, cached in `namespace`."""
         sid = self.session.name if self.session is not None else None
-        return Request(self.prompt_ids, self.params, sid=sid, namespace=namespace)
+        return Request(self.prompt_ids, self.params, sid=sid, namespace=namespace,
+                       own_from=self.own_from, after_history=self.after_history)
 
     def commit(self, result: GenerationResult) -> Turn | None:
         """Record the turn in its session (an interrupted reply too: its K/V is cached, so the
@@ -111,7 +114,9 @@ def prepare_turn(
         msgs = [dict(m) for m in messages]
         if system is not None and not any(m["role"] == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": system})
-        return PreparedTurn(codec.encode_chat(msgs), params)
+        prompt_ids = codec.encode_chat(msgs)
+        own = _head_length(codec, msgs[:-1], prompt_ids) if msgs[-1]["role"] == "user" else 0
+        return PreparedTurn(prompt_ids, _stopping(params, codec.turn_stops(msgs)), own_from=own)
     if not messages or messages[-1]["role"] != "user":
         raise TurnError("the last message of a session turn must be the user's")
     *earlier, last = messages
@@ -128,7 +133,19 @@ def prepare_turn(
         text = codec.render_chat(conversation(session), add_generation_prompt=False)
         session.tokens = codec.encode(text)
     prompt = next_prompt(codec, session, last["content"])
-    return PreparedTurn(prompt, params, session, last["content"], saved)
+    history = bool(session.tokens) and prompt[: len(session.tokens)] == session.tokens
+    # the reply's last token was sampled, never fed to the model: this turn computes its K/V
+    own = len(session.tokens) - 1 if history else _head_length(codec, conversation(session),
+                                                               prompt)
+    stops = codec.turn_stops(conversation(session), session=True)
+    return PreparedTurn(prompt, _stopping(params, stops), session, last["content"], saved,
+                        own_from=own, after_history=history)
+
+
+def _stopping(params: SamplingParams, stops: tuple[str, ...]) -> SamplingParams:
+    """`params` that also stop at `stops` (the plain-text format's next "User:" line)."""
+    extra = tuple(s for s in stops if s not in params.stop)
+    return replace(params, stop=params.stop + extra) if extra else params
 
 
 def record_turn(
@@ -163,13 +180,25 @@ def system_prefix(codec: ChatCodec, messages: Sequence[Message], prompt_ids: Seq
     template's default one, and the user header), as tokenised in the prompt. What `/pin` and
     `--pin-system` pin. Raises TurnError when the template puts nothing there."""
     system = [dict(m) for m in messages if m["role"] == "system"][:1]
-    text = codec.render_chat([*system, {"role": "user", "content": _PROBE}],
-                             add_generation_prompt=False)
-    head = text[: text.find(_PROBE)] if _PROBE in text else ""
-    n = common_prefix(codec.encode(head), list(prompt_ids)) if head else 0
+    n = _head_length(codec, system, prompt_ids)
     if not n:
         raise TurnError("this conversation has no system prompt to pin (try /pin all)")
     return list(prompt_ids[:n])
+
+
+def _head_length(codec: ChatCodec, earlier: Sequence[Message], prompt_ids: Sequence[int]
+                 ) -> int:
+    """How many leading tokens of `prompt_ids` come before the content of a user message that
+    follows `earlier`: the template's text for the earlier messages (a system prompt, turns)
+    and the user header, which other requests may share. 0 when the template puts nothing
+    there, or cannot render it."""
+    try:
+        text = codec.render_chat([*earlier, {"role": "user", "content": _PROBE}],
+                                 add_generation_prompt=False)
+    except KvchatError:
+        return 0
+    head = text[: text.find(_PROBE)] if _PROBE in text else ""
+    return common_prefix(codec.encode(head), list(prompt_ids)) if head else 0
 
 
 @dataclass(frozen=True)

@@ -60,14 +60,13 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+def build_tiny_config(tokenizer: PreTrainedTokenizerFast, **sizes: int) -> LlamaConfig:
+    """2 layers of width 64 unless `sizes` say otherwise (hidden_size=256 fits K-quant blocks)."""
     from transformers import LlamaConfig
 
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, **sizes}
     return LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
@@ -76,6 +75,7 @@ def build_tiny_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         initializer_range=TINY_INIT_STD,
+        **shape,
     )
 
 
@@ -101,10 +101,44 @@ _GGUF_LAYER_TENSORS = {
 }
 
 
+# Where the quantized values of each K-quant block type keep their f16 scales: (offset, count)
+# of 2-byte fields in a block (gguf-py's dequantize_blocks read them there).
+_K_QUANT_SCALES = {"Q2_K": (-4, 2), "Q3_K": (-2, 1), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                   "Q6_K": (-2, 1)}
+# An f16 scale per type that keeps dequantized weights about as large as the tiny model's.
+_K_QUANT_D = {"Q2_K": 2e-3, "Q3_K": 5e-4, "Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 5e-5}
+
+
+def gguf_tensor(weight: Any, qtype: str) -> tuple[Any, Any]:
+    """`weight` (float32, 2-D) as GGUF data of type `qtype` and its raw type: F32, F16 and Q8_0
+    (Q4_0, Q5_0...) through gguf-py's quantizer; the K-quants, which gguf-py decodes but cannot
+    encode, as valid blocks of seeded random quants and sub-block scales under f16 scales
+    that keep the weights small (what matters here is that the file is a real K-quant file)."""
+    import gguf
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype == "F32":
+        return weight, None
+    if qtype not in _K_QUANT_SCALES:
+        return gguf.quants.quantize(weight, kind), kind
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = weight.shape
+    rng = np.random.default_rng(TINY_SEED)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offset, count = _K_QUANT_SCALES[qtype]
+    start = offset if offset >= 0 else size + offset
+    scale = np.full((rows, cols // block, count), _K_QUANT_D[qtype], dtype=np.float16)
+    raw[:, :, start : start + 2 * count] = scale.view(np.uint8)
+    return raw.reshape(rows, -1), kind
+
+
 def write_tiny_gguf(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path,
+    qtype: Any = lambda name: "F32",
 ) -> Path:
-    """Write `model` and `tokenizer` as an F32 llama GGUF, laid out as llama.cpp writes one."""
+    """Write `model` and `tokenizer` as a llama GGUF, laid out as llama.cpp writes one: each
+    2-D weight in `qtype(tensor name)` (norms stay F32), file type F32 for the record."""
     import gguf
 
     config = model.config
@@ -143,16 +177,20 @@ def write_tiny_gguf(
         rows = weight.shape[0]
         return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
+    def add(name: str, weight: Any) -> None:
+        data, raw = gguf_tensor(weight, qtype(name)) if weight.ndim == 2 else (weight, None)
+        writer.add_tensor(name, data, raw_dtype=raw)
+
     state = {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
-    writer.add_tensor("output.weight", state["lm_head.weight"])
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"])
+    add("output.weight", state["lm_head.weight"])
     for i in range(config.num_hidden_layers):
         for gguf_name, hf_name in _GGUF_LAYER_TENSORS.items():
             weight = state[f"model.layers.{i}.{hf_name}.weight"]
             if gguf_name in ("attn_q", "attn_k"):
                 weight = rope_permute(weight, n_heads if gguf_name == "attn_q" else n_kv_heads)
-            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", weight)
+            add(f"blk.{i}.{gguf_name}.weight", weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -196,6 +234,19 @@ def tiny_model_dir(
     model = build_tiny_model(build_tiny_config(tiny_tokenizer))
     model.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model saved as a base model: the same weights and vocabulary, no chat
+    template anywhere in the folder."""
+    folder = tmp_path_factory.mktemp("tiny-base-model")
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = None
+    build_tiny_model(build_tiny_config(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert not (folder / "chat_template.jinja").exists()
     return folder
 
 

@@ -45,6 +45,8 @@ def start(model: Path, sessions: Path) -> Running:
     holder = lock_holder(sessions)
     assert holder is not None and holder.url and holder.token
     assert holder.url in done.stdout
+    said = " ".join(done.stdout.split())
+    assert f"`kvchat token --sessions-dir {sessions}` prints it" in said  # where the token is
     return Running(sessions, holder.url, holder.token, holder.pid)
 
 
@@ -67,7 +69,11 @@ def write_lines(path: Path, rows: list[dict[str, object]]) -> Path:
 def test_the_lock_file_names_the_server_and_the_token_is_required(server: Running) -> None:
     lock = server.sessions / ".lock"
     assert stat.S_IMODE(lock.stat().st_mode) == 0o600
-    assert server.token in lock.read_text()
+    record = json.loads(lock.read_text())  # plain JSON, readable by any tool
+    assert record["token"] == server.token and record["url"] == server.url
+    assert record["pid"] == server.pid and record["what"] == "kvchat serve"
+    printed = kvchat("token", "--sessions-dir", str(server.sessions))
+    assert printed.returncode == 0 and printed.stdout.strip() == server.token
     assert httpx.get(f"{server.url}/healthz").status_code == 200
     assert httpx.get(f"{server.url}/cache/stats").status_code == 401
     with Client(server.url, "wrong-token") as client, pytest.raises(ServerError) as err:
@@ -238,8 +244,9 @@ def test_hanging_up_an_attached_reply_stops_it_on_the_server(server: Running) ->
 @pytest.mark.parametrize("args, torch_free", [
     (["--help"], True),
     (["inspect", "--sessions-dir", "{tmp}/none"], True),
+    (["token", "--sessions-dir", "{tmp}/none"], True),
     (["models", "--model", "{model}", "--device", "cpu"], False),
-], ids=["help", "inspect", "models"])
+], ids=["help", "inspect", "token", "models"])
 def test_light_commands_do_not_import_modeling_code(args: list[str], torch_free: bool,
                                                     tiny_model_dir: Path, tmp_path: Path) -> None:
     argv = ["kvchat", *(a.format(tmp=tmp_path, model=tiny_model_dir) for a in args)]

@@ -32,6 +32,9 @@ def test_batch_writes_results_in_order_and_saves_the_cache(tiny_model_dir, tmp_p
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r.get("id") for r in rows[:2]] == ["a", "b"] and rows[2]["custom_id"] == "c"
     assert rows[1]["cache_hit_tokens"] > 0  # the shared system prompt
+    # row b leaves row a's text after the system prompt they share: normal, and labelled so
+    assert (rows[1]["miss_reason"], rows[1]["miss_label"]) == ("diverged", "shared prefix")
+    assert (rows[0]["miss_reason"], rows[0]["miss_label"]) == ("cold", "cold")
     assert rows[2]["response"]["body"]["usage"]["completion_tokens"] <= 2
     assert "hit rate" in res.output and "prefill computed / total" in res.output
     assert "batch size" in res.output and "2" in res.output
@@ -41,7 +44,12 @@ def test_batch_writes_results_in_order_and_saves_the_cache(tiny_model_dir, tmp_p
 
 def test_the_batch_size_is_chosen_automatically_by_default(tiny_model_dir, tmp_path,
                                                             monkeypatch):
+    from kvchat.engine import autobatch
+
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "kvchat-cache"))  # nothing measured yet
+    # steady timings: a busy test machine's noisy sweep would (rightly) not be kept
+    steady = {1: 0.01, 2: 0.01, 4: 0.011, 8: 0.012, 16: 0.014, 32: 0.02, 64: 0.035}
+    monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): dict(steady))
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
     res = runner.invoke(app, ["batch", str(src), *args(tiny_model_dir, tmp_path)])
@@ -227,3 +235,42 @@ def test_pin_system_over_max_pinned_is_reported_and_the_run_goes_on(tiny_model_d
     assert "line 1's system prompt not pinned:" in flat and "--max-pinned" in flat
     assert "--pin-system: nothing pinned" in flat
     assert len(out.read_text().splitlines()) == 1
+
+
+def test_a_file_run_again_later_gets_exact_hits(tiny_model_dir, tmp_path):
+    # each run is a new process's cache: exact entries saved by an earlier run and not hit
+    # since must be saved again, not lost, so the first file's rerun is exact throughout
+    first, other = tmp_path / "first.jsonl", tmp_path / "other.jsonl"
+    first.write_text('{"system": "Be brief.", "prompt": "One?"}\n'
+                     '{"system": "Be brief.", "prompt": "Two?"}\n')
+    other.write_text('{"prompt": "Something else entirely"}\n')
+    for path in (first, other, first):
+        out = tmp_path / f"{path.stem}.out"
+        res = runner.invoke(app, ["batch", str(path), "-o", str(out),
+                                  *args(tiny_model_dir, tmp_path, "--batch-size", "2")])
+        assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in (tmp_path / "first.out").read_text().splitlines()]
+    assert [(r["hit_source"], r["cache_hit_tokens"] == r["prompt_tokens"]) for r in rows] == [
+        ("exact", True), ("exact", True)]
+    listed = json.loads(runner.invoke(app, ["inspect", "--json", "--sessions-dir",
+                                            str(tmp_path / "s")]).output)["exact"]
+    assert len(listed) == 3  # both files' prompts
+    assert len(list((tmp_path / "s" / "cache" / "exact").glob("*.safetensors"))) == 3
+
+
+def test_a_lines_own_max_tokens_wins_and_the_help_and_summary_say_so(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "one", "max_tokens": 2}\n{"prompt": "two", "max_tokens": 2}\n'
+                   '{"prompt": "three"}\n')
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out),
+                              *args(tiny_model_dir, tmp_path, "--batch-size", "2",
+                                    max_tokens=5)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["completion_tokens"] for r in rows] == [2, 2, 5]
+    flat = " ".join(res.output.split())
+    assert "max tokens 5 (--max-tokens) for 1 line(s); 2 line(s) set their own, which wins: 2" \
+        in flat
+    help_text = " ".join(runner.invoke(app, ["batch", "--help"]).output.replace("│", " ").split())
+    assert "a line's own max_tokens wins over this" in help_text

@@ -163,7 +163,19 @@ def test_sessions_switch_new_reset_system_clear(tiny_model, tiny_tokenizer, tmp_
     demo = rt.store.load("demo")
     assert demo.turns == [] and demo.system == "Answer in French."
     assert rt.cache.stats().tree_tokens == 0
+    # sessions nothing happened in leave no file behind
+    assert rt.store.names() == ["demo"]
     rt.cache.check_integrity()
+
+
+def test_an_empty_new_session_is_not_saved_and_its_name_stays_free(tiny_model, tiny_tokenizer,
+                                                                   tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(rt, "/new", "/new", "/exit", name="chat-1")
+    assert "session chat-2: new\nsession chat-1: new" in out  # chat-1 was never saved
+    assert rt.store.names() == []
+    out, chat = run_chat(rt, "hello", name="chat-1")
+    assert rt.store.names() == ["chat-1"]
 
 
 def test_snapshot_every_three_turns_and_on_an_exception(tiny_model, tiny_tokenizer, tmp_path):
@@ -349,7 +361,9 @@ def test_a_pinned_system_prompt_survives_pressure_and_the_panel_says_why(
     out, chat = run_chat(rt, "/system You are a terse assistant for kvchat tests.",
                          "a new question", name="again")
     assert chat.session.turns[-1].hit_tokens >= len(pin.tokens)
-    assert "why diverged at token" in out
+    # it shares the system prompt, then leaves what the other conversation said next
+    assert f"shared prefix {chat.session.turns[-1].hit_tokens} tok, as earlier conversations " \
+           "began; then new" in " ".join(out.split())
     out, chat = run_chat(rt, "/unpin", name="pinned", panels="off")
     assert "Unpinned system prompt" in " ".join(out.split()) and len(rt.cache.pins) == 0
     rt.cache.check_integrity()
@@ -362,3 +376,49 @@ def test_pin_refuses_past_max_pinned(tiny_model, tiny_tokenizer, tmp_path):
     out, _ = run_chat(rt, "hello there", "/pin all", name="big", panels="off")
     flat = " ".join(out.split())
     assert "Not pinned:" in flat and "--max-pinned" in flat and len(rt.cache.pins) == 0
+
+
+def test_retry_after_a_stopped_reply_says_it_is_the_same_reply(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    runner = rt.engine.runner
+    forward = runner.forward
+    calls = {"n": 0}
+
+    def ctrl_c_in_the_first_reply(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # one prefill, then decode steps
+            signal.raise_signal(signal.SIGINT)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", ctrl_c_in_the_first_reply)
+    out, chat = run_chat(rt, "tell me a long story", "/retry", max_tokens=12, panels="off")
+    turn = chat.session.turns[-1]
+    assert turn.finish_reason != "interrupted" and turn.completion_tokens > 4
+    flat = " ".join(out.split())
+    assert "at temperature 0 the reply is the same as the stopped one, this time not " \
+           "stopped." in flat
+    assert "different" not in flat
+
+
+def test_compare_replies_tells_a_cut_reply_from_a_different_one():
+    from kvchat.ui.chat_moves import compare_replies
+
+    assert compare_replies([1, 2], "stop", [1, 2], "stop") == "identical"
+    cut = compare_replies([1, 2, 3], "stop", [1, 2], "interrupted")
+    assert cut.startswith("the same as before")
+    assert compare_replies([1, 2], "interrupted", [1, 3], "length") == "different"
+    assert compare_replies([1, 2], "stop", [1, 2, 3], "length") == "different"
+
+
+def test_an_ordinary_turn_reads_as_new_not_as_a_cold_miss(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(rt, "first question", "second question")
+    first, second = chat.session.turns
+    flat = " ".join(out.split("turn 2 · cache")[1].replace("│", " ").split())
+    # the whole history was cached; what was computed is the new message and its template
+    assert f"new {second.prompt_tokens - second.hit_tokens} tok: this turn's message, not " \
+           "seen before" in flat
+    assert "why" not in flat
+    assert "why cold: none of the" in out.split("turn 2 · cache")[0]  # the first was cold

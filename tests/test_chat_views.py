@@ -12,7 +12,7 @@ from rich.console import Console
 
 from kvchat.cache.stats import CacheStats, PoolStats, SessionCounters
 from kvchat.ui import cache_view as cv
-from kvchat.ui import views
+from kvchat.ui import inspect_view, views
 from kvchat.ui.cache_view import ExactView, NodeView
 from kvchat.ui.views import TurnView
 
@@ -149,11 +149,12 @@ def test_bar_never_rounds_a_little_to_nothing():
     assert views.bar(1.0, 10) == "█" * 10
 
 
-def test_prefill_rate_comes_from_the_largest_prefill():
-    # 200 tokens in 100 ms -> 0.5 ms/token; the 5-token turn is mostly fixed overhead
+def test_prefill_rate_is_the_fastest_of_the_long_prefills():
+    # short prefills are mostly fixed cost; a busy moment's slow prefill (the issue: 22.6 s
+    # "saved" on a turn whose TTFT was 1.4 s) must not set the rate
     assert views.prefill_rate([(200, 100.0), (5, 30.0), (0, 1.0)]) == pytest.approx(0.5)
-    assert views.prefill_rate([(200, 100.0), (200, 60.0)]) == pytest.approx(0.3)  # latest
-    assert views.prefill_rate([(5, 30.0)]) == pytest.approx(6.0)
+    assert views.prefill_rate([(500, 25_000.0), (100, 60.0), (40, 40.0)]) == pytest.approx(0.6)
+    assert views.prefill_rate([(5, 30.0), (8, 16.0)]) == pytest.approx(2.0)  # none long enough
     assert views.prefill_rate([(0, 2.0)]) is None
     assert views.prefill_rate([]) is None
     assert views.estimate_saved_ms(398, 0.5) == pytest.approx(199.0)
@@ -163,7 +164,7 @@ def test_prefill_rate_comes_from_the_largest_prefill():
 def test_tree_json_schema_and_depth_limit():
     doc = cv.tree_json(NODES, letters, depth=1)
     assert doc == [{
-        "start": 0, "n_tokens": 16, "n_blocks": 1, "max_ref": 0,
+        "start": 0, "n_tokens": 16, "n_blocks": 1, "disk_blocks": 0, "max_ref": 0,
         "owners": ["demo", "other", "x"], "pinned": False, "preview": "abcdefghijklmnop",
         "tokens": list(range(16)), "children": [], "children_omitted": 4,
     }]
@@ -232,7 +233,7 @@ def test_meta_that_is_not_a_cache_is_a_format_error():
 def test_exact_table_lists_newest_first_and_counts_the_rest():
     # each entry is a prefix of the next: only the longest has a part of its own
     entries = [ExactView(tuple(range(n)), n // 4 + 1, n % 2 == 0) for n in range(1, 14)]
-    text = render(views.exact_table(entries, letters, limit=2))
+    text = render(inspect_view.exact_table(entries, letters, limit=2))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     assert lines[0] == "exact index · 13 entries"
     assert lines[1].split() == ["tokens", "blocks", "logits", "what", "sets", "it", "apart"]

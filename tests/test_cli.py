@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -74,7 +75,8 @@ def test_models_on_a_folder_shows_the_cache_numbers(tiny_model_dir, tiny_model):
     assert row(out, "Precision") == "float32 on cpu (the default on CPU)"
     # every float32 weight but the input embedding's (the untied head is read)
     embedding = 259 * 64
-    assert row(out, "Weights read per decode step") == f"≈ {(n_params - embedding) * 4 / 1024:,.1f} KiB"
+    step = (n_params - embedding) * 4 / 1024
+    assert row(out, "Weights read per decode step") == f"≈ {step:,.1f} KiB"
     # K and V * 2 layers * 2 KV heads * 16 dims * 4 bytes
     assert row(out, "KV bytes per token") == "512"
     assert row(out, "KV per 1k tokens") == "512 KB (0.5 MiB)"
@@ -256,7 +258,8 @@ def test_chat_from_a_pipe_runs_turns_and_names_a_new_session(tiny_model_dir, tmp
     assert re.search(r"turn 2 · [1-9]\d*/\d+ cached", out)
     assert "Unknown command /bogus." in out
     assert (root / "chat-1.json").exists() and (root / "cache" / "index.json").exists()
-    assert "(kvchat chat, since" in (root / ".lock").read_text()  # it names the last holder
+    holder = json.loads((root / ".lock").read_text())  # it names the last holder, as JSON
+    assert holder["what"] == "kvchat chat" and holder["url"] is None
 
 
 
@@ -346,3 +349,37 @@ def test_runtime_commands_share_the_family_defaults(command):
 def test_a_bad_family_option_is_a_clean_error_before_loading(tmp_path):
     result = invoke("verify", "hi", "--cache-mb", "0", "--model", "/nonexistent")
     assert_clean_error(result, "--cache-mb must be positive, got 0.0.")
+
+
+def test_token_without_a_server_says_how_to_start_one(tmp_path):
+    result = invoke("token", "--sessions-dir", str(tmp_path / "s"))
+    assert result.exit_code == 1
+    assert "No kvchat server holds" in result.output and "kvchat serve --detach" in result.output
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["chat"], ["bench", "cache"]])
+def test_flags_show_no_value_type_in_help(command):
+    out = invoke(*command, "--help").output
+    assert "--help" in out and "<bool>" not in out
+    assert re.search(r"--json\s+Print (JSON|the result)", out) or command in ([], ["chat"])
+
+
+def test_inspect_standalone_help_says_it_reads_the_snapshot():
+    out = " ".join(invoke("inspect", "--help").output.replace("│", " ").split())
+    assert "Read the saved snapshot in the sessions dir even while a kvchat server holds it" in out
+    assert "Load the model" not in out
+
+
+def test_an_unexpected_error_is_one_paragraph_not_a_traceback(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the model's forward exploded\nsecond line")
+
+    monkeypatch.setattr(cli_models, "describe_model", broken)
+    result = invoke("models")
+    assert result.exit_code == 2
+    out = " ".join(result.output.split())
+    assert "kvchat stopped on an unexpected error (RuntimeError: the model's forward exploded)" \
+        in out and "KVCHAT_TRACEBACK=1" in out
+    assert "Traceback" not in result.output and "second line" not in result.output
+    monkeypatch.setenv("KVCHAT_TRACEBACK", "1")
+    assert isinstance(invoke("models").exception, RuntimeError)  # for whoever debugs it

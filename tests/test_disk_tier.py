@@ -12,17 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _cache_helpers import fetch, make_tiered_cache, store
 
 from kvchat.cache.kvcache import HitSource
 from kvchat.cache.store_index import block_path
-from kvchat.cache.tree_index import export_index, import_index
+from kvchat.cache.tree_index import exact_logits, export_index, import_index
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import GenerationResult, Request
 from kvchat.engine.verify import compare
 from kvchat.responses import result_fields
 from kvchat.runtime import Runtime, RuntimeOptions
+from kvchat.ui import cache_view as cv
+from kvchat.ui import views
 
 BS = 4
 A = list(range(1, 15))  # 14 tokens: 3 full blocks and a partial one
@@ -43,6 +46,22 @@ def test_evicted_blocks_spill_to_disk_and_a_lookup_loads_them_back(tmp_path: Pat
     assert hit.source is HitSource.RADIX and hit.disk_tokens == 0  # resident again
     stats = cache.stats()
     assert stats.disk_hits == 1 and stats.disk_hit_tokens == len(A) and stats.spilled_blocks == 6
+    assert cache.disk is not None
+    cache.disk.close()
+
+
+def test_an_exact_entry_outlives_its_blocks_spilling_to_disk(tmp_path: Path) -> None:
+    cache = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
+    logits = torch.arange(5.0)
+    store(cache, A, logits=logits)
+    assert cache.evict(8) == 4 and len(cache.exact) == 0  # its blocks are only on disk now
+    hit = fetch(cache, A)  # the same prompt again: exact, the path loaded back
+    assert hit.source is HitSource.EXACT and hit.matched == len(A)
+    assert hit.logits is not None and torch.equal(hit.logits, logits)
+    assert len(cache.exact) == 1 and not cache.saved_exact
+    # saved while parked, its logits go beside the index like a live entry's
+    cache.evict(8)
+    assert list(exact_logits(cache).values())[0] is logits
     assert cache.disk is not None
     cache.disk.close()
 
@@ -68,6 +87,11 @@ def test_a_restart_rebuilds_the_tree_without_reading_a_block(tmp_path: Path) -> 
     import_index(fresh, meta)
     fresh.check_integrity()
     assert fresh.manager.num_free == 8 and fresh.peek(A) == len(A)
+    # the restarted tree's branch shows its blocks as on disk, not as "0 blk"
+    (node,) = cv.nodes_from_cache(fresh)
+    assert node.blocks == 0 and node.disk_blocks == -(-len(A) // BS)
+    assert f"{node.disk_blocks} blk on disk" in views.node_label(node, None).plain
+    assert cv.tree_json([node])[0]["disk_blocks"] == node.disk_blocks
     hit = fetch(fresh, A + [5])
     assert hit.source is HitSource.DISK and hit.matched == len(A)
     assert fresh.disk is not None
@@ -245,6 +269,11 @@ def test_inspect_reports_both_tiers_without_torch(tiny_model, tiny_tokenizer, tm
     assert tiers["disk"]["blocks"] >= 4 and tiers["disk"]["bytes"] > 0
     assert tiers["disk"]["budget_bytes"] == 10 << 30 and 0 < tiers["disk"]["tokens"] <= 4 * BS
     assert tiers["memory"]["blocks"] > 0
+    text = CliRunner().invoke(cli.app, ["inspect", "--sessions-dir", str(tmp_path)]).output
+    flat = " ".join(text.replace("│", " ").split())
+    assert f"disk tier {tiers['disk']['blocks']} blocks" in flat  # beside the pool's numbers
+    assert f"{tiers['disk']['tokens']} tok only on disk" in flat
+    assert f"· {tiers['disk']['tokens']} on disk" in flat  # the pool panel's cached line
 
 
 CHILD = """
@@ -253,6 +282,8 @@ from pathlib import Path
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.sequence import Request
 from kvchat.runtime import Runtime, RuntimeOptions
+from kvchat.ui import cache_view as cv
+from kvchat.ui import views
 root, model = Path(sys.argv[1]), sys.argv[2]
 cfg = CacheConfig(4, num_blocks=16)
 rt = Runtime.open(RuntimeOptions(model=model, device="cpu", cache=cfg, sessions_dir=root))

@@ -142,3 +142,19 @@ def test_blocks_the_disk_budget_dropped_leave_tombstones_at_save(tmp_path):
     finally:
         assert cache.disk is not None
         cache.disk.close()
+
+
+def test_labels_read_a_new_message_and_a_shared_system_prompt_as_normal():
+    cache = cache_with(A)
+    other_row = cache.explain(B + [10])  # shares SYSTEM with A, then its own text
+    assert other_row.reason is MissReason.DIVERGED  # the stable value programs read
+    assert other_row.label(own_from=len(SYSTEM)) == "shared prefix"
+    assert other_row.label(own_from=len(SYSTEM), after_history=True) == "new"  # a rewound turn
+    next_turn = cache.explain(A + [40, 41, 42])  # the whole history cached, then the message
+    assert (next_turn.reason, next_turn.label(own_from=len(A), after_history=True)) == (
+        MissReason.COLD, "new")
+    # a miss before the request's own text starts keeps its plain reason
+    changed_system = cache.explain(SYSTEM[:5] + [0] * 8)
+    assert changed_system.label(own_from=len(SYSTEM)) == "diverged"
+    assert cache.explain([9, 9, 9]).label(own_from=2) == "cold"
+    assert cache.explain(A + [1], exact=True).label(own_from=3) == "hit"

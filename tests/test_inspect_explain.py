@@ -153,6 +153,28 @@ def test_a_file_and_a_batch_row_explain_like_the_text(saved, tmp_path):
     assert explain(saved.root, "--explain-file", str(prompt_row)) == want
 
 
+def test_a_jsonl_file_is_explained_line_by_line(saved, tmp_path):
+    rows = tmp_path / "requests.jsonl"
+    rows.write_text(json.dumps({"prompt": CHANGED, "system": SYSTEM}) + "\n\n"
+                    + json.dumps({"prompt": KEPT, "system": SYSTEM}) + "\n")
+    result = CliRunner().invoke(cli.app, ["inspect", "--sessions-dir", str(saved.root), "--json",
+                                          "--explain-file", str(rows)], env=WIDE)
+    assert result.exit_code == 0, result.output
+    answers = [json.loads(x) for x in result.output.splitlines()]
+    assert [a["line"] for a in answers] == [1, 3]  # one answer per request, not one message
+    changed = explain(saved.root, "--explain", CHANGED, "--system", SYSTEM)
+    kept = explain(saved.root, "--explain", KEPT, "--system", SYSTEM)
+    assert [without_detail(a) for a in answers] == [
+        {"line": 1, **without_detail(changed)}, {"line": 3, **without_detail(kept)}]
+    text = CliRunner().invoke(cli.app, ["inspect", "--sessions-dir", str(saved.root),
+                                        "--explain-file", str(rows)], env=WIDE).output
+    assert "index.json · line 1" in text and "index.json · line 3" in text
+    rows.write_text(rows.read_text() + "not json\n")
+    bad = CliRunner().invoke(cli.app, ["inspect", "--sessions-dir", str(saved.root),
+                                       "--explain-file", str(rows)], env=WIDE)
+    assert bad.exit_code == 2 and "line 4 is not a batch row" in bad.output
+
+
 def test_text_panel_shows_both_sides_of_the_divergence(saved):
     result = CliRunner().invoke(cli.app, ["inspect", "--sessions-dir", str(saved.root),
                                           "--explain", CHANGED, "--system", SYSTEM], env=WIDE)
@@ -181,9 +203,14 @@ def test_explain_imports_neither_torch_nor_transformers(saved):
     assert "HEAVY []" in out.stdout
 
 
+DROP = object()  # _copy_with: leave the key out, as an older kvchat's index does
+
+
 def _copy_with(saved: Saved, tmp_path: Path, **changes: Any) -> Path:
     meta = json.loads((saved.root / "cache" / "index.json").read_text())
     meta.update(changes)
+    for key in [k for k, v in changes.items() if v is DROP]:
+        del meta[key]
     (tmp_path / "cache").mkdir(parents=True)
     (tmp_path / "cache" / "index.json").write_text(json.dumps(meta))
     return tmp_path
@@ -195,7 +222,7 @@ def _copy_with(saved: Saved, tmp_path: Path, **changes: Any) -> Path:
         ({"tokenizer_file": None}, (), "records no tokenizer file"),
         ({"tokenizer_file": "/nonexistent/tokenizer.json"}, (),
          "/nonexistent/tokenizer.json, cannot be read"),
-        ({"chat_template": None}, (), "run `kvchat chat`"),
+        ({"chat_template": None, "plain_start": DROP}, (), "run `kvchat chat`"),  # older
     ],
     ids=["no-tokenizer", "tokenizer-gone", "no-template"],
 )

@@ -3,19 +3,23 @@ errors a user sees when a model cannot be used."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import CHAT_TEMPLATE, build_tiny_config
 
-from kvchat import models
+from kvchat import gguf, models
 from kvchat.errors import (
     EmbeddedModelMissing,
     HubUnreachable,
+    ModelError,
     ModelOptionError,
     ModelPathNotFound,
     NotACausalLM,
@@ -463,3 +467,47 @@ def test_embedded_smollm2_conversion_round_trip(embedded_gguf, use_embedded_cach
 
     again = load_model("smollm2", device="cpu")
     assert again.folder == loaded.folder
+
+
+def test_the_conversion_spinner_reaches_the_terminal_while_stderr_is_muted(tiny_gguf,
+                                                                             monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+
+    def muted(gguf: Path, out: Path) -> None:  # as convert_gguf mutes transformers' bars
+        with contextlib.redirect_stderr(io.StringIO()):
+            time.sleep(0.3)  # a few spinner frames
+            (out / "config.json").write_text("{}")
+
+    ensure_converted(tiny_gguf, converter=muted, label="tiny")
+    shown = " ".join(terminal.getvalue().split("\r")[-2].split())  # the last frame
+    assert "Converting tiny GGUF to safetensors, first run only (0.4 MB: a few seconds on a " \
+           "laptop CPU)…" in shown  # a small file: no promise of 15 s
+    assert "0:00:00" in shown  # the time it has taken
+    assert gguf.estimate(98_362_432) == "98 MB: about 15–40 s"  # SmolLM2's: 15-25 s measured
+
+
+def test_a_gguf_transformers_cannot_read_is_one_paragraph(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(ModelError) as err:
+        load_model(str(broken))
+    message = str(err.value)
+    assert message.startswith("Could not convert broken.gguf into a model folder")
+    assert "\n" not in message and "Q2_K-Q6_K" in message
+    assert not list(converted_dir_for(broken).parent.glob(f"*{broken.stem}*"))  # nothing left
+
+
+def test_the_sliding_window_is_read_per_layer_kind():
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
+
+    from kvchat.architectures import sliding_window
+
+    gemma = Gemma3TextConfig(num_hidden_layers=6, sliding_window=512)
+    assert sliding_window(gemma) == {"sliding_window": 512, "sliding_layers": 5}  # 5 of 6 slide
+    assert sliding_window(MistralConfig(sliding_window=4096)) == {"sliding_window": 4096}
+    assert sliding_window(Qwen2Config()) == {}  # use_sliding_window is off by default

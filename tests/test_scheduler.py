@@ -3,6 +3,8 @@ plain `model.generate`, computes each shared prefix once, and keeps the cache co
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 
 import pytest
@@ -344,16 +346,57 @@ def test_auto_batch_size_is_the_smallest_near_the_best_throughput():
     assert best_size({1: 0.04, 2: 0.2, 4: 0.06, 8: 0.06, 16: 0.07, 32: 0.1, 64: 0.17}) == 64
 
 
+CLEAN = {1: 0.010, 2: 0.010, 4: 0.011, 8: 0.012, 16: 0.014, 32: 0.020, 64: 0.035}
+BUSY = {**CLEAN, 2: 0.050}  # 2 rows measured slower than 64: the machine was busy
+
+
 def test_auto_batch_size_is_measured_once_and_bounded_by_the_pool(tiny_model, tiny_tokenizer,
-                                                                  tmp_path):
+                                                                  tmp_path, monkeypatch):
+    from kvchat.engine import autobatch
     from kvchat.engine.autobatch import choose_batch_size
 
     b = backend(tiny_model, tiny_tokenizer)
+    real = autobatch.measure_steps(b.runner, sizes=(1, 8), repeats=1)
+    assert set(real) == {1, 8} and all(t > 0 for t in real.values())
+    monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): dict(CLEAN))
     remember = tmp_path / "batch-size.json"
-    first = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=10**6, seq_tokens=100)
+    shown: list[str] = []
+
+    def status(message: str):
+        shown.append(message)
+        return contextlib.nullcontext()
+
+    first = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=10**6, seq_tokens=100,
+                              status=status)
     assert not first.reused and remember.exists() and set(first.measured) >= {1, 8, 32}
+    assert shown == [autobatch.MEASURING]  # the spinner's message, while it measured
     again = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=10**6, seq_tokens=100)
     assert again.reused and again.measured == first.measured and again.size == first.size
     tight = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=300, seq_tokens=100)
     assert tight.bound == 3 and tight.size == min(first.best, 3)
     assert "auto" in tight.describe()
+    assert len(shown) == 1  # nothing measured again, nothing shown
+
+
+def test_a_noisy_measurement_is_repeated_and_never_kept(tiny_model, tiny_tokenizer, tmp_path,
+                                                        monkeypatch):
+    from kvchat.engine import autobatch
+
+    assert autobatch.noisy(BUSY) and not autobatch.noisy(CLEAN)
+    b = backend(tiny_model, tiny_tokenizer)
+    remember = tmp_path / "batch-size.json"
+    sweeps = [dict(BUSY), dict(CLEAN)]
+    monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): sweeps.pop(0))
+    settled = autobatch.choose_batch_size(b.runner, "k", remember, 10**6, 100)
+    assert not sweeps and settled.measured == CLEAN and not settled.noisy  # measured again
+    assert json.loads(remember.read_text())["k"]["2"] == CLEAN[2]
+    # a machine busy through every sweep: used for this run, not kept
+    monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): dict(BUSY))
+    busy = autobatch.choose_batch_size(b.runner, "busy", remember, 10**6, 100)
+    assert busy.noisy and "noisy: not kept" in busy.describe()
+    assert "busy" not in json.loads(remember.read_text())
+    # a noisy measurement an older kvchat kept is measured again
+    remember.write_text(json.dumps({"old": {str(k): v for k, v in BUSY.items()}}))
+    monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): dict(CLEAN))
+    again = autobatch.choose_batch_size(b.runner, "old", remember, 10**6, 100)
+    assert not again.reused and json.loads(remember.read_text())["old"]["2"] == CLEAN[2]

@@ -214,7 +214,7 @@ def test_v1_replies_carry_the_miss_explanation(served: Served) -> None:
     body = {"messages": chat(SYSTEM, "What is 2 plus 2?"), "max_tokens": MAX_NEW,
             "temperature": 0}
     cold = served.post("/v1/chat/completions", **body)
-    assert set(cold["kvchat"]) == {"miss_reason", "diverged_at", "miss_detail",
+    assert set(cold["kvchat"]) == {"miss_reason", "miss_label", "diverged_at", "miss_detail",
                                    "cache_hit_tokens"}
     assert cold["kvchat"]["miss_reason"] == "cold" and cold["kvchat"]["cache_hit_tokens"] == 0
     assert cold["kvchat"]["miss_detail"]
@@ -222,6 +222,7 @@ def test_v1_replies_carry_the_miss_explanation(served: Served) -> None:
                         **{**body, "messages": chat(SYSTEM, "What is 7 plus 1?")})
     ext = other["kvchat"]
     assert ext["miss_reason"] == "diverged" and ext["diverged_at"] is not None
+    assert ext["miss_label"] == "shared prefix"  # the same system prompt, then its own text
     assert ext["cache_hit_tokens"] == other["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert ext["cache_hit_tokens"] >= len(served.system_tokens(body["messages"]))
 

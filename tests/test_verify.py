@@ -113,3 +113,17 @@ def test_prompt_and_file_together_are_refused(verify, tmp_path):
     result = verify("hi", "--file", str(tmp_path / "x.jsonl"))
     assert result.exit_code == 2
     assert "Give a prompt or --file, not both." in result.output
+
+
+def test_each_line_of_a_file_is_checked_on_its_own(verify, tmp_path):
+    # both lines share the template's default system prompt; with one cache across lines the
+    # second's "prefix hit" would reach into the first's blocks, past its own half
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "Name a colour."}) + "\n"
+                    + json.dumps({"prompt": "Name a colour, please."}) + "\n")
+    result = verify("--file", str(path), "--max-tokens", "3")
+    assert result.exit_code == 0, result.output
+    prefix_hits = [r[2] for r in rows(result.output) if r[1] == "prefix hit"]
+    for cell in prefix_hits:
+        hit, total = map(int, cell.split()[0].split("/"))
+        assert hit == total // 2  # the half verify cached, nothing more

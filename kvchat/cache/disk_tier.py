@@ -9,7 +9,7 @@ so it is never served and never asked for again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvchat.cache.radix import PrefixMatch
 from kvchat.cache.store import ReadStatus
@@ -123,6 +123,35 @@ def persist(store: BlockStore, manager: BlockManager, tree: RadixTree,
         if parent is not None and node in parent.children.get(node.tokens[0], ()):
             bury(node, gone)
             tree.truncate(node, gone)
+
+
+class HeldLogits:
+    """The loader of a parked exact entry: its logits row, still in memory."""
+
+    def __init__(self, row: Any) -> None:
+        self.row = row
+
+    def __call__(self) -> Any:
+        return self.row
+
+
+def park_exact(cache: PagedKVCache, gone: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
+    """Exact entries whose block just spilled wait in `saved_exact`, logits in memory, so the
+    prompt is still an exact hit once its path loads back; at most the index's capacity of
+    them, the oldest dropped first."""
+    for namespace, tokens, logits in gone:
+        if logits is not None:
+            cache.saved_exact.pop((namespace, tokens), None)
+            cache.saved_exact[(namespace, tokens)] = HeldLogits(logits)
+    held = [k for k, loader in cache.saved_exact.items() if isinstance(loader, HeldLogits)]
+    for key in held[: max(len(held) - cache.exact.max_entries, 0)]:
+        del cache.saved_exact[key]
+
+
+def held_logits(cache: PagedKVCache) -> dict[tuple[str, tuple[int, ...]], Any]:
+    """The parked entries' logits rows, for a save to write beside the index."""
+    return {k: loader.row for k, loader in cache.saved_exact.items()
+            if isinstance(loader, HeldLogits)}
 
 
 def revive_exact(cache: PagedKVCache, tokens: Sequence[int],

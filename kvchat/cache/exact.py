@@ -83,10 +83,17 @@ class ExactIndex:
 
     def drop_block(self, block: Block) -> int:
         """Forget every entry that reads this block; returns how many went."""
+        return len(self.take_block(block))
+
+    def take_block(self, block: Block) -> list[tuple[str, Key, Any]]:
+        """Forget every entry that reads this block; returns them as (namespace, tokens,
+        logits), for a disk tier to keep until their blocks come back."""
         keys = self._by_block.pop(block.block_id, set())
+        gone = [(key[0], tuple(key[1]), self._entries[key].logits) for key in keys
+                if key in self._entries]
         for key in keys:
             self._discard(key)
-        return len(keys)
+        return gone
 
     def _discard(self, key: NamespacedKey) -> None:
         entry = self._entries.pop(key, None)

@@ -51,6 +51,20 @@ class Explanation:
                        evicted_by=self.evicted_by)
         return out
 
+    def label(self, own_from: int, after_history: bool = False) -> str:
+        """`reason` as a person should read it, given where the request's own text starts:
+        after its conversation's history (`after_history`), or after the system prompt and
+        template header it may share with others. When everything before `own_from` was
+        cached, a cold tail is just the new message ("new"), and so is a divergence after a
+        history (the cache holds an earlier branch of it: a rewind, a retry); a divergence
+        after a shared head is where this request leaves what others sent after the same
+        system prompt ("shared prefix"). Programs keep reading `reason`, whose values are
+        stable."""
+        if self.reason in (MissReason.COLD, MissReason.DIVERGED) and self.cached >= own_from:
+            cold = self.reason is MissReason.COLD or after_history
+            return "new" if cold else "shared prefix"
+        return self.reason.value
+
     def describe(self, prompt: Sequence[int], decode: Callable[[list[int]], str] | None) -> str:
         """One line for people: where the cached prefix ended and why; a divergence shows a
         few decoded tokens on each side, cached text against new text."""

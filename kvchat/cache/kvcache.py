@@ -345,8 +345,9 @@ class PagedKVCache:
 
         def take(node: Node) -> None:
             victim = node.blocks[-1]
-            self.exact.drop_block(victim)
+            gone = self.exact.take_block(victim)
             if to_disk and self.disk is not None:
+                disk_tier.park_exact(self, gone)  # exact again once the path loads back
                 disk_tier.spill(self.disk, self.manager, tree, node)
             else:
                 self.tombstones.record_node_block(tree, node, len(node.blocks) - 1, why)
@@ -365,6 +366,7 @@ class PagedKVCache:
         """Drop everything no request is using (first blocks and pins too); returns blocks
         freed."""
         self.exact.clear()
+        self.saved_exact.clear()
         self.pins.clear()
         for node, _ in list(self.tree.nodes()):  # what is only on disk goes too
             if node.on_disk and (node.parent is None or not node.parent.on_disk):

@@ -94,10 +94,23 @@ def export_index(cache: PagedKVCache) -> dict[str, Any]:
         "counters": cache.stats().counters_json(),
         "resident_blocks": mgr.num_blocks - mgr.num_free,  # `kvchat inspect`'s memory tier
         "disk_tokens": cache.stats().disk_tokens,
-        "exact": [{"tokens": list(tokens), "namespace": e.namespace, "blocks": len(e.blocks),
-                   "logits": exact_name(cache.tree, e.namespace, tokens)}
-                  for tokens, e in cache.exact.items() if e.logits is not None],
+        "exact": exact_records(cache),
     }
+
+
+def exact_records(cache: PagedKVCache) -> list[dict[str, Any]]:
+    """The exact entries to save, oldest first, at most the index's capacity: the live ones,
+    and those an earlier process saved that no prompt has hit since (their logits file stays
+    as it is) while the tree still holds their tokens, so a file run again gets exact hits."""
+    bs, tree = cache.block_size, cache.tree
+    live = [(e.namespace, tokens, len(e.blocks)) for tokens, e in cache.exact.items()
+            if e.logits is not None]
+    saved = [(namespace, tokens, -(-len(tokens) // bs)) for namespace, tokens in cache.saved_exact
+             if not cache.exact.has(tokens, namespace)
+             and tree.find_prefix(tokens, namespace).matched == len(tokens)]
+    kept = (saved + live)[-cache.exact.max_entries:] if cache.exact.max_entries else []
+    return [{"tokens": list(tokens), "namespace": namespace, "blocks": n_blocks,
+             "logits": exact_name(tree, namespace, tokens)} for namespace, tokens, n_blocks in kept]
 
 
 def exact_name(tree: RadixTree, namespace: str, tokens: Sequence[int]) -> str:
@@ -108,10 +121,12 @@ def exact_name(tree: RadixTree, namespace: str, tokens: Sequence[int]) -> str:
 
 
 def exact_logits(cache: PagedKVCache) -> dict[str, Any]:
-    """The exact entries' logits rows by file name (`exact_name`): what a save writes beside
-    the index, once per entry."""
-    return {exact_name(cache.tree, e.namespace, t): e.logits for t, e in cache.exact.items()
-            if e.logits is not None}
+    """The exact entries' logits rows by file name (`exact_name`), those parked while their
+    blocks are on disk too: what a save writes beside the index, once per entry."""
+    rows = {exact_name(cache.tree, ns, t): row
+            for (ns, t), row in disk_tier.held_logits(cache).items()}
+    return rows | {exact_name(cache.tree, e.namespace, t): e.logits
+                   for t, e in cache.exact.items() if e.logits is not None}
 
 
 def import_index(cache: PagedKVCache, meta: Mapping[str, Any],

@@ -1,8 +1,10 @@
 """The `kvchat` Typer app: kvchat's errors as one red paragraph (exit 2), Ctrl-C as exit 130,
-never a traceback; the commands register themselves on `app` from their own modules."""
+never a traceback (an unexpected error too, unless $KVCHAT_TRACEBACK asks for one); the commands
+register themselves on `app` from their own modules."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 import typer
@@ -15,6 +17,7 @@ from kvchat.errors import KvchatError
 
 ERROR_EXIT_CODE = 2
 INTERRUPT_EXIT_CODE = 130
+TRACEBACK_ENV = "KVCHAT_TRACEBACK"  # set: an unexpected error shows its traceback
 
 
 def stdout() -> Console:
@@ -27,7 +30,19 @@ def stderr() -> Console:
 
 
 class _KvchatGroup(TyperGroup):
-    """Reports kvchat's own errors as one red paragraph and exit code 2, never a traceback."""
+    """Reports kvchat's own errors as one red paragraph and exit code 2, never a traceback;
+    its commands' help shows no type for on/off flags."""
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _untyped_flags(command, ctx)
+        return command
+
+    def get_params(self, ctx: Any) -> Any:
+        params = super().get_params(ctx)
+        _untyped_flags(self, ctx, params)
+        return params
 
     # Any: typer vendors its own click, whose Context type it does not export.
     def invoke(self, ctx: Any) -> Any:
@@ -39,10 +54,37 @@ class _KvchatGroup(TyperGroup):
         except KeyboardInterrupt:
             _report_interrupt()
             raise typer.Exit(INTERRUPT_EXIT_CODE) from None
+        except Exception as error:
+            # Exit, Abort and click's usage errors (they carry an exit code) are click's own
+            if isinstance(error, (typer.Exit, typer.Abort)) or hasattr(error, "exit_code") \
+                    or os.environ.get(TRACEBACK_ENV):
+                raise
+            _report_unexpected(error)
+            raise typer.Exit(ERROR_EXIT_CODE) from None
+
+
+def _untyped_flags(command: Any, ctx: Any, params: Any = None) -> None:
+    """Typer's help gives every option a type column, `--json <bool>` for a flag that takes no
+    value; an empty metavar leaves it blank (click's own help never shows a flag's metavar)."""
+    own = [*command.params, command.get_help_option(ctx)] if params is None else params
+    for param in own:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _untyped_flags(sub, ctx)
 
 
 def _report_error(error: KvchatError) -> None:
     stderr().print(f"[bold red]Error:[/bold red] [red]{escape(str(error))}[/red]")
+
+
+def _report_unexpected(error: Exception) -> None:
+    text = str(error).strip()
+    detail = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    stderr().print(f"[bold red]Error:[/bold red] [red]kvchat stopped on an unexpected error "
+                   f"({escape(detail)}). This is a bug in kvchat, or a model it cannot run; run "
+                   f"the command again with {TRACEBACK_ENV}=1 to see where it happened, and "
+                   "please report it.[/red]")
 
 
 def _report_interrupt() -> None:

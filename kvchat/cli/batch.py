@@ -29,7 +29,6 @@ from kvchat.cli.attach_options import (
     TokenOption,
     lazy_runtime_options,
 )
-from kvchat.cli.options import MaxTokensOption
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
@@ -46,6 +45,7 @@ class _Plan:
     items: list[BatchItem]
     bad: list[BadLine]
     kept: dict[int, dict[str, Any]] = field(default_factory=dict)
+    max_tokens: int = 256  # --max-tokens: for lines that set no max_tokens of their own
 
     @property
     def to_run(self) -> list[BatchItem]:
@@ -54,6 +54,13 @@ class _Plan:
     @property
     def lines(self) -> list[int]:
         return [i.line for i in self.items] + [b.line for b in self.bad]
+
+
+LineMaxTokensOption = Annotated[
+    int, typer.Option("--max-tokens", min=1, help="Most tokens per reply for lines that do not "
+                      "set their own: a line's own max_tokens wins over this (the summary says "
+                      "how many lines set one).")
+]
 
 
 @app.command()
@@ -79,7 +86,7 @@ def batch(
                           "(decode steps measured once per model and device, kept in the kvchat "
                           "cache dir, and bounded so every row's K/V fits the pool).")
     ] = "auto",
-    max_tokens: MaxTokensOption = 256,
+    max_tokens: LineMaxTokensOption = 256,
     temperature: Annotated[
         float, typer.Option("--temperature", help="Default for lines without one; 0 is greedy.",
                             min=0.0)
@@ -119,6 +126,7 @@ def batch(
     out_path = None if to_stdout else output
     ui = stderr() if to_stdout else stdout()
     plan = _plan(file, out_path, resume, ui)
+    plan.max_tokens = max_tokens
     if plan.bad and fail_fast:
         raise typer.Exit(1)
     fixed_size = _batch_size_option(batch_size)
@@ -194,7 +202,8 @@ def _batch_size_option(value: str) -> int | None:
     return size
 
 
-def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tokens: int) -> str:
+def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tokens: int,
+                       ui: Console) -> str:
     """Set the engine's batch size; returns how it was chosen, for the summary."""
     from kvchat.engine.autobatch import choose_batch_size
     from kvchat.gguf import cache_dir
@@ -211,7 +220,7 @@ def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tok
     key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
           f"{torch_threads()}"
     choice = choose_batch_size(engine.runner, key, cache_dir() / "batch-size.json", pool,
-                               longest)
+                               longest, status=ui.status)
     engine.batch_size = choice.size
     return choice.describe()
 
@@ -239,7 +248,12 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
         runtime = Runtime.open(options.build())
         if runtime.notice:
             ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
-        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens)
+        if not runtime.engine.codec.has_template:
+            from kvchat.chat_template import NO_TEMPLATE
+
+            ui.print(f"[yellow]{escape(runtime.model_label)} {escape(NO_TEMPLATE)}[/yellow]",
+                     soft_wrap=True)
+        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens, ui)
 
         def start(update: Any) -> BatchRun:
             return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
@@ -283,7 +297,12 @@ def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
     the run and whether it was interrupted. `save` runs however the run ends."""
     from kvchat.batch import OutputError, RowWriter, bad_line_row, result_row
     from kvchat.client import ServerGone
-    from kvchat.ui.batch_view import batch_progress, progress_rate, summary_table
+    from kvchat.ui.batch_view import (
+        batch_progress,
+        max_tokens_note,
+        progress_rate,
+        summary_table,
+    )
 
     writer = RowWriter(plan.lines, out_path, sys.stdout if out_path is None else None,
                        keep=plan.kept)
@@ -315,7 +334,8 @@ def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
         finally:
             _finish(run, writer, failure, save)
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
-                           time.perf_counter() - started, batch_size))
+                           time.perf_counter() - started, batch_size,
+                           max_tokens_note(plan.max_tokens, [i.max_tokens for i in plan.to_run])))
     for message in run.save_errors[:1]:
         ui.print(f"[yellow]{escape(message)}[/yellow]")
     if failure:

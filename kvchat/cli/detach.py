@@ -1,5 +1,6 @@
-"""`kvchat serve --detach` and `kvchat stop`: a resident server in the background, found and
-stopped through the sessions dir's lock file (its pid and address)."""
+"""`kvchat serve --detach`, `kvchat token` and `kvchat stop`: a resident server in the
+background, found, asked for its token and stopped through the sessions dir's lock file (its
+pid, address and access token)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,13 @@ def start_detached(sessions_dir: Path) -> None:
     finally:
         os.close(fd)
     url = _wait_until_up(child, sessions_dir, log_path)
+    where = escape(str(sessions_dir))
     stdout().print(f"kvchat serve is running at {url} (pid {child.pid}); output in "
                    f"{escape(str(log_path))}. `kvchat chat`, `batch` and `inspect` with "
-                   f"--sessions-dir {escape(str(sessions_dir))} attach to it; stop it with "
-                   "`kvchat stop`.", soft_wrap=True)
+                   f"--sessions-dir {where} attach to it; stop it with `kvchat stop`. "
+                   f"Its access token, for other clients: `kvchat token --sessions-dir {where}` "
+                   f"prints it (it is kept in {escape(str(sessions_dir / '.lock'))}, 0600).",
+                   soft_wrap=True)
 
 
 def _wait_until_up(child: subprocess.Popen[bytes], sessions_dir: Path, log_path: Path) -> str:
@@ -70,6 +74,25 @@ def _wait_until_up(child: subprocess.Popen[bytes], sessions_dir: Path, log_path:
     raise KvchatError(f"kvchat serve (pid {child.pid}) did not answer within "
                       f"{START_TIMEOUT_S:.0f} s; see {log_path}. It is still running: "
                       "`kvchat stop` stops it.")
+
+
+@app.command()
+def token(sessions_dir: SessionsDirOption = Path("sessions")) -> None:
+    """Print the access token of the kvchat server holding --sessions-dir, for curl, OpenAI
+    clients or --token elsewhere. It is read from the dir's lock file (<sessions-dir>/.lock,
+    0600, one JSON object), so only the dir's owner can read it."""
+    from kvchat.sessions import lock_holder
+
+    holder = lock_holder(sessions_dir)
+    if holder is None or holder.url is None:
+        stderr().print(f"No kvchat server holds {escape(str(sessions_dir))}: start one with "
+                       "`kvchat serve --detach`.")
+        raise typer.Exit(1)
+    if holder.token is None:
+        stderr().print(f"The server at {holder.url} runs without authentication (--no-auth): "
+                       "requests need no token.")
+        return
+    typer.echo(holder.token)
 
 
 @app.command()

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from kvchat.cli.app import app, stderr, stdout
-from kvchat.cli.attach_options import ConnectOption, StandaloneOption, TokenOption
+from kvchat.cli.attach_options import ConnectOption, TokenOption
 from kvchat.cli.options import SessionsDirOption
 from kvchat.errors import KvchatError
 
@@ -27,13 +27,20 @@ ExplainOption = Annotated[
 ]
 ExplainFileOption = Annotated[
     Path | None,
-    typer.Option("--explain-file", help="--explain with the file's text (or its one batch row "
-                 "with \"messages\" or \"prompt\").", show_default=False, dir_okay=False),
+    typer.Option("--explain-file", help="--explain with the file's text, its one batch row "
+                 "(\"messages\" or \"prompt\"), or each line of a JSONL request file (one "
+                 "answer per line).", show_default=False, dir_okay=False),
 ]
 SystemOption = Annotated[
     str | None,
     typer.Option("--system", help="With --explain: the conversation's system prompt.",
                  show_default=False),
+]
+StandaloneOption = Annotated[
+    bool,
+    typer.Option("--standalone", help="Read the saved snapshot in the sessions dir even while "
+                 "a kvchat server holds it (the server's live cache may have moved on since its "
+                 "last save); inspect never loads a model."),
 ]
 RawOption = Annotated[
     bool, typer.Option("--raw", help="With --explain: the text is the exact prompt (no chat "
@@ -68,15 +75,15 @@ def inspect_snapshot(
     """Show the saved cache (radix tree, exact index, stats) without loading the model; while
     a kvchat server holds the sessions dir (or with --connect), its live cache. --explain says
     why a prompt would miss the saved cache."""
-    spec = _explain_spec(explain_text, explain_file, system, raw, connect)
-    if spec is not None:
-        _explain(sessions_dir, spec, as_json)
+    specs = _explain_spec(explain_text, explain_file, system, raw, connect)
+    if specs is not None:
+        _explain(sessions_dir, specs, as_json)
         return
     from kvchat.cli.attach_options import find_server
     from kvchat.sessions import cache_dir, validate_name
     from kvchat.snapshots import INDEX, read_snapshot_meta
     from kvchat.ui import cache_view as cv
-    from kvchat.ui.views import SnapshotFacts, inspect_view
+    from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
 
     if session is not None:
         validate_name(session)
@@ -120,12 +127,14 @@ def inspect_snapshot(
         dtype=str(fingerprint.get("dtype", "?")),
         saved_at=meta.get("saved_at"),
     )
-    stdout().print(inspect_view(facts, stats, nodes, exact, decode, depth or 6, 8, session))
+    stdout().print(inspect_view(facts, stats, nodes, exact, decode, depth or 6, 8, session,
+                                _disk_tier(meta, sessions_dir)))
 
 
 def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: bool,
-                  connect: str | None) -> PromptSpec | None:
-    """The prompt --explain asks about; None when inspect shows the cache instead."""
+                  connect: str | None) -> list[tuple[int | None, PromptSpec]] | None:
+    """The prompts --explain asks about (with their line in a JSONL file); None when inspect
+    shows the cache instead."""
     if text is None and file is None and system is None and not raw:
         return None
     from kvchat.explain_prompt import PromptSpec
@@ -137,13 +146,15 @@ def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: 
     if connect is not None:
         raise KvchatError("--explain reads the saved snapshot; it does not use --connect.")
     if text is not None:
-        return PromptSpec.of_text(text, system, raw)
+        return [(None, PromptSpec.of_text(text, system, raw))]
     assert file is not None
-    return PromptSpec.of_file(file, system, raw)
+    return PromptSpec.all_of_file(file, system, raw)
 
 
-def _explain(sessions_dir: Path, spec: PromptSpec, as_json: bool) -> None:
-    """Why the prompt would miss, from index.json alone (no model, no torch)."""
+def _explain(sessions_dir: Path, specs: list[tuple[int | None, PromptSpec]],
+             as_json: bool) -> None:
+    """Why each prompt would miss, from index.json alone (no model, no torch); one panel (or
+    JSON line, with its "line") per line of a JSONL file."""
     from kvchat.explain_prompt import explain_snapshot
     from kvchat.sessions import cache_dir
     from kvchat.snapshots import INDEX, read_snapshot_meta
@@ -156,13 +167,16 @@ def _explain(sessions_dir: Path, spec: PromptSpec, as_json: bool) -> None:
             stderr().print(f"No cache snapshot in {escape(str(index.parent))}: `kvchat chat` "
                            "or `kvchat batch` writes one there.")
             raise typer.Exit(1)
-        result = explain_snapshot(info.meta, spec)
+        results = [(line, explain_snapshot(info.meta, spec)) for line, spec in specs]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KvchatError(f"The cache snapshot {index} cannot be read ({exc}).") from None
-    if as_json:
-        typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
-        return
-    stdout().print(explain_panel(result, str(index)))
+    for line, result in results:
+        if as_json:
+            where = {} if line is None else {"line": line}
+            typer.echo(json.dumps({**where, **result.to_json()}, ensure_ascii=False))
+        else:
+            stdout().print(explain_panel(result, str(index) + ("" if line is None
+                                                               else f" · line {line}")))
 
 
 def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
@@ -170,7 +184,7 @@ def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
     """The live cache of a running server: /cache/tree, the document --json prints."""
     from kvchat.client import Client
     from kvchat.client import documents as docs
-    from kvchat.ui.views import SnapshotFacts, inspect_view
+    from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
 
     with Client(server.url, server.token) as client:
         doc = client.cache_tree(depth if as_json else None, session)
@@ -188,7 +202,7 @@ def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
                                 docs.nodes_from_document(doc["tree"]),
                                 docs.exact_from_document(doc["exact"]),
                                 _snapshot_decoder(snapshot.get("tokenizer_file")),
-                                depth or 6, 8, session))
+                                depth or 6, 8, session, doc.get("tiers", {}).get("disk")))
 
 
 def _disk_tier(meta: dict[str, Any], sessions_dir: Path) -> dict[str, Any]:

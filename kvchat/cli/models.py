@@ -55,6 +55,9 @@ def model_table(report: ModelReport) -> Table:
     table.add_row("Head dim", str(facts.head_dim))
     context = "unknown" if facts.max_context is None else f"{facts.max_context:,} tokens"
     table.add_row("Max context", context)
+    table.add_row("Sliding window", _window(facts.sliding_window, facts.sliding_layers,
+                                            facts.n_layers))
+    table.add_row("Chat template", _template(report.chat_template))
     table.add_row("Vocab size", f"{facts.vocab_size:,}")
     precision = report.precision
     runs = precision.name + (f" weights, {precision.compute_dtype} compute"
@@ -68,6 +71,23 @@ def model_table(report: ModelReport) -> Table:
     # 1k tokens of B bytes each take B KB.
     table.add_row("KV per 1k tokens", f"{per_token:,} KB ({per_token * 1000 / 2**20:,.1f} MiB)")
     return table
+
+
+def _window(window: int | None, sliding: int | None, n_layers: int) -> str:
+    if window is None:
+        return "none (every layer attends to the whole context)"
+    if sliding is None:
+        return f"{window:,} tokens (every layer)"
+    return f"{window:,} tokens on {sliding} of {n_layers} layers (the others see everything)"
+
+
+def _template(present: bool | None) -> str:
+    if present is None:
+        return "not checked (a hub model: its files are not read here)"
+    if present:
+        return "yes: chat and batch write conversations with it"
+    return "none: plain text (a prompt as it is; conversations as 'User:' / 'Assistant:' " \
+           "paragraphs); --chat-template sets one"
 
 
 def _size(n_bytes: int | None) -> str:

@@ -37,6 +37,17 @@ DtypeOption = Annotated[
         show_default=False,
     ),
 ]
+ChatTemplateOption = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template",
+        help="Chat template to write conversations with: a Jinja file (or a "
+        "tokenizer_config.json), a name (chatml, or one of the model's named templates), or "
+        "plain for kvchat's plain-text format. Default: the model's own; a model without one "
+        "(a base model) gets the plain-text format.",
+        show_default=False,
+    ),
+]
 DeviceOption = Annotated[
     str,
     typer.Option("--device", help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N."),
@@ -102,6 +113,7 @@ _MODEL_FAMILY = (
     _option("model", ModelOption, None),
     _option("dtype", DtypeOption, None),
     _option("device", DeviceOption, "auto"),
+    _option("chat_template", ChatTemplateOption, None),
 )
 _CACHE_FAMILY = (
     _option("policy", PolicyOption, None),
@@ -118,8 +130,8 @@ _SESSIONS_FAMILY = (
 
 
 def runtime_options(*, persist: bool = True) -> Callable[[Command], Command]:
-    """Add --model, --dtype, --device, --policy, --block-size, --cache-mb, --max-pinned,
-    --prefill-chunk and,
+    """Add --model, --dtype, --device, --chat-template, --policy, --block-size, --cache-mb,
+    --max-pinned, --prefill-chunk and,
     when the command loads and saves the cache (`persist`), --sessions-dir, --disk-cache-gb
     and --store to a
     command, which receives them as one keyword argument `options: RuntimeOptions`."""
@@ -132,6 +144,7 @@ def _runtime_options(
     model: str | None,
     dtype: str | None,
     device: str,
+    chat_template: str | None,
     policy: str | None,
     block_size: int,
     cache_mb: float,
@@ -151,7 +164,8 @@ def _runtime_options(
                         max_pinned=max_pinned)
     return RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
                           prefill_chunk=prefill_chunk, sessions_dir=sessions_dir,
-                          persist=persist, disk_cache_gb=disk_cache_gb, store_dir=store)
+                          persist=persist, disk_cache_gb=disk_cache_gb, store_dir=store,
+                          chat_template=chat_template)
 
 
 def _option_family(

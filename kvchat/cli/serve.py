@@ -112,6 +112,11 @@ def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_t
         runtime = Runtime.open(options)
         web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens,
                          auth=access.auth)
+        if not runtime.engine.codec.has_template:
+            stderr().print(f"[yellow]{escape(runtime.model_label)} has no chat template: "
+                           "/v1/chat/completions answers 400 (start with --chat-template to "
+                           "set one); /v1/completions and /generate send plain text.[/yellow]",
+                           soft_wrap=True)
         if access.token_line:  # once, unwrapped, so that it can be copied
             stderr().print(escape(access.token_line), soft_wrap=True, highlight=False)
         log_to_stderr()

@@ -105,6 +105,11 @@ def verify(
     engine = Runtime.open(options).engine
     rows = []
     console = stdout()
+    if not engine.codec.has_template:
+        from kvchat.chat_template import NO_TEMPLATE
+
+        console.print(f"[yellow]{escape(options.model or 'The model')} {escape(NO_TEMPLATE)}"
+                      "[/yellow]", soft_wrap=True)
     started = time.perf_counter()
     with console.status("verifying…") as status:
         for i, (label, messages) in enumerate(prompts, 1):

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any
 from kvchat.client.http import Client, ReplyStream, ServerError
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, validate_name
-from kvchat.ui.chat_backend import PinInfo, PinsInfo, Reply, Sessions, TurnDone, TurnFailed
+from kvchat.ui.chat_backend import (
+    PLAIN_LINE,
+    PinInfo,
+    PinsInfo,
+    Reply,
+    Sessions,
+    TurnDone,
+    TurnFailed,
+)
 
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
@@ -95,7 +103,8 @@ class RemoteReply:
         why = result or {}
         return TurnDone(turn, turn.ttft_ms, turn.prefill_ms,
                         turn.prompt_tokens - turn.hit_tokens, rate, source, disk,
-                        str(why.get("miss_detail") or ""), str(why.get("miss_reason") or ""))
+                        str(why.get("miss_detail") or ""), str(why.get("miss_reason") or ""),
+                        str(why.get("miss_label") or why.get("miss_reason") or ""))
 
 
 class RemoteBackend:
@@ -117,8 +126,10 @@ class RemoteBackend:
     def banner_lines(self) -> list[str]:
         stats = self.stats()
         pool = stats.pool
+        plain = self.health.get("chat_template") is False
         return [
             f"model    {self.health.get('model', '?')}",
+            *([PLAIN_LINE] if plain else []),
             f"device   {self.health.get('device', '?')} · {self.health.get('precision', '?')}",
             f"cache    {pool.total_blocks or 0:,} blocks × {pool.block_size} tok · "
             f"policy {stats.policy}",

@@ -26,7 +26,8 @@ def nodes_from_document(tree: Sequence[Mapping[str, Any]]) -> tuple[NodeView, ..
         return NodeView(int(rec["start"]), tuple(int(t) for t in rec["tokens"]),
                         int(rec["n_blocks"]), int(rec.get("max_ref", 0)),
                         tuple(str(o) for o in rec.get("owners", [])), kids,
-                        pinned=bool(rec.get("pinned", False)))
+                        pinned=bool(rec.get("pinned", False)),
+                        disk_blocks=int(rec.get("disk_blocks", 0)))
 
     return tuple(view(rec) for rec in tree)
 

@@ -6,14 +6,21 @@ step at a few batch sizes (once per model and device: the result is kept in the 
 dir), takes the smallest size within 10% of the best throughput measured (one noisy point on a
 busy machine cannot stop the search early), and bounds it so that every row's K/V fits in the
 pool's budget.
+
+A step never gets cheaper with more rows, so a sweep in which fewer rows took clearly longer
+than more rows was disturbed (a busy machine): it is measured again, up to ROUNDS sweeps, each
+size keeping its fastest time; one still noisy is used for this run only and not kept, and a
+noisy measurement found in the cache dir (from an older kvchat) is measured again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import statistics
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +33,11 @@ from kvchat.engine.past import past_kv, wrap_past
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 NEAR_BEST = 0.90  # the smallest size reaching this share of the best tokens per second
 CONTEXT = 64  # tokens of context per row while measuring
+NOISE = 1.3  # fewer rows measured this much slower than more rows: the sweep was disturbed
+ROUNDS = 3  # sweeps at most, until one is not noisy
+MEASURING = ("Measuring decode steps at 1 to 64 rows for --batch-size auto (once per model and "
+             "device)…")
+Status = Callable[[str], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -35,16 +47,40 @@ class BatchChoice:
     best: int  # the size the measurement alone picks
     bound: int  # the most rows whose K/V fit the pool budget
     reused: bool  # the measurement came from the cache dir
+    noisy: bool = False  # still noisy after ROUNDS sweeps: used for this run, not kept
 
     def describe(self) -> str:
         source = "measured earlier" if self.reused else "measured now"
+        if self.noisy:
+            source += ", noisy: not kept, measured again next run"
         limit = f", bounded by the pool to {self.bound}" if self.bound < self.best else ""
         return f"{self.size} (auto: {source}{limit})"
 
 
+def noisy(measured: dict[int, float]) -> bool:
+    """A sweep in which some batch size took NOISE times longer than a larger one."""
+    sizes = sorted(measured)
+    return any(measured[small] > NOISE * measured[big]
+               for i, small in enumerate(sizes) for big in sizes[i + 1:])
+
+
+def measure_settled(runner: ModelRunner, sizes: tuple[int, ...] = SIZES
+                    ) -> tuple[dict[int, float], bool]:
+    """Sweeps until the step times are consistent (at most ROUNDS), each size keeping its
+    fastest time; returns them and whether they are still noisy."""
+    best: dict[int, float] = {}
+    for _ in range(ROUNDS):
+        sweep = measure_steps(runner, sizes)
+        best = {size: min(best.get(size, seconds), seconds) for size, seconds in sweep.items()}
+        if not noisy(best):
+            return best, False
+    return best, True
+
+
 def measure_steps(runner: ModelRunner, sizes: tuple[int, ...] = SIZES,
                   repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one decode forward for each batch size, after CONTEXT tokens."""
+    """Fastest seconds of one decode forward for each batch size, after CONTEXT tokens (the
+    fastest of a few: a disturbance only ever adds time)."""
     ids = torch.randint(3, 200, (1, CONTEXT), device=runner.device)
     with torch.inference_mode():
         past = runner.past()
@@ -62,7 +98,7 @@ def measure_steps(runner: ModelRunner, sizes: tuple[int, ...] = SIZES,
                 runner.model(input_ids=step, past_key_values=batch, use_cache=True,
                              logits_to_keep=1)
                 times.append(time.perf_counter() - started)
-            out[size] = statistics.median(times)
+            out[size] = min(times)
     return out
 
 
@@ -75,20 +111,27 @@ def best_size(measured: dict[int, float]) -> int:
 
 
 def choose_batch_size(runner: ModelRunner, key: str, remember: Path | None,
-                      pool_tokens: int, seq_tokens: int) -> BatchChoice:
-    """The batch size for this model and device (measured once, kept in `remember`), bounded so
-    that `size` rows of `seq_tokens` tokens each fit in `pool_tokens`."""
+                      pool_tokens: int, seq_tokens: int, status: Status | None = None
+                      ) -> BatchChoice:
+    """The batch size for this model and device (measured once, kept in `remember` unless
+    noisy), bounded so that `size` rows of `seq_tokens` tokens each fit in `pool_tokens`.
+    `status(message)` is shown while measuring (a spinner)."""
     saved = _load(remember)
     measured = {int(k): float(v) for k, v in saved.get(key, {}).items()}
-    reused = bool(measured)
+    reused, still_noisy = bool(measured) and not noisy(measured), False
     if not reused:
-        measured = measure_steps(runner)
-        if remember is not None:
+        with (status or _quiet)(MEASURING):
+            measured, still_noisy = measure_settled(runner)
+        if remember is not None and not still_noisy:
             saved[key] = {str(k): v for k, v in measured.items()}
             _save(remember, saved)
     best = best_size(measured)
     bound = max(1, pool_tokens // max(1, min(seq_tokens, runner.max_context)))
-    return BatchChoice(min(best, bound), measured, best, bound, reused)
+    return BatchChoice(min(best, bound), measured, best, bound, reused, still_noisy)
+
+
+def _quiet(message: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 def _load(path: Path | None) -> dict[str, Any]:

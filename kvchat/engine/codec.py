@@ -1,9 +1,20 @@
-"""Text <-> token ids for one model: chat templating, encoding, decoding, end-of-sequence ids."""
+"""Text <-> token ids for one model: chat templating, encoding, decoding, end-of-sequence ids.
+
+A model without a chat template (a base model) gets kvchat's plain-text format instead
+(`kvchat.chat_template`): a single prompt as it is, a conversation as "User: ..." paragraphs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from kvchat.chat_template import TRANSCRIPT_STOPS, own_template, single_prompt, transcript
+from kvchat.errors import KvchatError
+
+
+class ChatTemplateError(KvchatError):
+    """The chat template refused a conversation; the message says what it said."""
 
 
 class ChatCodec:
@@ -15,16 +26,67 @@ class ChatCodec:
             if ids is not None:
                 eos.update([ids] if isinstance(ids, int) else ids)
         self.eos_ids = frozenset(eos)
+        # the chat template in use: the model's own, or --chat-template's; None: plain text
+        self.template: str | None = own_template(tokenizer)
+        self.start_text = self._start_text()
+
+    @property
+    def has_template(self) -> bool:
+        return self.template is not None
+
+    def use_template(self, template: str | None) -> None:
+        """Write conversations with `template` from now on (None: the plain-text format)."""
+        self.template = template
+
+    def _start_text(self) -> str:
+        """What the tokenizer puts before any text it encodes (a BOS token, for Llama or
+        Gemma; nothing for GPT-2), as text: plain prompts start with it, as templates do."""
+        bare = self.encode("a")
+        full = list(self.tokenizer("a")["input_ids"])
+        extra = len(full) - len(bare)
+        if extra <= 0 or full[extra:] != bare:
+            return ""
+        return self.decode(full[:extra], skip_special_tokens=False)
 
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
-        return str(
-            self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        """The conversation as the chat template writes it (or as plain-text paragraphs).
+        Raises ChatTemplateError when the template refuses it (e.g. roles that do not
+        alternate)."""
+        from jinja2 import TemplateError
+
+        if self.template is None:
+            return self.start_text + transcript(messages, add_generation_prompt)
+        try:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                    chat_template=self.template,
+                )
             )
-        )
+        except (TemplateError, ValueError) as exc:
+            raise ChatTemplateError(f"The model's chat template cannot write this "
+                                    f"conversation: {exc}") from None
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A conversation's prompt ids; without a template, a lone user message is sent as it
+        is (plain completion)."""
+        alone = single_prompt(messages) if self.template is None else None
+        if alone is not None:
+            return self.encode_prompt(alone)
         return self.encode(self.render_chat(messages, add_generation_prompt=True))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain prompt's ids, as /v1/completions sends it: the tokenizer's start (BOS)
+        and the text."""
+        return self.encode(self.start_text + text)
+
+    def turn_stops(self, messages: Sequence[dict[str, str]], session: bool = False
+                   ) -> tuple[str, ...]:
+        """Stop strings a reply to `messages` needs: in the plain-text format (a session's
+        turns always use it), a model goes on to write the user's next line itself."""
+        if self.template is None and (session or single_prompt(messages) is None):
+            return TRANSCRIPT_STOPS
+        return ()
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -414,6 +414,8 @@ class Engine:
             seq.kv = None
             seq.error = error
             seq.result = None if was_waiting else seq.result_of(self.codec.decode, seq.stored)
+            if seq.unsent():  # held back as a possible stop string, then interrupted
+                seq.emit(TextDelta(seq.unsent()))
             seq.emit(Finished(seq.result, error))
 
     def _fail(self, seq: Sequence, error: Exception) -> None:

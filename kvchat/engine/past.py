@@ -82,9 +82,11 @@ class _ReservedLayer(DynamicLayer):
         self._k[:, :, start:end] = key_states
         self._v[:, :, start:end] = value_states
         self._len = end
-        if self._k.shape[0] == 1:
-            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
-        return self.keys, self.values
+        keys, values = self._k, self._v
+        if keys.shape[0] == 1:
+            keys, values = keys[:, :, :end], values[:, :, :end]
+        self.keys, self.values = keys, values
+        return keys, values
 
     def get_seq_length(self) -> int:
         return self._len

@@ -34,6 +34,8 @@ class Request:
     sid: str | None = None  # session name, for per-session cache counters
     record_logits: bool = False  # keep every step's logits row (kvchat verify)
     namespace: str = ""  # cache namespace: entries of one are never a hit in another
+    own_from: int = 0  # where the request's own text starts (after a history / system prompt)
+    after_history: bool = False  # own_from ends a session's history (else a shared head)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class GenerationResult:
     miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.cache.explain`) | off
     diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
     miss_detail: str = ""  # one line for people (`Explanation.describe`)
+    miss_label: str = "off"  # miss_reason as people read it: new, shared prefix (`label`), ...
     draft_tokens: int = 0  # tokens the cache proposed as drafts (`kvchat.cache.drafts`)
     draft_accepted: int = 0  # of those, the ones verification kept
     decode_forwards: int = 0  # decode forwards this request took part in
@@ -90,7 +93,7 @@ class Sequence:
         self.status = Status.WAITING
         self.cancel_event = threading.Event()
         self.generated: list[int] = []
-        self.text = ""
+        self.text = ""  # what was emitted as deltas so far
         self.finish_reason = "length"
         self.result: GenerationResult | None = None
         self.error: Exception | None = None
@@ -188,24 +191,31 @@ class Sequence:
             self.stop("stop")
         elif len(self.generated) >= params.max_new_tokens or self.length >= max_context:
             self.stop("length")
-        # hold back half a UTF-8 character until the next token completes it (or we stop)
+        # hold back half a UTF-8 character until the next token completes it (or we stop),
+        # and text that may be the start of a stop string (cut, if the string completes)
         if self._stopped or not new_text.endswith("\ufffd"):
-            delta, self.text = new_text[len(self.text) :], new_text
+            upto = len(new_text) - (0 if self._stopped else _stop_start(new_text, params.stop))
+            delta, self.text = new_text[len(self.text) : upto], new_text[:upto]
             return delta
         return ""
+
+    def unsent(self) -> str:
+        """Text of the result not yet emitted as a delta: what was held back as a possible
+        stop string when the sequence ended another way (an interrupt)."""
+        text = self.result.text if self.result is not None else ""
+        return text[len(self.text) :] if text.startswith(self.text) else ""
 
     # ---- the end ----
 
     def result_of(self, decode: Decode, stored: int) -> GenerationResult:
         n = len(self.prompt_ids)
-        if not self._cut_at_stop:
-            self.text = decode(self.generated)
+        text = self.text if self._cut_at_stop else decode(self.generated)  # self.text: sent
         t_end = time.perf_counter()
         t0 = self.t0 or self.t_submit
         decode_s = t_end - self.t_first if self.t_first else 0.0
         source = self.lookup.source.value if self.lookup is not None else "off"
         return GenerationResult(
-            text=self.text,
+            text=text,
             token_ids=list(self.generated),
             prompt_tokens=n,
             cache_hit_tokens=self.matched,
@@ -230,8 +240,15 @@ class Sequence:
         if why is None:
             return {}
         return {"miss_reason": why.reason.value, "diverged_at": why.diverged_at,
-                "miss_detail": why.describe(self.prompt_ids, decode)}
+                "miss_detail": why.describe(self.prompt_ids, decode),
+                "miss_label": why.label(self.request.own_from, self.request.after_history)}
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.value}, prompt={len(self.prompt_ids)}, "
                 f"generated={len(self.generated)})")
+
+
+def _stop_start(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of `text` begin one of `stops` (0 when none do)."""
+    return max((n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1)
+                if text.endswith(stop[:n])), default=0)

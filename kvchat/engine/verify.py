@@ -1,9 +1,11 @@
 """Cached vs uncached equivalence on a real model: what `kvchat verify` reports.
 
-For each prompt: a cold run with the cache off, then warm runs through the cache - after caching
-the first half of the prompt (a radix hit) and again (an exact repeat, whose reply the cache then
-drafts) - compared token by token and logit by logit. Greedy decoding, so any difference is a
-cache bug or a float tie.
+For each prompt, on its own (the cache is emptied first, so an earlier prompt's blocks never
+make the hit larger than it says): a cold run with the cache off, then warm runs through the
+cache - after caching the first half of the prompt (a radix hit) and again (an exact repeat, whose
+reply the cache then drafts) - compared token by token and logit by logit, and the cold run
+against transformers' own `generate`. Greedy decoding, so any difference is a cache bug or a
+float tie.
 
 How close is close depends on the precision: float32 runs agree to ~1e-5 here, while bfloat16
 activations (and so int8 / int4 weights) round each logit to 8 significant bits, and a prompt
@@ -98,6 +100,7 @@ def verify_prompt(engine: Engine, prompt_ids: Sequence[int], label: str, max_new
         raise ValueError("verify needs an engine with a cache")
     ids = list(prompt_ids)
     precision = engine.runner.precision
+    engine.cache.clear()
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     cold = engine.without_cache().generate(Request(ids, greedy, record_logits=True))
     half = ids[: max(1, len(ids) // 2)]

@@ -13,6 +13,7 @@ from kvchat import __version__
 from kvchat.runtime import Runtime
 from kvchat.server import (
     cache_api,
+    completions,
     metrics,
     moves_api,
     native,
@@ -61,6 +62,7 @@ def create_app(
     app.state.server = ServerState(worker, TenantSessions(worker.store),
                                    Preparer(worker.engine, max_tokens), gate)
     add_error_handlers(app)
-    for api in (native, openai, cache_api, pins_api, sessions_api, moves_api, metrics):
+    for api in (native, openai, completions, cache_api, pins_api, sessions_api, moves_api,
+                metrics):
         app.include_router(api.router)
     return app

@@ -98,5 +98,6 @@ def tree_json(worker: EngineWorker, tree: CacheTree, tenant: Tenant, session: st
     if not tenant.admin:  # local paths are the operator's business
         fingerprint["model"] = snapshot["model_label"] = worker.info.model_id
         snapshot["path"] = snapshot["tokenizer_file"] = None
+    disk = worker.disk_tier() if tenant.admin else None  # the store holds every tenant's
     return cv.inspect_document(fingerprint, snapshot, view.stats, view.nodes, view.exact,
-                               decode, depth, session)
+                               decode, depth, session, disk)

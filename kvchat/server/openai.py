@@ -54,7 +54,8 @@ class Chunks:
 def extension(result: GenerationResult, job: PinJob | None) -> dict[str, Any]:
     """kvchat's own fields of a chat completion, under "kvchat" (OpenAI clients ignore
     unknown fields): why the cached prefix ended where it did, and the pin asked for."""
-    doc: dict[str, Any] = {"miss_reason": result.miss_reason, "diverged_at": result.diverged_at,
+    doc: dict[str, Any] = {"miss_reason": result.miss_reason, "miss_label": result.miss_label,
+                           "diverged_at": result.diverged_at,
                            "miss_detail": result.miss_detail,
                            "cache_hit_tokens": result.cache_hit_tokens}
     if job is not None and job.outcome is not None:

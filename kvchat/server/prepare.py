@@ -14,13 +14,16 @@ from kvchat.engine.engine import Engine
 from kvchat.errors import KvchatError
 from kvchat.server.auth import TENANTS_DIR, Tenant
 from kvchat.server.errors import ApiError
-from kvchat.server.schemas import ChatCompletionBody, GenerateBody
+from kvchat.server.schemas import ChatCompletionBody, CompletionBody, GenerateBody
 from kvchat.sessions import Session, SessionStore, private_dir
 from kvchat.turns import PreparedTurn, merge_params, prepare_turn
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+NO_CHAT_TEMPLATE = ("This model has no chat template, so its messages cannot be written as a "
+                    "prompt. Send a plain prompt to /v1/completions (or /generate), or start "
+                    "kvchat serve with --chat-template FILE|NAME.")
 # The OpenAI API maps "developer" onto what chat templates call "system".
 _OPENAI_ROLES = {"developer": "system"}
 
@@ -116,9 +119,29 @@ class Preparer:
         return self._checked(prepare_turn(self.engine.codec, messages, p, session, body.system))
 
     def chat(self, body: ChatCompletionBody) -> PreparedTurn:
-        """POST /v1/chat/completions: OpenAI's default temperature is 1."""
+        """POST /v1/chat/completions: OpenAI's default temperature is 1. A model without a
+        chat template cannot have messages written as a prompt (vLLM refuses it too)."""
+        if not self.engine.codec.has_template:
+            raise ApiError(400, "invalid_request_error", NO_CHAT_TEMPLATE)
         p = self.params(body.max_completion_tokens or body.max_tokens, body.temperature, 1.0,
                         body.top_p, None, body.seed, body.stop)
         messages = [{"role": _OPENAI_ROLES.get(m.role, m.role), "content": m.text()}
                     for m in body.messages]
         return self._checked(prepare_turn(self.engine.codec, messages, p))
+
+    def completion(self, body: CompletionBody) -> PreparedTurn:
+        """POST /v1/completions: the prompt as it is (after the tokenizer's BOS, as the
+        tokenizer adds it), or its token ids; OpenAI's default temperature is 1."""
+        p = self.params(body.max_tokens, body.temperature, 1.0, body.top_p, None, body.seed,
+                        body.stop)
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(
+            body.prompt[0], str) else body.prompt
+        if isinstance(prompt, str):
+            ids = self.engine.codec.encode_prompt(prompt)
+        else:
+            vocab = len(self.engine.codec.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ApiError(400, "invalid_request_error",
+                               f"prompt token ids must be in [0, {vocab:,}).")
+            ids = [int(t) for t in prompt]
+        return self._checked(PreparedTurn(ids, p))

@@ -107,6 +107,36 @@ class ChatCompletionBody(BaseModel):
     pin: PinOption = None  # kvchat's own: the reply's "kvchat" object reports it
 
 
+class CompletionBody(BaseModel):
+    """POST /v1/completions: a plain prompt (text, or token ids), with any model, chat
+    template or not. Other OpenAI fields are accepted and ignored, as for chat completions."""
+
+    model_config = ConfigDict(strict=True)
+    model: str | None = None
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=1)
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionBody:
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) \
+                and len(self.prompt) > 1:
+            raise ValueError("one prompt per request (a list of several is not supported)")
+        if self.echo:
+            raise ValueError("echo is not supported")
+        return self
+
+
 class PinBody(BaseModel):
     """POST /cache/pin: what to pin, given as a request would send it or as a session's
     history so far."""

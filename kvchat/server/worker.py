@@ -296,6 +296,16 @@ class EngineWorker:
 
         return self.call(read)
 
+    def disk_tier(self) -> dict[str, Any] | None:
+        """The disk tier's files (any thread: the store locks itself), as `tiers_json` lists
+        them; None without a tier."""
+        store = self.runtime.disk
+        if store is None:
+            return None
+        st = store.stats()
+        return {"blocks": st.blocks, "bytes": st.bytes, "budget_bytes": st.budget_bytes,
+                "path": str(self.runtime.options.store_path)}
+
     def tree(self) -> Future[CacheTree]:
         def read() -> CacheTree:
             cache = self.runtime.cache

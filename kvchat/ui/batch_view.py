@@ -47,9 +47,21 @@ def estimated_saving_ms(results: Sequence[ItemResult]) -> float | None:
     return per_token * sum(r.cache_hit_tokens for r in done)
 
 
+def max_tokens_note(default: int, own: Sequence[int | None]) -> str:
+    """How long the replies were allowed to be: --max-tokens, and the lines whose own
+    max_tokens won over it, said plainly so that nothing is overridden silently."""
+    given = sorted(n for n in own if n is not None)
+    if not given:
+        return f"{default:,} (--max-tokens)"
+    values = f"{given[0]:,}" if given[0] == given[-1] else f"{given[0]:,}–{given[-1]:,}"
+    rest = len(own) - len(given)
+    head = f"{default:,} (--max-tokens) for {rest:,} line(s); " if rest else ""
+    return f"{head}{len(given):,} line(s) set their own, which wins: {values}"
+
+
 def summary_table(
     p: BatchProgress, results: Sequence[ItemResult], parse_errors: int, stats: CacheStats | None,
-    wall_s: float, batch_size: str | None = None,
+    wall_s: float, batch_size: str | None = None, max_tokens: str | None = None,
 ) -> Table:
     done = [r.result for r in results if r.result is not None]
     prompt = sum(r.prompt_tokens for r in done)
@@ -69,6 +81,8 @@ def summary_table(
     t.add_row("wall time", f"{wall_s:,.1f} s")
     if batch_size is not None:
         t.add_row("batch size", batch_size)
+    if max_tokens is not None:
+        t.add_row("max tokens", max_tokens)
     if stats is not None:
         t.add_row("evictions", f"{stats.eviction_count:,}")
         pool = stats.pool

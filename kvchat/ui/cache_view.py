@@ -32,9 +32,10 @@ class SnapshotFormatError(ValueError):
 
 @dataclass(frozen=True)
 class NodeView:
-    """One radix-tree node: its edge tokens, how many pool blocks hold them, the highest
-    reference count among those blocks (requests reading them now), the sessions whose
-    sequences pass through it, and the cache namespace it belongs to (its children share it)."""
+    """One radix-tree node: its edge tokens, how many pool blocks hold them (and how many of
+    its blocks are only in the disk tier), the highest reference count among the pool blocks
+    (requests reading them now), the sessions whose sequences pass through it, and the cache
+    namespace it belongs to (its children share it)."""
 
     start: int
     tokens: tuple[int, ...]
@@ -44,6 +45,7 @@ class NodeView:
     children: tuple[NodeView, ...] = ()
     namespace: str = ""
     pinned: bool = False  # holds blocks of a pinned prefix: eviction never takes them
+    disk_blocks: int = 0  # blocks of the edge only on disk (loaded back when a prompt hits)
 
     @property
     def n_tokens(self) -> int:
@@ -107,6 +109,7 @@ def nodes_from_cache(cache: PagedKVCache) -> tuple[NodeView, ...]:
             children=kids,
             namespace=node.namespace,
             pinned=any(cache.pins.holds(b.block_id) for b in node.blocks),
+            disk_blocks=node.on_disk,
         )
 
     tops = [c for root in cache.tree.roots.values() for c in root.child_list()]
@@ -342,6 +345,7 @@ def tree_json(
             "start": node.start,
             "n_tokens": node.n_tokens,
             "n_blocks": node.blocks,
+            "disk_blocks": node.disk_blocks,
             "max_ref": node.max_ref,
             "owners": list(node.owners),
             "pinned": node.pinned,

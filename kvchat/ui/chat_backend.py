@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvchat.errors import KvchatError
 
+# the banner's line for a model without a chat template (`kvchat.chat_template`)
+PLAIN_LINE = ("template none: plain text, 'User:' / 'Assistant:' paragraphs "
+              "(--chat-template sets one)")
+
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
@@ -36,6 +40,7 @@ class TurnDone(NamedTuple):
     disk_hit_tokens: int = 0  # of the turn's hit tokens, those loaded back from disk
     miss_detail: str = ""  # why the cached prefix ended where it did (`kvchat.cache.explain`)
     miss_reason: str = ""
+    miss_label: str = ""  # the reason as people read it (`Explanation.label`)
 
 
 class PinInfo(NamedTuple):
@@ -142,7 +147,7 @@ class LocalReply:
         assert turn is not None
         return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
                         result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens,
-                        result.miss_detail, result.miss_reason)
+                        result.miss_detail, result.miss_reason, result.miss_label)
 
 
 class LocalBackend:
@@ -164,6 +169,7 @@ class LocalBackend:
         pool = rt.cache.manager.stats()
         lines = [
             f"model    {rt.model_label}",
+            *([] if rt.engine.codec.has_template else [PLAIN_LINE]),
             f"device   {rt.engine.device} · {rt.engine.runner.precision_label}",
             f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
             f"policy {rt.cache.policy.name}",

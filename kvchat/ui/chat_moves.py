@@ -48,6 +48,7 @@ class ConversationMoves:
     _say: Callable[..., None]
     _decode: Callable[[Sequence[int]], str]
     _enter: Callable[[Session], None]
+    _save_session: Callable[[], None]
     console: Console
 
     def turn(self, text: str, params: SamplingParams | None = None) -> None:
@@ -70,11 +71,12 @@ class ConversationMoves:
         if len(s.turns) != len(saved.turns):  # the retry did not run: keep the old turn
             s.messages[:], s.tokens[:], s.turns[:] = saved.messages, saved.tokens, saved.turns
             return
-        again = s.tokens[s.turns[-1].prompt_tokens:]
-        hit = "an exact hit, no prefill" if s.turns[-1].source == "exact" else \
-            f"{s.turns[-1].hit_tokens:,} of {s.turns[-1].prompt_tokens:,} tokens cached"
-        same = "identical" if again == before else "different"
+        now = s.turns[-1]
+        again = s.tokens[now.prompt_tokens:]
+        hit = "an exact hit, no prefill" if now.source == "exact" else \
+            f"{now.hit_tokens:,} of {now.prompt_tokens:,} tokens cached"
         how = "at temperature 0" if self.params.greedy else "with a new seed"
+        same = compare_replies(before, last.finish_reason, again, now.finish_reason)
         self._say(f"Retried: the prompt was {hit}; {how} the reply is {same}.", "dim")
 
     def _rewind(self, arg: str) -> None:
@@ -99,7 +101,7 @@ class ConversationMoves:
         name = validate_name(arg)
         if self.store.exists(name):
             raise SessionError(f"A session {name!r} exists already; fork under another name.")
-        self.store.save(self.session)
+        self._save_session()
         fork = self.session.fork(name)
         self.store.save(fork)
         self._say(f"Forked {self.session.name} into {name}: {len(fork.tokens):,} tokens of "
@@ -155,6 +157,19 @@ class ConversationMoves:
         for p in info.pins:
             t.add_row(p.label, f"{p.tokens:,}", f"{p.blocks:,}")
         self.console.print(t)
+
+
+def compare_replies(before: Sequence[int], before_end: str, again: Sequence[int],
+                    again_end: str) -> str:
+    """How a retried reply compares with the one it replaced; a reply stopped early is the
+    other's beginning, not a different reply."""
+    if list(again) == list(before):
+        return "identical"
+    if before_end == "interrupted" and list(again[: len(before)]) == list(before):
+        return "the same as the stopped one, this time not stopped"
+    if again_end == "interrupted" and list(before[: len(again)]) == list(again):
+        return "the same as before, up to where this one was stopped"
+    return "different"
 
 
 def branches_table(session: Session, rows: Sequence[Branch],

@@ -234,7 +234,7 @@ class Chat(ConversationMoves):
 
     def _after_turn(self, done: TurnDone) -> None:
         turn = done.turn
-        self._saving(lambda: self.store.save(self.session))
+        self._saving(self._save_session)
         self._turns_since_snapshot += 1
         if self._turns_since_snapshot >= self.save_every and self.backend.owns_cache:
             self._saving(self.save_snapshot)
@@ -254,6 +254,7 @@ class Chat(ConversationMoves):
             saved_ms=views.estimate_saved_ms(turn.hit_tokens, rate),
             disk_hit_tokens=done.disk_hit_tokens,
             miss=done.miss_detail if done.miss_reason not in ("", "hit", "off") else "",
+            miss_label=done.miss_label,
         )
         if self.panels != "off":
             self.console.print(
@@ -296,8 +297,15 @@ class Chat(ConversationMoves):
         self.backend.save_snapshot()
         self._turns_since_snapshot = 0
 
+    def _save_session(self) -> None:
+        """Write the session's file, unless it is new and nothing happened in it: opening
+        `kvchat chat` and quitting leaves no empty chat-N behind."""
+        s = self.session
+        if s.turns or s.messages or s.tokens or s.system or s.name in self.store.names():
+            self.store.save(s)
+
     def save_all(self, snapshot: bool = True) -> bool:
-        session = self._saving(lambda: self.store.save(self.session))
+        session = self._saving(self._save_session)
         return self._saving(self.save_snapshot) and session if snapshot else session
 
     def _saving(self, save: Callable[[], object]) -> bool:
@@ -350,12 +358,12 @@ class Chat(ConversationMoves):
         if name == self.session.name:
             self._say(f"Already in session {name}.")
             return
-        self.store.save(self.session)
+        self._save_session()
         self._enter(self.store.open(name))
 
     def _new(self, arg: str) -> None:
-        self.store.save(self.session)
-        self._enter(Session(next_session_name(self.store.names())))
+        self._save_session()
+        self._enter(Session(next_session_name([*self.store.names(), self.session.name])))
 
     def _enter(self, session: Session) -> None:
         self.session = session
@@ -363,7 +371,7 @@ class Chat(ConversationMoves):
 
     def _reset(self, arg: str) -> None:
         self.session.reset()
-        self.store.save(self.session)
+        self._save_session()
         self._say(f"Session {self.session.name} starts over; the shared cache is kept.")
 
     def _clear_cache(self, arg: str) -> None:
@@ -377,7 +385,7 @@ class Chat(ConversationMoves):
                       else "No system prompt (the chat template's default applies).")
             return
         self.session.system = None if arg == "-" else arg
-        self.store.save(self.session)
+        self._save_session()
         self._say(
             "System prompt " + ("cleared" if arg == "-" else "set") + ". The next turn starts "
             "from a changed beginning, so only the unchanged part of the history is a hit."

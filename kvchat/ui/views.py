@@ -1,7 +1,7 @@
 """Rich renderables for kvchat's terminal output: pure functions of plain data.
 
-Everything the chat REPL and `kvchat inspect` print is built here (`kvchat verify`'s tables
-are in `verify_view`), from the
+Everything the chat REPL prints is built here (`kvchat inspect`'s text is in `inspect_view`,
+`kvchat verify`'s tables in `verify_view`), from the
 plain views in `cache_view` and small dataclasses; nothing here touches a model or torch, so each
 view is tested by rendering it to text. Every view fits an 80-column terminal; the per-turn panels
 come in three sizes (`/panels off|compact|full`), compact being one line per panel.
@@ -25,7 +25,6 @@ from rich.tree import Tree
 from kvchat.cache.stats import CacheStats, ratio
 from kvchat.ui.cache_view import (
     Decode,
-    ExactView,
     NodeView,
     distinct_offsets,
     distinct_preview,
@@ -98,6 +97,7 @@ class TurnView:
     saved_ms: float | None  # estimated prefill time the hit tokens saved
     disk_hit_tokens: int = 0  # of hit_tokens, those loaded back from the disk tier
     miss: str = ""  # why the cached prefix ended where it did, when not a full hit
+    miss_label: str = ""  # the reason as people read it: "new", "shared prefix", "cold", ...
 
     @property
     def computed_tokens(self) -> int:
@@ -108,15 +108,17 @@ class TurnView:
         return ratio(self.hit_tokens, self.prompt_tokens)
 
 
+RATE_MIN_TOKENS = 32  # shorter prefills measure mostly a forward pass's fixed cost
+
+
 def prefill_rate(samples: Iterable[tuple[int, float]]) -> float | None:
     """Milliseconds per prompt token, from (computed tokens, prefill ms) of turns that ran a
-    prefill: the largest one (the latest of equals), since a short prefill measures mostly the
-    fixed cost of a forward pass rather than the cost per token."""
-    best: tuple[int, float] | None = None
-    for n, t in samples:
-        if n > 0 and t > 0 and (best is None or n >= best[0]):
-            best = (n, t)
-    return None if best is None else best[1] / best[0]
+    prefill: the fastest of those that computed at least RATE_MIN_TOKENS tokens (else of all).
+    A prefill slowed by a busy moment says nothing about what the hit tokens would cost, and
+    the fastest rate keeps the estimate of time saved from overstating it."""
+    timed = [(n, t) for n, t in samples if n > 0 and t > 0]
+    long_enough = [(n, t) for n, t in timed if n >= RATE_MIN_TOKENS] or timed
+    return min((t / n for n, t in long_enough), default=None)
 
 
 def estimate_saved_ms(hit_tokens: int, rate: float | None) -> float | None:
@@ -146,7 +148,12 @@ def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
     disk = t.disk_hit_tokens
     if disk:  # the hit came (partly) from the disk tier: say how much
         lines.insert(2, f"memory {t.hit_tokens - disk:,} tok · disk {disk:,} tok")
-    if t.miss:
+    if t.miss_label == "new":  # ordinary: the history was cached, the new message is not
+        lines.append(f"new {t.computed_tokens:,} tok: this turn's message, not seen before")
+    elif t.miss_label == "shared prefix":
+        lines.append(f"shared prefix {t.hit_tokens:,} tok, as earlier conversations began; "
+                     "then new")
+    elif t.miss:
         lines.append(f"why {t.miss}")
     return Panel(
         Text("\n".join(lines)), title=f"turn {t.number} · cache", title_align="left",
@@ -176,7 +183,8 @@ def pool_panel(stats: CacheStats, mode: str = "full") -> RenderableType:
         bar(pool.utilisation or 0.0),
         f"{free} · evictions {s.eviction_count:,}",
         f"hit rate {pct(s.hit_rate)} ({pct(s.token_hit_rate)} of tokens)",
-        f"cached {s.tree_tokens:,} tok in {plural(s.tree_nodes, 'node')}",
+        f"cached {s.tree_tokens:,} tok in {plural(s.tree_nodes, 'node')}"
+        + (f" · {s.disk_tokens:,} on disk" if s.disk_tokens else ""),
     ]
     return Panel(
         Text("\n".join(lines)), title=f"block pool · {s.policy}", title_align="left",
@@ -194,12 +202,21 @@ def _owners(owners: Sequence[str], limit: int = 2) -> str:
     return shown + (f" +{len(owners) - limit}" if len(owners) > limit else "")
 
 
+def blocks_label(node: NodeView) -> str:
+    """A node's blocks by tier: "3 blk", "2 blk on disk", "1 blk + 2 on disk"."""
+    if not node.disk_blocks:
+        return f"{node.blocks:,} blk"
+    if not node.blocks:
+        return f"{node.disk_blocks:,} blk on disk"
+    return f"{node.blocks:,} blk + {node.disk_blocks:,} on disk"
+
+
 def node_label(
     node: NodeView, decode: Decode | None, highlight: str | None = None, shared: int = 0
 ) -> Text:
     """Counts, then a preview of the edge's text after the `shared` tokens it has in common
     with a sibling (siblings can share the head of the block they branch in)."""
-    label = Text(f"{node.n_tokens:,} tok · {node.blocks:,} blk · ref {node.max_ref} ")
+    label = Text(f"{node.n_tokens:,} tok · {blocks_label(node)} · ref {node.max_ref} ")
     if node.pinned:
         label.append("pinned ", style="bold magenta")
     label.append(f'"{distinct_preview(node.tokens, shared, decode)}"', style="cyan")
@@ -366,58 +383,3 @@ def sessions_table(rows: Sequence[SessionRow]) -> RenderableType:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated))
         table.add_row("*" if r.current else "", r.name, str(r.turns), when)
     return table
-
-
-# ---- inspect -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SnapshotFacts:
-    path: str
-    model: str
-    dtype: str
-    saved_at: float | None
-
-
-def exact_table(entries: Sequence[ExactView], decode: Decode | None, limit: int = 10) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, title=f"exact index · {len(entries):,} entries",
-                  title_justify="left")
-    table.add_column("tokens", justify="right")
-    table.add_column("blocks", justify="right")
-    table.add_column("logits")
-    table.add_column("what sets it apart")
-    shared = distinct_offsets([e.tokens for e in entries])
-    newest_first = list(reversed(list(zip(entries, shared, strict=True))))  # oldest are first
-    for e, s in newest_first[:limit]:
-        table.add_row(f"{len(e.tokens):,}", f"{e.blocks:,}", "yes" if e.has_logits else "no",
-                      Text(distinct_preview(e.tokens, s, decode, 30)))
-    if len(entries) > limit:
-        table.add_row("…", "", "", Text(f"{len(entries) - limit:,} more (--json lists all)"))
-    return table
-
-
-def inspect_view(
-    facts: SnapshotFacts,
-    stats: CacheStats,
-    nodes: Sequence[NodeView],
-    exact: Sequence[ExactView],
-    decode: Decode | None,
-    depth: int,
-    max_children: int,
-    session: str | None = None,
-) -> RenderableType:
-    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(facts.saved_at))
-            if facts.saved_at else "unknown")
-    head = Text(
-        f"snapshot {facts.path}\nsaved {when} · {facts.model} · {facts.dtype} · "
-        f"block {stats.pool.block_size} tok"
-    )
-    if decode is None:
-        head.append("\n(no tokenizer file recorded: previews show token ids)", style="dim")
-    title = "radix tree" if session is None else f"radix tree (session {session})"
-    parts: list[RenderableType] = [head, pool_panel(stats, "full")]
-    if stats.sessions:
-        parts.append(sessions_counters_table(stats))
-    parts.append(tree_view(nodes, decode, depth, max_children, session, title))
-    parts.append(exact_table(exact, decode))
-    return Group(*parts)
