@@ -202,7 +202,9 @@ class PolicyRow:
 # ---- bench batch ---------------------------------------------------------------------------
 
 GENERATE = "model.generate"  # the reference: plain greedy generate, one request at a time
-PEERS = (GENERATE, "generate_batch")
+LLAMA_SERVER = "llama-server"  # one request at a time, one slot
+LLAMA_SERVER_8 = "llama-server x8"  # 8 requests at once, 8 slots
+PEERS = (GENERATE, "generate_batch", LLAMA_SERVER, LLAMA_SERVER_8)
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,8 @@ class BatchBench:
                 {"name": c.name, "seconds": c.seconds, "prefill_tokens": c.prefill_tokens,
                  "hit_tokens": c.hit_tokens, "reuse": self.reuse(c.name),
                  "identical_outputs": self.identical(c.name),
-                 "speedup_vs": {p: self.speedup(p, c.name) for p in PEERS if p != c.name},
+                 "speedup_vs": {p: self.speedup(p, c.name) for p in PEERS
+                                if p != c.name and self.get(p) is not None},
                  "note": c.note}
                 for c in self.contenders
             ],
@@ -281,6 +284,68 @@ class BatchSuite:
     kinds: tuple[BatchBench, ...]
     torch_threads: int = 0  # batched matmuls slow down sharply when threads outnumber free cores
 
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The peers that ran in this suite, in PEERS order."""
+        return tuple(p for p in PEERS if any(k.get(p) is not None for k in self.kinds))
+
     def as_dict(self) -> dict[str, Any]:
         return {"new_tokens": self.new_tokens, "torch_threads": self.torch_threads,
                 "kinds": [k.as_dict() for k in self.kinds]}
+
+
+# ---- bench decode --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowsRate:
+    rows: int
+    tokens_per_s: float  # all rows together
+
+
+@dataclass(frozen=True)
+class PrecisionDecode:
+    """kvchat at one precision."""
+
+    precision: str
+    step_bytes: int  # weights one decode step reads
+    decode_s_per_token: Timing  # one stream, a fresh prompt
+    rows: tuple[RowsRate, ...]
+    prefill_tps: float  # a fresh prompt of DecodeResult.prefill_tokens
+    repeat_forwards_per_token: float  # a repeated greedy request, drafted from the cache
+    repeat_s_per_token: float
+
+    def rate(self, rows: int) -> float | None:
+        return next((r.tokens_per_s for r in self.rows if r.rows == rows), None)
+
+
+@dataclass(frozen=True)
+class LlamaCppDecode:
+    decode_s_per_token: Timing  # llama-bench tg, 2 threads
+    prefill_tps: float  # llama-bench pp
+    server_rows: tuple[RowsRate, ...]  # llama-server, requests decoding at once
+
+    def rate(self, rows: int) -> float | None:
+        return next((r.tokens_per_s for r in self.server_rows if r.rows == rows), None)
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    context: int  # prompt tokens before decoding
+    new_tokens: int
+    prefill_tokens: int
+    trials: int
+    precisions: tuple[PrecisionDecode, ...]
+    llama_cpp: LlamaCppDecode | None
+
+    def vs_llama(self, precision: str) -> float | None:
+        """kvchat's one-stream ms/token over llama.cpp's: below 1 when kvchat is faster."""
+        mine = next((p for p in self.precisions if p.precision == precision), None)
+        if mine is None or self.llama_cpp is None:
+            return None
+        return mine.decode_s_per_token.median_s / self.llama_cpp.decode_s_per_token.median_s
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = as_json(self, "ms")
+        out["vs_llama_cpp"] = {p.precision: self.vs_llama(p.precision) for p in self.precisions}
+        return out

@@ -24,6 +24,8 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "diverged_at": r.diverged_at,
         "miss_detail": r.miss_detail,
         "finish_reason": r.finish_reason,
+        "draft_tokens": r.draft_tokens,  # tokens the cache proposed (`kvchat.cache.drafts`)
+        "draft_accepted": r.draft_accepted,  # of those, the ones verification kept
         "ttft_ms": round(r.ttft_ms, 2),
         "total_ms": round(r.total_ms, 2),
     }

@@ -80,7 +80,8 @@ def test_batch_json(tiny_model_dir):
     assert k["ideal_prefill_tokens"] <= kv["prefill_tokens"] <= k["ideal_prefill_tokens"] + 4 * 16
     assert kv["prefill_tokens"] + kv["hit_tokens"] == k["prompt_tokens"]
     assert kv["identical_outputs"] == 4 and gen["prefill_tokens"] == k["prompt_tokens"]
-    assert kv["speedup_vs"]["model.generate"] > 0 and kv["speedup_vs"]["generate_batch"] is None
+    # a skipped peer has no speed-up to report
+    assert kv["speedup_vs"]["model.generate"] > 0 and "generate_batch" not in kv["speedup_vs"]
 
 
 def test_batch_all_kinds(tiny_model_dir):
@@ -102,8 +103,9 @@ def test_batch_all_kinds(tiny_model_dir):
                                     "generate,generate_batch", "--new-tokens", "2",
                                     "--model", str(tiny_model_dir)], env={"COLUMNS": "140"})
     assert res.exit_code == 0, res.output
-    for text in ("unaligned", "16 lines", "kvchat:", "generate_batch", "reuse", "ideal", "ref."):
+    for text in ("unaligned", "16 lines", "kvchat:", "reuse", "ideal", "ref."):
         assert text in res.stdout
+    assert "generate_batch" not in res.stdout  # skipped peers get no column
 
 
 def test_batch_rejects_unknown_contender_and_kind(tiny_model_dir):
@@ -227,3 +229,44 @@ def test_batch_table_lists_each_runners_settings_once():
     assert "kvchat: few-shot, repeats: batch_size=8 (auto); unaligned: batch_size=2 (auto)" in text
     assert "model.generate: one request at a time" in text
     assert text.count("1/2") == 3 and text.count("100.0%") == 3 and "4.00x" in text
+
+
+def test_decode_json_per_precision(tiny_model_dir):
+    r = run_json(["decode", "--precisions", "float32,int4", "--rows", "1,3", "--context", "12",
+                  "--new-tokens", "6", "--prefill-tokens", "40", "--trials", "2", "--model",
+                  str(tiny_model_dir)])
+    assert [p["precision"] for p in r["precisions"]] == ["float32", "int4"]
+    f32, int4 = r["precisions"]
+    assert int4["step_bytes"] < f32["step_bytes"] / 3  # packed weights: fewer bytes per step
+    for p in r["precisions"]:
+        t = p["decode_s_per_token"]
+        assert 0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"]
+        assert [row["rows"] for row in p["rows"]] == [1, 3]
+        assert all(row["tokens_per_s"] > 0 for row in p["rows"]) and p["prefill_tps"] > 0
+        # the repeat's reply is drafted: 6 tokens, the first from stored logits, the other 5
+        # verified in one forward
+        assert p["repeat_forwards_per_token"] == pytest.approx(1 / 6)
+    assert r["llama_cpp"] is None and r["vs_llama_cpp"] == {"float32": None, "int4": None}
+
+
+def test_decode_llama_cpp_needs_its_binaries(tiny_gguf, tmp_path):
+    from kvchat import cli
+
+    res = runner.invoke(cli.app, ["bench", "decode", "--llama-cpp", str(tmp_path), "--model",
+                                  str(tiny_gguf), "--trials", "1", "--precisions", "float32"])
+    assert res.exit_code == 2 and "No llama-bench in" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_llama_bench_output_is_read(tmp_path):
+    """llama-bench's JSON (-o json): a pp row and a tg row, as llama.cpp prints them."""
+    from kvchat.bench.llama_cpp import LlamaCpp
+
+    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 281.5}, {"n_prompt": 0, "n_gen": 64,
+                                                              "avg_ts": 104.2}]
+    script = tmp_path / "bin" / "llama-bench"
+    script.parent.mkdir()
+    script.write_text(f"#!/bin/sh\necho '{json.dumps(rows)}'\n")
+    script.chmod(0o755)
+    figures = LlamaCpp(tmp_path).bench(tmp_path / "m.gguf", 512, 64)
+    assert (figures.prefill_tps, figures.decode_tps) == (281.5, 104.2)

@@ -62,6 +62,15 @@ def test_hit_panel_full_and_compact():
     )
 
 
+def test_hit_panel_says_how_much_of_the_reply_was_drafted():
+    drafted = TurnView(3, 412, 412, "exact", 1.0, 0.5, 48, 240.0, "stop", 240.0,
+                       draft_tokens=42, draft_accepted=40)
+    lines = render(views.hit_panel(drafted)).splitlines()
+    assert "reply 48 tok · 240 tok/s · stop" in lines[5]
+    assert "drafted 40 of 48 reply tok from the cache (42 proposed)" in lines[6]
+    assert "drafted" not in render(views.hit_panel(TURN))
+
+
 def test_hit_panel_without_a_rate_says_so():
     first = TurnView(1, 100, 0, "miss", 1500.0, 1490.0, 3, 10.0, "interrupted", None)
     text = render(views.hit_panel(first))

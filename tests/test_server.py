@@ -122,7 +122,8 @@ def test_generate_returns_the_cold_output_and_the_cache_hit(served: Served) -> N
     a, b = first.json(), again.json()
     assert set(a) == {"text", "prompt_tokens", "completion_tokens", "cache_hit_tokens",
                       "disk_hit_tokens", "hit_source", "ttft_ms", "total_ms", "finish_reason",
-                      "miss_reason", "miss_label", "diverged_at", "miss_detail"}
+                      "miss_reason", "miss_label", "diverged_at", "miss_detail",
+                      "draft_tokens", "draft_accepted"}
     cold = served.cold(user("What is 2 plus 2?"))
     assert a["text"] == b["text"] == served.decode(cold)
     assert a["completion_tokens"] == len(cold) and a["finish_reason"] == "length"
@@ -133,6 +134,10 @@ def test_generate_returns_the_cold_output_and_the_cache_hit(served: Served) -> N
     assert (b["hit_source"], b["cache_hit_tokens"]) == ("exact", b["prompt_tokens"])
     assert (a["miss_reason"], b["miss_reason"], a["diverged_at"]) == ("cold", "hit", None)
     assert (a["miss_label"], b["miss_label"]) == ("cold", "hit")
+    # the repeat's reply was drafted from the first one's, which the cache holds
+    assert a["draft_tokens"] == 0 and b["draft_accepted"] == b["draft_tokens"] > 0
+    metrics = served.client.get("/metrics").text
+    assert f"kvchat:draft_accepted_tokens_total {float(b['draft_accepted'])}" in metrics
     served.check_cache()
 
 

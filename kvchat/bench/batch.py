@@ -7,7 +7,10 @@ max_new_tokens everywhere. Runners, each timed in-process without the model load
   by default (auto: measured once per run, outside the timed region);
 - plain `model.generate`, one request at a time (no reuse): the reference for outputs;
 - transformers `generate_batch` (continuous batching, paged, prefix block sharing on), in the
-  best configuration found on this machine kind: page_size 16, max_batch_tokens 256.
+  best configuration found on this machine kind: page_size 16, max_batch_tokens 256;
+- with a llama.cpp build (`--llama-cpp`), llama-server on the same GGUF: one request at a time
+  on one slot (which reuses the previous prompt's prefix), and 8 at once on 8 slots; a fresh
+  server per kind, the same token ids, stopping at EOS as the others do.
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ from typing import Any
 
 import torch
 
+from kvchat.bench.llama_cpp import LlamaCpp, serve_requests
 from kvchat.bench.workloads import KINDS, Prompts, build_workload, ideal_hits, ideal_prefill
-from kvchat.bench_results import GENERATE, BatchBench, BatchSuite, Contender
+from kvchat.bench_results import (
+    GENERATE,
+    LLAMA_SERVER,
+    LLAMA_SERVER_8,
+    BatchBench,
+    BatchSuite,
+    Contender,
+)
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.autobatch import choose_batch_size
 from kvchat.engine.engine import Engine
@@ -78,6 +89,18 @@ def run_generate_batch(
     return Contender(name, seconds, _outputs([o.generated_tokens for o in outs]),
                      note=f"page_size={page_size}, max_batch_tokens={max_batch_tokens}, "
                      "allow_block_sharing=True")
+
+
+def run_llama_server(llama: LlamaCpp, gguf: Path, prompts: Prompts, new: int,
+                     parallel: int) -> Contender:
+    """The workload through a fresh llama-server with `parallel` slots, as many at once."""
+    with llama.server(gguf, parallel) as url:
+        serve_requests(url, prompts[:1], 2, 1)  # warm-up: not timed
+        done = serve_requests(url, prompts, new, parallel, ignore_eos=False)
+    return Contender(LLAMA_SERVER if parallel == 1 else LLAMA_SERVER_8, done.wall_s, (),
+                     done.prompt - done.cached, done.cached,
+                     f"{parallel} slot{'s' if parallel > 1 else ''}, {parallel} at once, "
+                     "2 threads, cache_prompt")
 
 
 def _request_index(request_id: str) -> int:
@@ -137,8 +160,10 @@ def bench_kind(
     model: Any, tokenizer: Any, kind: str, prompts: Prompts, new_tokens: int,
     batch_size: int | None, include: Sequence[str],
     progress: Callable[[str], None] | None = None, remember: Path | None = None,
+    llama: tuple[LlamaCpp, Path] | None = None,
 ) -> BatchBench:
-    """One workload through every included runner (remember: see run_kvchat)."""
+    """One workload through every included runner (remember: see run_kvchat; llama: a
+    llama.cpp build and the GGUF it runs)."""
     steps: list[tuple[str, str, Callable[[], Contender]]] = [
         ("kvchat", "kvchat", lambda: run_kvchat(model, tokenizer, prompts, new_tokens,
                                                  batch_size, remember=remember)),
@@ -147,6 +172,13 @@ def bench_kind(
         ("generate", "plain model.generate, one by one",
          lambda: run_plain_generate(model, tokenizer, prompts, new_tokens)),
     ]
+    if llama is not None:
+        build, gguf = llama
+        steps += [(LLAMA_SERVER, "llama-server, one at a time",
+                   lambda: run_llama_server(build, gguf, prompts, new_tokens, 1)),
+                  (LLAMA_SERVER_8, "llama-server, 8 at once",
+                   lambda: run_llama_server(build, gguf, prompts, new_tokens, 8))]
+        include = (*include, LLAMA_SERVER, LLAMA_SERVER_8)
     contenders = []
     for name, label, run in steps:
         if name in include:
@@ -167,6 +199,7 @@ def bench_batch(
     requests: int = 32,
     system_tokens: int = 600,
     progress: Callable[[str], None] | None = None,
+    llama: tuple[LlamaCpp, Path] | None = None,
 ) -> BatchSuite:
     """Every kind in `kinds` (see workloads.KINDS) through every runner in `include`;
     `requests` and `system_tokens` size the shared-system workload."""
@@ -180,6 +213,6 @@ def bench_batch(
             bench_kind(model, tokenizer, kind,
                        build_workload(kind, tokenizer, requests, system_tokens),
                        new_tokens, batch_size, include, progress,
-                       Path(tmp) / "batch-size.json")
+                       Path(tmp) / "batch-size.json", llama)
             for kind in kinds
         ))

@@ -172,6 +172,9 @@ def batch(
     skip: Annotated[
         str, typer.Option(help="Runners to leave out: generate, generate_batch.")
     ] = "",
+    llama_cpp: Annotated[Path | None, typer.Option(
+        "--llama-cpp", help="llama.cpp build folder: add llama-server on the same GGUF (one "
+        "request at a time, and 8 at once) as a peer.", file_okay=False)] = None,
     model: Model = None,
     dtype: Dtype = None,
     device: Device = "auto",
@@ -193,10 +196,58 @@ def batch(
     include = tuple(c for c in ("kvchat", "generate_batch", "generate") if c not in left_out)
     kinds = KINDS if kind == "all" else (kind,)
     lm = _load(model, dtype, device)
+    llama = None
+    if llama_cpp is not None:
+        from kvchat.bench.llama_cpp import LlamaCpp
+
+        if not lm.source.is_gguf:
+            raise typer.BadParameter("--llama-cpp needs a GGUF model (the embedded one, or "
+                                     "--model FILE.gguf)")
+        llama = (LlamaCpp(llama_cpp), Path(lm.source.location))
     with _status("bench batch") as progress:
         res = bench_batch(lm.model, lm.tokenizer, kinds, new_tokens, batch_size, include,
-                          requests, system_tokens, progress)
+                          requests, system_tokens, progress, llama)
     _emit(res.as_dict(), batch_table(res), as_json)
+
+
+@bench_app.command()
+def decode(
+    precisions: Annotated[str, typer.Option(
+        help="Precisions to load the model at, comma-separated.")] = "float32,bfloat16,int8,int4",
+    rows: Annotated[str, typer.Option(help="Rows decoding together, comma-separated.")] = (
+        "1,8,32,64"),
+    context: Annotated[int, typer.Option(min=1, help="Prompt tokens before decoding.")] = 64,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens decoded per request.")] = 64,
+    prefill_tokens: Annotated[int, typer.Option(min=1, help="Prompt length of the prefill "
+                                                "figure.")] = 512,
+    trials: Trials = 3,
+    llama_cpp: Annotated[Path | None, typer.Option(
+        "--llama-cpp", help="llama.cpp build folder (with llama-bench and llama-server): run "
+        "them on the same GGUF, interleaved with kvchat's trials.", file_okay=False)] = None,
+    model: Model = None,
+    device: Device = "auto",
+    as_json: Json = False,
+) -> None:
+    """Decode at each precision: one stream's ms/token, rows x tokens/s, prefill tokens/s and
+    the forwards a repeated request needs with drafts from the cache; with --llama-cpp, llama.cpp
+    on the same GGUF in the same sitting."""
+    from kvchat.bench.decode import bench_decode
+    from kvchat.bench.llama_cpp import LlamaCpp
+    from kvchat.models import resolve_model
+    from kvchat.precision import canonical
+    from kvchat.ui.decode_view import decode_table
+
+    names = [canonical(p) for p in precisions.split(",") if p.strip()]
+    source = resolve_model(model)
+    llama = LlamaCpp(llama_cpp) if llama_cpp is not None else None
+    if llama is not None and not source.is_gguf:
+        raise typer.BadParameter("--llama-cpp needs a GGUF model (the embedded one, or "
+                                 "--model FILE.gguf)")
+    gguf = Path(source.location) if source.is_gguf else None
+    with _status("bench decode") as progress:
+        res = bench_decode(lambda p: _load(model, p, device), names, _ints(rows, "--rows"),
+                           context, new_tokens, prefill_tokens, trials, llama, gguf, progress)
+    _emit(res.as_dict(), decode_table(res), as_json)
 
 
 @bench_app.command()

@@ -104,7 +104,8 @@ class RemoteReply:
         return TurnDone(turn, turn.ttft_ms, turn.prefill_ms,
                         turn.prompt_tokens - turn.hit_tokens, rate, source, disk,
                         str(why.get("miss_detail") or ""), str(why.get("miss_reason") or ""),
-                        str(why.get("miss_label") or why.get("miss_reason") or ""))
+                        str(why.get("miss_label") or why.get("miss_reason") or ""),
+                        int(why.get("draft_tokens") or 0), int(why.get("draft_accepted") or 0))
 
 
 class RemoteBackend:

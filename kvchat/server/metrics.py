@@ -49,6 +49,10 @@ def admin_metrics(stats: dict[str, Any], worker: EngineWorker) -> Iterator[Metri
                  server.get("pending", 0))
     yield from _requests(server.get("requests", 0), server.get("completed", 0),
                          server.get("cancelled", 0), server.get("errors", 0))
+    yield _counter("kvchat:draft_tokens", "Reply tokens the cache proposed as drafts.",
+                   server.get("draft_tokens", 0))
+    yield _counter("kvchat:draft_accepted_tokens", "Drafted tokens verification kept.",
+                   server.get("draft_accepted", 0))
     yield from worker.ttft.collect()
 
 

@@ -131,6 +131,8 @@ class ServerCounters:
     completed: int = 0
     cancelled: int = 0  # the client went away before the reply was complete
     errors: int = 0
+    draft_tokens: int = 0  # reply tokens the cache proposed as drafts
+    draft_accepted: int = 0  # of those, the ones verification kept
 
 
 @dataclass(frozen=True)
@@ -380,6 +382,8 @@ class EngineWorker:
             handle.fail(event.error or RequestCancelled("The request did not run."))
             return
         self.counters.completed += 1
+        self.counters.draft_tokens += event.result.draft_tokens
+        self.counters.draft_accepted += event.result.draft_accepted
         self.ttft.observe(event.result.ttft_ms / 1000)
         self.tenants[handle.tenant] = self.tenants.get(handle.tenant,
                                                        TenantCounters()).after(event.result)

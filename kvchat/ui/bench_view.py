@@ -18,7 +18,6 @@ from rich.text import Text
 
 from kvchat.bench_results import (
     GENERATE,
-    PEERS,
     PREFILL_TARGET,
     BatchBench,
     BatchSuite,
@@ -147,13 +146,13 @@ def overhead_table(r: OverheadFigures) -> Table:
     return t
 
 
-def _batch_cells(r: BatchBench, c: Contender) -> list[RenderableType]:
+def _batch_cells(r: BatchBench, c: Contender, peers: Sequence[str]) -> list[RenderableType]:
     reuse = r.reuse(c.name)
     same = r.identical(c.name)
     return [
         c.name,
         "–" if c.seconds is None else format_seconds(c.seconds),
-        *[_ratio(r.speedup(peer, c.name)) if peer != c.name else Text("") for peer in PEERS],
+        *[_ratio(r.speedup(peer, c.name)) if peer != c.name else Text("") for peer in peers],
         "–" if c.prefill_tokens is None else f"{c.prefill_tokens:,}",
         "" if reuse is None else f"{reuse:.1%}",
         "ref." if c.name == GENERATE and c.outputs else
@@ -179,7 +178,8 @@ def batch_table(suite: BatchSuite) -> RenderableType:
     t.add_column("kind")
     t.add_column("runner")
     t.add_column("wall", justify="right")
-    for peer in PEERS:
+    peers = suite.peers
+    for peer in peers:
         name = peer.removeprefix("model.")
         t.add_column(f"vs\n{name}", justify="right")
     for col in ("prefill\ncomputed", "reuse", "identical"):
@@ -188,8 +188,8 @@ def batch_table(suite: BatchSuite) -> RenderableType:
     for r in suite.kinds:
         t.add_section()
         about = [r.kind, f"{r.requests} lines", f"{r.prompt_tokens:,} tok"]
-        rows = [_batch_cells(r, c) for c in r.contenders]
-        rows.append([Text("ideal", style="dim"), "", *["" for _ in PEERS],
+        rows = [_batch_cells(r, c, peers) for c in r.contenders]
+        rows.append([Text("ideal", style="dim"), "", *["" for _ in peers],
                      Text(f"{r.ideal_prefill:,}", style="dim"),
                      Text(f"{r.ideal_hits:,}", style="dim"), ""])
         for i, cells in enumerate(rows):

@@ -41,6 +41,8 @@ class TurnDone(NamedTuple):
     miss_detail: str = ""  # why the cached prefix ended where it did (`kvchat.cache.explain`)
     miss_reason: str = ""
     miss_label: str = ""  # the reason as people read it (`Explanation.label`)
+    draft_tokens: int = 0  # reply tokens the cache proposed as drafts
+    draft_accepted: int = 0  # of those, the ones verification kept
 
 
 class PinInfo(NamedTuple):
@@ -147,7 +149,8 @@ class LocalReply:
         assert turn is not None
         return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
                         result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens,
-                        result.miss_detail, result.miss_reason, result.miss_label)
+                        result.miss_detail, result.miss_reason, result.miss_label,
+                        result.draft_tokens, result.draft_accepted)
 
 
 class LocalBackend:

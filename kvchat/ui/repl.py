@@ -255,6 +255,8 @@ class Chat(ConversationMoves):
             disk_hit_tokens=done.disk_hit_tokens,
             miss=done.miss_detail if done.miss_reason not in ("", "hit", "off") else "",
             miss_label=done.miss_label,
+            draft_tokens=done.draft_tokens,
+            draft_accepted=done.draft_accepted,
         )
         if self.panels != "off":
             self.console.print(

@@ -98,6 +98,8 @@ class TurnView:
     disk_hit_tokens: int = 0  # of hit_tokens, those loaded back from the disk tier
     miss: str = ""  # why the cached prefix ended where it did, when not a full hit
     miss_label: str = ""  # the reason as people read it: "new", "shared prefix", "cold", ...
+    draft_tokens: int = 0  # reply tokens the cache proposed as drafts
+    draft_accepted: int = 0  # of those, the ones verification kept
 
     @property
     def computed_tokens(self) -> int:
@@ -145,6 +147,9 @@ def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
         f"reply {t.completion_tokens:,} tok · {t.decode_tokens_per_s:,.0f} tok/s · "
         f"{t.finish_reason}",
     ]
+    if t.draft_tokens:  # the reply was (partly) drafted from the cache's copy of it
+        lines.insert(5, f"drafted {t.draft_accepted:,} of {t.completion_tokens:,} reply tok "
+                     f"from the cache ({t.draft_tokens:,} proposed)")
     disk = t.disk_hit_tokens
     if disk:  # the hit came (partly) from the disk tier: say how much
         lines.insert(2, f"memory {t.hit_tokens - disk:,} tok · disk {disk:,} tok")

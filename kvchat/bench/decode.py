@@ -1,0 +1,134 @@
+"""`kvchat bench decode`: decoding at each precision, against llama.cpp on the same GGUF.
+
+Per precision (the model loaded at it, in one process):
+- one stream: ms per token of a fresh prompt (no cache hit, nothing to draft);
+- rows x tokens/s with 1, 8, 32 and 64 rows decoding together (fresh prompts, timed once every
+  row has been prefilled);
+- prefill tokens/s of a fresh 512-token prompt;
+- a repeated greedy request: decode forwards per generated token (its reply drafted from the
+  cache's copy of the first one's) and its ms per token.
+llama.cpp (`--llama-cpp DIR`): llama-bench's prefill / decode rates on 2 threads, one repetition
+between each of kvchat's one-stream trials (interleaved, so both see the same machine), and a
+llama-server with 8 slots fed 1 and 8 requests at once for its rows x tokens/s.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvchat.bench.engine import random_prompt
+from kvchat.bench.llama_cpp import LlamaCpp, serve_requests
+from kvchat.bench_results import DecodeResult, LlamaCppDecode, PrecisionDecode, RowsRate, Timing
+from kvchat.config import CacheConfig, SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.sequence import Request
+
+Progress = Callable[[str], None]
+
+
+def _engine(loaded: Any, rows: int) -> Engine:
+    return Engine.create(loaded.model, loaded.tokenizer, CacheConfig(16), batch_size=rows)
+
+
+def _one_stream(engine: Engine, context: int, new: int, seed: int) -> float:
+    """Seconds per decoded token of one fresh request."""
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    result = engine.generate(Request(random_prompt(engine, context, seed), params))
+    return 1.0 / result.decode_tokens_per_s
+
+
+def _rows_rate(engine: Engine, rows: int, context: int, new: int, seed: int) -> float:
+    """Tokens per second over every row, from the step after the last row was admitted."""
+    import time
+
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    handles = [engine.submit(Request(random_prompt(engine, context, seed + i), params))
+               for i in range(rows)]
+    while engine.waiting or any(not h.seq.generated for h in handles):
+        engine.step()
+    before = sum(len(h.seq.generated) for h in handles)
+    started = time.perf_counter()
+    while not engine.idle:
+        engine.step()
+    return (rows * new - before) / (time.perf_counter() - started)
+
+
+def _prefill_rate(engine: Engine, tokens: int, seed: int) -> float:
+    result = engine.generate(Request(random_prompt(engine, tokens, seed),
+                                     SamplingParams(max_new_tokens=1)))
+    return tokens / (result.prefill_ms / 1000)
+
+
+def _repeat(engine: Engine, context: int, new: int, seed: int) -> tuple[float, float]:
+    """(decode forwards per generated token, seconds per token) of a repeated greedy request."""
+    ids = random_prompt(engine, context, seed)
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    engine.generate(Request(ids, params))
+    again = engine.generate(Request(ids, params))
+    return again.decode_forwards / len(again.token_ids), 1.0 / again.decode_tokens_per_s
+
+
+def bench_decode(
+    load: Callable[[str], Any], precisions: Sequence[str], rows: Sequence[int], context: int,
+    new_tokens: int, prefill_tokens: int, trials: int, llama: LlamaCpp | None, gguf: Path | None,
+    progress: Progress | None = None,
+) -> DecodeResult:
+    """`load(precision)` gives a loaded model (kvchat.models.LoadedModel) at that precision."""
+    say = progress or (lambda _: None)
+    loaded = {}
+    for p in precisions:
+        say(f"loading at {p}")
+        loaded[p] = load(p)
+    engines = {p: _engine(m, max(rows)) for p, m in loaded.items()}
+    for p, engine in engines.items():  # first calls pay one-time costs: not timed
+        say(f"{p}: warm-up")
+        _one_stream(engine, context, 4, seed=1)
+    single: dict[str, list[float]] = {p: [] for p in precisions}
+    llama_runs = []
+    for trial in range(trials):
+        for p, engine in engines.items():
+            say(f"one stream, trial {trial + 1}/{trials}: {p}")
+            single[p].append(_one_stream(engine, context, new_tokens, seed=100 + trial))
+        if llama is not None and gguf is not None:
+            say(f"one stream, trial {trial + 1}/{trials}: llama-bench")
+            llama_runs.append(llama.bench(gguf, prefill_tokens, new_tokens))
+    figures = []
+    for p, engine in engines.items():
+        rates = []
+        for n in rows:
+            say(f"{p}: {n} rows")
+            rates.append(RowsRate(n, _rows_rate(engine, n, context, new_tokens, seed=1000 * n)))
+        say(f"{p}: prefill and a repeated request")
+        prefill = [_prefill_rate(engine, prefill_tokens, seed=50 + t) for t in range(trials)]
+        forwards, repeat_s = _repeat(engine, context, new_tokens, seed=7)
+        figures.append(PrecisionDecode(
+            p, loaded[p].step_bytes, Timing.of(single[p]), tuple(rates),
+            sorted(prefill)[len(prefill) // 2], forwards, repeat_s))
+    del engines, loaded
+    gc.collect()
+    peer = None
+    if llama is not None and gguf is not None:
+        say("llama-server: 1 and 8 requests at once")
+        peer = _llama_peer(llama, gguf, llama_runs, context, new_tokens)
+    return DecodeResult(context, new_tokens, prefill_tokens, trials, tuple(figures), peer)
+
+
+def _llama_peer(llama: LlamaCpp, gguf: Path, runs: Sequence[Any], context: int,
+                new: int) -> LlamaCppDecode:
+    import random
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 40_000) for _ in range(context)] for _ in range(9)]
+    with llama.server(gguf, parallel=8) as url:
+        serve_requests(url, prompts[8:], 4, 1)  # warm-up
+        one = serve_requests(url, prompts[:1], new, 1)
+        eight = serve_requests(url, prompts[1:9], new, 8)
+    return LlamaCppDecode(
+        decode_s_per_token=Timing.of([1.0 / r.decode_tps for r in runs]),
+        prefill_tps=sorted(r.prefill_tps for r in runs)[len(runs) // 2],
+        # each request's own decode rate, summed over the 8 that decode together
+        server_rows=(RowsRate(1, one.decode_tps), RowsRate(8, eight.decode_tps)),
+    )
