@@ -19,6 +19,7 @@ from typing import Any
 
 from kvchat.cache.explain import CONTEXT, Explanation, MissReason, Tombstones, explain
 from kvchat.errors import KvchatError
+from kvchat.text_input import check_text, decode_utf8, strip_bom
 
 Message = dict[str, str]
 RERUN = "run `kvchat chat` (or `kvchat batch`) once with this version of kvchat to save it"
@@ -38,6 +39,11 @@ class PromptSpec:
 
     @classmethod
     def of_text(cls, text: str, system: str | None, raw: bool) -> PromptSpec:
+        """InvalidText when the text (or the system prompt) is not valid Unicode: a command
+        line byte that is not UTF-8 is refused here, not blamed on the snapshot."""
+        check_text(text, "The --explain text", from_os=True)
+        if system is not None:
+            check_text(system, "The --system text", from_os=True)
         if raw:
             return cls(raw=text)
         head = [{"role": "system", "content": system}] if system is not None else []
@@ -48,9 +54,10 @@ class PromptSpec:
         """The file's text as the user message (or raw prompt); a file holding one JSON
         object with "messages" or "prompt" (a `kvchat batch` row) gives that row's turn."""
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            data = path.read_bytes()
+        except OSError as exc:
             raise ExplainError(f"Cannot read the prompt file {path}: {exc}") from None
+        text = decode_utf8(strip_bom(data), f"The prompt file {path}")
         row = _batch_row(text)
         if row is None or raw:
             return cls.of_text(text, system, raw)

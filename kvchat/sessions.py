@@ -40,6 +40,7 @@ from kvchat.files import (
     private_dir,
     write_error,
 )
+from kvchat.text_input import json_problem
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always fullmatch: `$` lets "a\n" in
 RESERVED = {"cache", "set-aside"}
@@ -133,6 +134,12 @@ class Session:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Session:
+        """A session from its document; ValueError when the document's text is not valid
+        Unicode (`kvchat.text_input`: refused, never replaced), KeyError or TypeError when it
+        is not a session's."""
+        problem = json_problem(data)
+        if problem is not None:
+            raise ValueError(f"text that is not valid Unicode ({problem})")
         return cls(name=str(data["name"]), system=data.get("system"),
                    messages=[dict(m) for m in data.get("messages", [])],
                    tokens=[int(t) for t in data.get("tokens", [])],

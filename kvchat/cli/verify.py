@@ -86,11 +86,14 @@ def verify(
 ) -> None:
     """Check that cached generation equals cold generation: per prompt, the first divergent
     token and the largest logit difference. Exit code 1 if any greedy output differs."""
+    from kvchat.text_input import check_text
     from kvchat.ui.cache_view import preview
     from kvchat.ui.verify_view import verify_summary, verify_table
 
     if prompt is not None and file is not None:
         raise KvchatError("Give a prompt or --file, not both.")
+    if prompt is not None:
+        check_text(prompt, "The prompt", from_os=True)  # before the model loads
     if file is not None:
         prompts = _read_prompt_file(file)
     else:

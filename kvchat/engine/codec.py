@@ -1,9 +1,16 @@
-"""Text <-> token ids for one model: chat templating, encoding, decoding, end-of-sequence ids."""
+"""Text <-> token ids for one model: chat templating, encoding, decoding, end-of-sequence ids.
+
+Text that is not valid Unicode never reaches the tokenizer (`kvchat.text_input`): the front
+ends refuse it where it enters, and `encode` refuses it again rather than crash in the
+tokenizer.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from kvchat.text_input import check_text
 
 
 class ChatCodec:
@@ -27,6 +34,7 @@ class ChatCodec:
         return self.encode(self.render_chat(messages, add_generation_prompt=True))
 
     def encode(self, text: str) -> list[int]:
+        check_text(text, "The prompt")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -1,12 +1,14 @@
-"""Request bodies, checked by pydantic before a handler runs (strict: "9" is not a number)."""
+"""Request bodies, checked by pydantic before a handler runs (strict: "9" is not a number;
+every string valid Unicode, as `kvchat.text_input` rules for every entrance)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvchat.sessions import SessionError, validate_name
+from kvchat.text_input import json_problem
 
 PinWhat = Literal["system", "all"]
 # a request's "pin": "system" (or true) pins its system prefix, "all" its prompt and reply
@@ -22,13 +24,27 @@ def _session_name(name: str | None) -> str | None:
     return name
 
 
+class Body(BaseModel):
+    """A request body. Text that is not valid Unicode anywhere in it (a lone surrogate such as
+    "\\ud800") fails the whole request with a 400 naming the field, before any handler runs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        problem = json_problem(data)
+        if problem is not None:
+            raise ValueError(f"text that is not valid Unicode ({problem}); send UTF-8 text, a "
+                             "lone surrogate such as \\ud800 is refused, not replaced")
+        return data
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class SamplingBody(BaseModel):
+class SamplingBody(Body):
     """The sampling options of /generate (greedy by default). Unknown fields are errors, so a
     misspelt option is not silently lost."""
 
@@ -87,7 +103,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionBody(BaseModel):
+class ChatCompletionBody(Body):
     """POST /v1/chat/completions: the subset kvchat implements. Other OpenAI fields are
     accepted and ignored, so an SDK's defaults never fail a request."""
 
@@ -107,7 +123,7 @@ class ChatCompletionBody(BaseModel):
     pin: PinOption = None  # kvchat's own: the reply's "kvchat" object reports it
 
 
-class PinBody(BaseModel):
+class PinBody(Body):
     """POST /cache/pin: what to pin, given as a request would send it or as a session's
     history so far."""
 
@@ -131,17 +147,17 @@ class PinBody(BaseModel):
         return self
 
 
-class UnpinBody(BaseModel):
+class UnpinBody(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     id: str
 
 
-class RewindBody(BaseModel):
+class RewindBody(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     turns: int = Field(1, ge=1)
 
 
-class ForkBody(BaseModel):
+class ForkBody(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str
 

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionError, validate_name
+from kvchat.text_input import InvalidText, check_text
 from kvchat.ui import views
 from kvchat.ui.cache_view import preview
 from kvchat.ui.chat_backend import ChatBackend, LocalBackend, Reply, TurnDone, TurnFailed
@@ -161,12 +162,15 @@ class Chat(ConversationMoves):
         try:
             while self.running:
                 try:
-                    line = self.reader.read(f"{self.session.name}> ")
+                    line = check_text(self.reader.read(f"{self.session.name}> "), "This line")
                 except KeyboardInterrupt:
                     continue  # Ctrl-C at the prompt clears the line
                 except EOFError:
                     self.console.print()
                     break
+                except InvalidText as error:  # the line is refused; the chat goes on
+                    self._say(f"{error} Nothing was sent.", "red")
+                    continue
                 try:
                     self.handle(line)
                 except KeyboardInterrupt:

@@ -1,0 +1,79 @@
+"""What the server refuses, and how, over real HTTP with the tiny model: text that is not valid
+Unicode in any body (a 400 naming the field, never a 500)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvchat.config import CacheConfig
+from kvchat.runtime import Runtime, RuntimeOptions
+from kvchat.server import create_app, serving
+
+JSON = {"Content-Type": "application/json"}
+
+
+class Served:
+    def __init__(self, app: Any, runtime: Runtime, client: httpx.Client) -> None:
+        self.app, self.runtime, self.client = app, runtime, client
+
+    def on_engine(self, fn: Any) -> Any:
+        return self.app.state.engine.call(fn).result(timeout=60)
+
+    def error(self, method: str, path: str, body: bytes, status: int = 400) -> str:
+        reply = self.client.request(method, path, content=body, headers=JSON)
+        assert reply.status_code == status, (path, body, reply.text)
+        error = reply.json()["error"]
+        assert "Traceback" not in error["message"]
+        return str(error["message"])
+
+
+@contextlib.contextmanager
+def serve(model_dir: Path, sessions: Path) -> Iterator[Served]:
+    runtime = Runtime.open(RuntimeOptions(model=str(model_dir), device="cpu",
+                                          sessions_dir=sessions,
+                                          cache=CacheConfig(4, num_blocks=2000)))
+    app = create_app(runtime, batch_size=4, max_tokens=3)
+    with serving(app) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+        yield Served(app, runtime, client)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("sessions")) as s:
+        yield s
+
+
+SURROGATE_BODIES = [
+    ("POST", "/generate", b'{"prompt": "\\ud800 hi"}', "prompt: character 1 is a lone surrogate"),
+    ("POST", "/generate", b'{"prompt": "\xed\xa0\x80"}', "prompt: character 1 is a lone surrogate"),
+    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}',
+     "messages[0].content: character 2 is a lone surrogate"),
+    ("POST", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages[0].content[0].text"),
+    ("POST", "/cache/pin", b'{"prompt": "x", "system": "\\udc80"}', "system: character 1"),
+    ("POST", "/sessions/fine/fork", b'{"name": "\\ud800"}', "name: character 1"),
+    ("PUT", "/sessions/fine", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages[0].content: character 1 is a lone surrogate"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "where"), SURROGATE_BODIES)
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(served: Served, method: str,
+                                                            path: str, body: bytes,
+                                                            where: str) -> None:
+    message = served.error(method, path, body)
+    assert "not valid Unicode" in message and where in message
+    ok = served.client.post("/generate", json={"prompt": "Say hi"})
+    assert ok.status_code == 200 and ok.json()["completion_tokens"] > 0  # it keeps serving
+
+
+def test_a_body_that_is_not_utf8_says_so(served: Served) -> None:
+    message = served.error("POST", "/generate", b'{"prompt": "caf\xe9"}')
+    assert message.startswith("The body is not UTF-8 text (byte 16 is 0xe9)")
