@@ -1,5 +1,8 @@
 """What the server refuses, and how, over real HTTP with the tiny model: text that is not valid
-Unicode in any body (a 400 naming the field, never a 500)."""
+Unicode in any body (a 400 naming the field, never a 500), OpenAI bodies kvchat cannot honour
+as written (a user message without content, an empty stop string, a non-boolean
+include_usage), prompts too long to tokenise (refused by size before any tokenising), and
+request counters whose outcomes add up to the requests."""
 
 from __future__ import annotations
 
@@ -77,3 +80,27 @@ def test_text_that_is_not_unicode_is_a_400_naming_the_field(served: Served, meth
 def test_a_body_that_is_not_utf8_says_so(served: Served) -> None:
     message = served.error("POST", "/generate", b'{"prompt": "caf\xe9"}')
     assert message.startswith("The body is not UTF-8 text (byte 16 is 0xe9)")
+
+
+def test_openai_bodies_kvchat_cannot_honour_are_refused(served: Served) -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"messages": [{"role": "user"}]}, 'a user message needs "content"'),
+        ({"messages": [{"role": "system", "content": None}, *hi]}, 'a system message needs'),
+        ({"messages": hi, "stop": [""]}, "a stop string must not be empty"),
+        ({"messages": hi, "stop": ""}, "a stop string must not be empty"),
+        ({"messages": hi, "stream": True, "stream_options": {"include_usage": "yes"}},
+         "stream_options.include_usage"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "text"),
+    ]
+    for body, fragment in cases:
+        reply = served.client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+        assert reply.status_code == 400, (body, reply.text)
+        assert fragment in reply.json()["error"]["message"], body
+    native = served.client.post("/generate", json={"prompt": "hi", "stop": ["ok", ""]})
+    assert native.status_code == 400 and "stop string" in native.text
+    # what OpenAI allows still works: an assistant turn without content, an empty user text
+    fine = served.client.post("/v1/chat/completions", json={
+        "messages": [*hi, {"role": "assistant", "content": None}, {"role": "user", "content": ""}],
+        "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert fine.status_code == 200, fine.text

@@ -38,6 +38,12 @@ class Body(BaseModel):
         return data
 
 
+def _stops(stop: str | list[str] | None) -> str | list[str] | None:
+    if stop is not None and "" in ([stop] if isinstance(stop, str) else stop):
+        raise ValueError("a stop string must not be empty")
+    return stop
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant"]
@@ -57,6 +63,8 @@ class SamplingBody(Body):
     stop: str | list[str] | None = None
     stream: bool = False
     cache_salt: str | None = None  # a sharing group the server declares (--cache-salt)
+
+    _valid_stop = field_validator("stop")(_stops)
 
 
 class GenerateBody(SamplingBody):
@@ -83,6 +91,7 @@ class GenerateBody(SamplingBody):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
     type: Literal["text"]
     text: str
 
@@ -91,7 +100,14 @@ class ChatMessage(BaseModel):
     # extra fields ("name", tool-call fields) are ignored, as OpenAI clients may send them
     model_config = ConfigDict(strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # only an assistant's may be left out
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f'a {self.role} message needs "content" (a string or a list of '
+                             "text parts)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -100,6 +116,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)  # "yes" is not a boolean
     include_usage: bool = False
 
 
@@ -121,6 +138,8 @@ class ChatCompletionBody(Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # as vLLM's; only the names the server declares
     pin: PinOption = None  # kvchat's own: the reply's "kvchat" object reports it
+
+    _valid_stop = field_validator("stop")(_stops)
 
 
 class PinBody(Body):
