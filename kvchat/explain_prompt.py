@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.cache.explain import CONTEXT, Explanation, MissReason, Tombstones, explain
+from kvchat.cache.visibility import Visibility, preview
 from kvchat.errors import KvchatError
 from kvchat.text_input import check_text, decode_utf8, strip_bom
 
@@ -224,7 +225,9 @@ def _detail(why: Explanation, ids: Sequence[int], decode: Callable[[list[int]], 
                            "before": decode(list(ids[max(c - CONTEXT, 0) : c])),
                            "new": decode(list(ids[c : c + CONTEXT]))}
     if why.reason is MissReason.DIVERGED:
-        out.update(cached=decode(list(why.cached_next)), cached_ids=list(why.cached_next),
+        # the snapshot is the user's own cache: all of it is theirs to see
+        cached = preview(why.cached_next, decode, Visibility.CACHE, sent=False)
+        out.update(cached=cached, cached_ids=list(why.cached_next),
                    new_ids=list(ids[c : c + CONTEXT]))
     if why.reason is MissReason.EVICTED and why.evicted_at is not None:
         through = why.evicted_through or c

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.cache.block_keys import next_key
 from kvchat.cache.radix import common_prefix
+from kvchat.cache.visibility import Visibility, preview
 
 if TYPE_CHECKING:
     from kvchat.cache.radix import Node, PrefixMatch, RadixTree
@@ -51,12 +52,11 @@ class Explanation:
                        evicted_by=self.evicted_by)
         return out
 
-    def describe(self, prompt: Sequence[int], decode: Callable[[list[int]], str] | None) -> str:
+    def describe(self, prompt: Sequence[int], decode: Callable[[list[int]], str] | None,
+                 visibility: Visibility = Visibility.CACHE) -> str:
         """One line for people: where the cached prefix ended and why; a divergence shows a
-        few decoded tokens on each side, cached text against new text."""
-        def show(ids: Sequence[int]) -> str:
-            return decode(list(ids)) if decode else " ".join(map(str, ids))
-
+        few decoded tokens on each side, the cache's text against the prompt's, as far as the
+        caller may see them (`kvchat.cache.visibility`: in a shared namespace, only its own)."""
         n, c = self.prompt_tokens, self.cached
         if self.reason is MissReason.HIT:
             return f"all {c} reusable tokens of {n} were cached"
@@ -68,9 +68,13 @@ class Explanation:
             return (f"evicted: tokens {c}-{self.evicted_through} of {n} were cached, then "
                     f"evicted by {self.evicted_by} at {when}")
         i = self.diverged_at or 0
-        head = show(prompt[max(i - CONTEXT, 0) : i])
-        return (f"diverged at token {i} of {n}: cached {head + show(self.cached_next)!r} "
-                f"vs new {head + show(prompt[i : i + CONTEXT])!r}")
+        head = preview(prompt[max(i - CONTEXT, 0) : i], decode, visibility, sent=True) or ""
+        new = head + (preview(prompt[i : i + CONTEXT], decode, visibility, sent=True) or "")
+        theirs = preview(self.cached_next, decode, visibility, sent=False)
+        if theirs is None:
+            return (f"diverged at token {i} of {n}: new {new!r}; the cache, shared with other "
+                    "callers, holds another continuation (not shown)")
+        return f"diverged at token {i} of {n}: cached {head + theirs!r} vs new {new!r}"
 
 
 def explain(tree: RadixTree, prompt: Sequence[int], namespace: str = "",

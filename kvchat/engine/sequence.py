@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvchat.cache.kvcache import Lookup
+from kvchat.cache.visibility import Visibility
 from kvchat.config import SamplingParams
 from kvchat.engine.sampling import make_generator, sample
 
@@ -34,6 +35,8 @@ class Request:
     sid: str | None = None  # session name, for per-session cache counters
     record_logits: bool = False  # keep every step's logits row (kvchat verify)
     namespace: str = ""  # cache namespace: entries of one are never a hit in another
+    # what the caller may see of that namespace's cached tokens (its `miss_detail`)
+    visibility: Visibility = Visibility.CACHE
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class GenerationResult:
     disk_hit_tokens: int = 0  # of cache_hit_tokens, those loaded back from the disk tier
     miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.cache.explain`) | off
     diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
-    miss_detail: str = ""  # one line for people (`Explanation.describe`)
+    miss_detail: str = ""  # one line for people, as the caller may see it (`describe`)
 
     @property
     def completion_tokens(self) -> int:
@@ -222,7 +225,7 @@ class Sequence:
         if why is None:
             return {}
         return {"miss_reason": why.reason.value, "diverged_at": why.diverged_at,
-                "miss_detail": why.describe(self.prompt_ids, decode)}
+                "miss_detail": why.describe(self.prompt_ids, decode, self.request.visibility)}
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.value}, prompt={len(self.prompt_ids)}, "
