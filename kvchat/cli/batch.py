@@ -33,7 +33,7 @@ from kvchat.cli.options import MaxTokensOption
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    from kvchat.batch import BadLine, BatchItem, BatchRun
+    from kvchat.batch import BadLine, BatchItem, BatchRun, OutputFile
     from kvchat.cache.stats import CacheStats
     from kvchat.client import Attachment
     from kvchat.runtime import Runtime
@@ -41,10 +41,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Plan:
-    """What to run: the parsed file, and what an earlier output already holds."""
+    """What to run: the parsed file, the -o file held for this run (None: stdout), and what
+    an earlier output already holds."""
 
     items: list[BatchItem]
     bad: list[BadLine]
+    output: OutputFile | None = None
     kept: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -118,17 +120,17 @@ def batch(
     to_stdout = output is None or str(output) == "-"
     out_path = None if to_stdout else output
     ui = stderr() if to_stdout else stdout()
-    plan = _plan(file, out_path, resume, ui)
-    if plan.bad and fail_fast:
-        raise typer.Exit(1)
-    fixed_size = _batch_size_option(batch_size)
-    if server is not None:
-        with terminate_as_interrupt():
-            run, interrupted = _run_attached(server, plan, (max_tokens, temperature, seed),
-                                             out_path, (fail_fast, pin_system), ui)
-    else:
-        run, interrupted = _run_standalone(options, plan, (max_tokens, temperature, seed),
-                                           fixed_size, out_path, (fail_fast, pin_system), ui)
+    with _held(out_path) as held:  # another run writing the same -o is refused here
+        plan = _plan(file, held, resume, ui)
+        if plan.bad and fail_fast:
+            raise typer.Exit(1)
+        fixed_size = _batch_size_option(batch_size)
+        defaults, flags = (max_tokens, temperature, seed), (fail_fast, pin_system)
+        if server is not None:
+            with terminate_as_interrupt():
+                run, interrupted = _run_attached(server, plan, defaults, out_path, flags, ui)
+        else:
+            run, interrupted = _run_standalone(options, plan, defaults, fixed_size, flags, ui)
     if pin_system:
         _report_pins(run, ui)
     if interrupted:
@@ -157,7 +159,21 @@ def _report_pins(run: Any, ui: Console) -> None:
              if not run.pin_errors else "[dim]--pin-system: nothing pinned[/dim]")
 
 
-def _plan(file: Path, out_path: Path | None, resume: bool, ui: Console) -> _Plan:
+@contextlib.contextmanager
+def _held(out_path: Path | None) -> Iterator[OutputFile | None]:
+    """The -o file, locked for this run (refused while another run writes it) until the run
+    ends; None for stdout."""
+    from kvchat.batch import OutputFile
+
+    held = OutputFile.hold(out_path) if out_path is not None else None
+    try:
+        yield held
+    finally:
+        if held is not None:
+            held.close()
+
+
+def _plan(file: Path, output: OutputFile | None, resume: bool, ui: Console) -> _Plan:
     from kvchat.batch import duplicate_ids, previous_rows, read_batch
 
     try:
@@ -171,14 +187,14 @@ def _plan(file: Path, out_path: Path | None, resume: bool, ui: Console) -> _Plan
     for request_id, lines in duplicate_ids(items).items():
         ui.print(f"[yellow]id {escape(request_id)!s} is used by lines "
                  f"{', '.join(map(str, lines))}: tell their rows apart by \"line\".[/yellow]")
-    plan = _Plan(items, bad)
+    plan = _Plan(items, bad, output)
     if resume:
-        if out_path is None:
+        if output is None:
             raise KvchatError("--resume continues a run that wrote to a file: give that file "
                               "with -o.")
-        plan.kept = previous_rows(out_path, items)
+        plan.kept = previous_rows(output.path, items)
         ui.print(f"[dim]resuming: {len(plan.kept)} of {len(items)} line(s) already finished in "
-                 f"{escape(str(out_path))}[/dim]")
+                 f"{escape(str(output.path))}[/dim]")
     return plan
 
 
@@ -224,8 +240,7 @@ def torch_threads() -> int:
 
 def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
                     defaults: tuple[int, float, int | None], fixed_size: int | None,
-                    out_path: Path | None, flags: tuple[bool, bool], ui: Console
-                    ) -> tuple[Any, bool]:
+                    flags: tuple[bool, bool], ui: Console) -> tuple[Any, bool]:
     """The lines through an engine in this process, under the sessions dir's lock. `flags`:
     (--fail-fast, --pin-system)."""
     from kvchat.batch import BatchRun
@@ -245,8 +260,7 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
             return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
                             update, pin_system=flags[1])
 
-        return _run(plan, out_path, ui, size, start, runtime.cache.stats,
-                    lambda: _save(runtime, ui))
+        return _run(plan, ui, size, start, runtime.cache.stats, lambda: _save(runtime, ui))
 
 
 def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, int | None],
@@ -270,22 +284,22 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
                 return server_stats(fresh)
 
         try:
-            return _run(plan, out_path, ui, "the server's", start, stats, lambda: None)
+            return _run(plan, ui, "the server's", start, stats, lambda: None)
         except ServerGone as exc:
             again = f" kvchat batch FILE -o {out_path} --resume" if out_path else " --resume"
             raise ServerGone(f"{exc} Every finished line has its row; once a server runs "
                              f"again, finish the others with{again}.") from None
 
 
-def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
-         start: Any, stats: Any, save: Any) -> tuple[Any, bool]:
+def _run(plan: _Plan, ui: Console, batch_size: str, start: Any, stats: Any,
+         save: Any) -> tuple[Any, bool]:
     """Run the plan (`start(update)` makes the run), writing each row as it finishes; returns
     the run and whether it was interrupted. `save` runs however the run ends."""
     from kvchat.batch import OutputError, RowWriter, bad_line_row, result_row
     from kvchat.client import ServerGone
     from kvchat.ui.batch_view import batch_progress, progress_rate, summary_table
 
-    writer = RowWriter(plan.lines, out_path, sys.stdout if out_path is None else None,
+    writer = RowWriter(plan.lines, plan.output, sys.stdout if plan.output is None else None,
                        keep=plan.kept)
     failure: list[KvchatError] = []
     interrupted = False
