@@ -10,8 +10,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvchat.cli import app
-
 from kvchat.batch import (
     BadLine,
     OutputError,
@@ -22,6 +20,7 @@ from kvchat.batch import (
     previous_rows,
     read_batch,
 )
+from kvchat.cli import app
 
 
 def rows_of(path) -> list[dict]:
