@@ -7,6 +7,7 @@ request counters whose outcomes add up to the requests."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,3 +105,36 @@ def test_openai_bodies_kvchat_cannot_honour_are_refused(served: Served) -> None:
         "messages": [*hi, {"role": "assistant", "content": None}, {"role": "user", "content": ""}],
         "max_tokens": 2, "stream_options": {"include_usage": True}})
     assert fine.status_code == 200, fine.text
+
+
+def test_a_session_turn_the_server_cannot_save_says_so(served: Served, monkeypatch) -> None:
+    import errno
+
+    import kvchat.sessions as sessions_module
+    from kvchat.batch import parse_line
+    from kvchat.cli.batch_attached import AttachedRun
+    from kvchat.client import Client
+
+    real_write = sessions_module.atomic_write
+
+    def full(path: Path, data: bytes, what: str = "a file") -> None:
+        if path.name == "full.json" and json.loads(data)["turns"]:  # created, then the disk fills
+            raise sessions_module.write_error(what, path, OSError(errno.ENOSPC, "full"))
+        real_write(path, data, what)
+
+    monkeypatch.setattr(sessions_module, "atomic_write", full)
+    ok = served.client.post("/generate", json={"prompt": "hi", "session": "fine-s",
+                                               "create_session": True})
+    assert ok.status_code == 200 and "session_error" not in ok.json()
+    items = [parse_line(json.dumps({"session": name, "prompt": "hi"}), n)
+             for n, name in enumerate(["full", "fine-s", "full"], 1)]
+    with Client(str(served.client.base_url)) as client:
+        run = AttachedRun(client, items, (3, 0.0, None), False, lambda res: None)
+        run.run()
+    assert [(f.line, f.session) for f in run.save_errors] == [(1, "full"), (3, "full")]
+    assert "the disk is full" in run.save_errors[0].message
+    assert run.behind() == {"full": "the server could not save its last turn"}
+    stream = served.client.post("/generate", json={"prompt": "again", "session": "full",
+                                                   "stream": True})
+    done = [line for line in stream.text.splitlines() if line.startswith("data:")][-1]
+    assert "the disk is full" in json.loads(done[5:])["session_error"]

@@ -22,10 +22,10 @@ from kvchat.batch.requests import (
     parse_line,
     read_batch,
 )
-from kvchat.batch.run import BatchProgress, BatchRun, ItemResult
+from kvchat.batch.run import BatchProgress, BatchRun, ItemResult, SaveFailure
 
 __all__ = [
     "BadLine", "BatchItem", "BatchProgress", "BatchRun", "ItemResult", "LineError",
     "OutputError", "OutputFile", "RowWriter", "bad_line_row", "duplicate_ids", "is_complete",
-    "parse_line", "previous_rows", "read_batch", "result_row",
+    "SaveFailure", "parse_line", "previous_rows", "read_batch", "result_row",
 ]

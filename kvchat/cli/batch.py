@@ -135,7 +135,7 @@ def batch(
         _report_pins(run, ui)
     if interrupted:
         _interrupted(run, plan, file, out_path, ui)
-    if plan.bad or run.progress.failed:
+    if plan.bad or run.progress.failed or run.behind():  # a session behind: not a clean run
         raise typer.Exit(1)
 
 
@@ -329,18 +329,30 @@ def _run(plan: _Plan, ui: Console, batch_size: str, start: Any, stats: Any,
         finally:
             _finish(run, writer, failure, save)
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
-                           time.perf_counter() - started, batch_size))
-    for message in run.save_errors[:1]:
-        ui.print(f"[yellow]{escape(message)}[/yellow]")
+                           time.perf_counter() - started, batch_size, run.behind()))
+    _report_saves(run, ui)
     if failure:
         raise failure[0]
     return run, interrupted
 
 
+def _report_saves(run: Any, ui: Console) -> None:
+    """Every session save that failed, and which sessions' files are behind the rows."""
+    for failed in run.save_errors:
+        where = f"line {failed.line}" if failed.line is not None else "at the end of the run"
+        ui.print(f"[yellow]{where}: {escape(failed.message)}[/yellow]", soft_wrap=True)
+    for name, how in run.behind().items():
+        ui.print(f"[yellow]Session {escape(name)} is behind on disk ({escape(how)}): its file "
+                 "ends at the last save that worked; every reply is in the output rows."
+                 "[/yellow]", soft_wrap=True)
+
+
 def _finish(run: Any, writer: Any, failure: list[Any], save: Any) -> None:
-    """Every line gets its row, the output is put in input order, the cache is saved."""
+    """Every line gets its row, the output is put in input order, sessions behind on disk get
+    one more try, the cache is saved."""
     from kvchat.batch import OutputError, result_row
 
+    run.save_behind()
     try:
         for res in run.not_started():
             writer.write(res.item.line, result_row(res))

@@ -76,6 +76,7 @@ class Handle:
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
         self.cancel_event = threading.Event()
+        self.session_error: str | None = None  # the session's file could not be saved
         self._callbacks: list[Callable[[], None]] = []
         self._engine_handle: RequestHandle | None = None
 
@@ -391,8 +392,9 @@ class EngineWorker:
             return
         try:
             handle.store.save(session)
-        except (OSError, KvchatError):
+        except (OSError, KvchatError) as exc:  # the reply still goes out, and says so
             log.exception("Could not save session %s.", session.name)
+            handle.session_error = str(exc)
 
     def _abort(self, error: BaseException) -> None:
         """Running requests store their K/V and finish as interrupted; the others fail."""
