@@ -51,7 +51,11 @@ def start(model: Path, sessions: Path) -> Running:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     sessions = tmp_path_factory.mktemp("attach") / "sessions"
-    running = start(tiny_model_dir, sessions)
+    umask = os.umask(0o022)  # the usual umask: every folder kvchat makes is 0700 anyway
+    try:
+        running = start(tiny_model_dir, sessions)
+    finally:
+        os.umask(umask)
     try:
         yield running
     finally:
@@ -68,6 +72,11 @@ def test_the_lock_file_names_the_server_and_the_token_is_required(server: Runnin
     lock = server.sessions / ".lock"
     assert stat.S_IMODE(lock.stat().st_mode) == 0o600
     assert server.token in lock.read_text()
+    log = server.sessions / "serve.log"
+    assert "Access token: generated; not written to this log" in log.read_text()
+    assert server.token not in log.read_text()
+    for folder in (server.sessions, server.sessions / "cache", server.sessions / "cache" / "store"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder  # before any save
     assert httpx.get(f"{server.url}/healthz").status_code == 200
     assert httpx.get(f"{server.url}/cache/stats").status_code == 401
     with Client(server.url, "wrong-token") as client, pytest.raises(ServerError) as err:
