@@ -138,3 +138,35 @@ def test_a_session_turn_the_server_cannot_save_says_so(served: Served, monkeypat
                                                    "stream": True})
     done = [line for line in stream.text.splitlines() if line.startswith("data:")][-1]
     assert "the disk is full" in json.loads(done[5:])["session_error"]
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(
+    served: Served, monkeypatch
+) -> None:
+    codec = served.runtime.engine.codec
+    encoded: list[int] = []
+    real_encode = codec.encode
+
+    def counting(text: str) -> list[int]:
+        encoded.append(len(text))
+        return real_encode(text)
+
+    monkeypatch.setattr(codec, "encode", counting)
+    context = served.runtime.engine.max_context
+    huge = "word " * 400_000  # 2 MB: hundreds of times the context, whatever the tokenizer
+    for path, body in [("/generate", {"prompt": huge}),
+                       ("/generate", {"prompt": "hi", "system": huge}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                       ("/cache/pin", {"prompt": huge})]:
+        reply = served.client.post(path, json=body)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "context_length_exceeded"
+        assert f"the model's context is {context:,} tokens" in error["message"]
+        assert "refused without being tokenised" in error["message"]
+    assert encoded == []  # no tokenising at all
+    # a prompt that might fit is tokenised, and refused only if it does not
+    near = "x" * (context + 10)
+    reply = served.client.post("/generate", json={"prompt": near})
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "context_length_exceeded"
+    assert encoded and max(encoded) < 2 * len(near)

@@ -8,6 +8,7 @@ tokenizer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 from kvchat.text_input import check_text
@@ -22,6 +23,12 @@ class ChatCodec:
             if ids is not None:
                 eos.update([ids] if isinstance(ids, int) else ids)
         self.eos_ids = frozenset(eos)
+
+    @cached_property
+    def longest_token(self) -> int:
+        """Characters in the longest token of the vocabulary: a text of c characters is at
+        least c / longest_token tokens, which bounds a prompt's length without tokenising it."""
+        return max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
 
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
         return str(
