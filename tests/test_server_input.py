@@ -170,3 +170,36 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(
     reply = served.client.post("/generate", json={"prompt": near})
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "context_length_exceeded"
     assert encoded and max(encoded) < 2 * len(near)
+
+
+def wait_idle(served: Served) -> dict[str, Any]:
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:
+        server = served.client.get("/cache/stats").json()["server"]
+        if server["running"] == server["pending"] == 0:
+            return dict(server)
+        assert time.monotonic() < deadline, server
+        time.sleep(0.05)
+
+
+def test_request_outcomes_add_up_to_the_requests(served: Served) -> None:
+    before = wait_idle(served)
+    for i in range(3):
+        assert served.client.post("/generate", json={"prompt": f"q{i}"}).status_code == 200
+    body = {"prompt": "Tell me a long story.", "max_tokens": 500, "stream": True}
+    with served.client.stream("POST", "/generate", json=body) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data:"):
+                break  # the first token: hang up on a reply that is still being written
+    chat = {"messages": [{"role": "user", "content": "Another long one."}], "max_tokens": 500,
+            "stream": True}
+    with served.client.stream("POST", "/v1/chat/completions", json=chat) as reply:
+        next(reply.iter_lines())
+    after = wait_idle(served)
+    delta = {k: after[k] - before[k] for k in ("requests", "completed", "cancelled", "errors")}
+    assert delta == {"requests": 5, "completed": 3, "cancelled": 2, "errors": 0}
+    assert after["requests"] == after["completed"] + after["cancelled"] + after["errors"]
+    metrics = served.client.get("/metrics").text
+    assert f'kvchat:request_outcomes_total{{outcome="cancelled"}} {after["cancelled"]}.0' in metrics
