@@ -269,10 +269,10 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
     """The lines through a running server (which batches them and saves its own cache).
     `flags`: (--fail-fast, --pin-system)."""
     from kvchat.cli.batch_attached import AttachedRun, describe, server_stats
-    from kvchat.client import Client, ServerGone
+    from kvchat.client import ServerGone
 
     describe(server, ui)
-    client = Client(server.url, server.token)
+    client = server.client()
     with client:
         client.health()  # a server that is gone says so before any row is written
 
@@ -280,7 +280,7 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
             return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1])
 
         def stats() -> CacheStats | None:
-            with Client(server.url, server.token) as fresh:  # the run's client may be closed
+            with server.client() as fresh:  # the run's client may be closed
                 return server_stats(fresh)
 
         try:

@@ -85,13 +85,12 @@ def chat(
 
 def _attached_chat(server: Attachment, options: LazyRuntimeOptions, name: str | None,
                    system: str | None, params: SamplingParams, panels: str) -> None:
-    from kvchat.client import Client
     from kvchat.client.chat import RemoteBackend
     from kvchat.sessions import SessionStore
     from kvchat.ui.repl import Chat
     from kvchat.ui.terminal import make_reader
 
-    with Client(server.url, server.token) as client:
+    with server.client() as client:
         backend = RemoteBackend(client, server.found)
         name = name or _new_session_name(backend.sessions.names())
         session = backend.sessions.open(name)
