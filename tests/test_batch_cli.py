@@ -268,3 +268,29 @@ def test_a_full_disk_for_sessions_reports_every_failed_save_and_fails_the_run(
     root = tmp_path / "s"
     assert len(json.loads((root / "beta.json").read_text())["turns"]) == 2
     assert len(json.loads((root / "alpha.json").read_text())["turns"]) == 4
+
+
+def test_a_reader_that_goes_away_ends_the_batch_quietly(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    # rows of 4 KB: more than a pipe holds, so some write must meet the closed pipe
+    src.write_text("".join(json.dumps({"id": f"{i}-" + "x" * 4000, "prompt": f"question {i}"})
+                           + "\n" for i in range(40)))
+    # as `kvchat batch in.jsonl | head -1`: the reader takes one row, then closes the pipe
+    proc = subprocess.Popen([sys.executable, "-m", "kvchat", "batch", str(src),
+                             "--batch-size", "1", *args(tiny_model_dir, tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err  # as a tool killed by SIGPIPE
+    assert json.loads(first)["line"] == 1
+    said = " ".join(err.split())
+    for noise in ("Error", "Traceback", "free some space", "--resume", "BrokenPipe",
+                  "Exception ignored", "kvchat batch"):  # the summary's title included
+        assert noise not in said, said
+    meta = read_snapshot_meta(tmp_path / "s")
+    assert meta is not None and meta.cached_tokens > 0  # the cache was still saved

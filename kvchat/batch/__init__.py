@@ -6,6 +6,7 @@ the -o file, which output_file.py locks for one run.
 """
 
 from kvchat.batch.output import (
+    OutputClosed,
     OutputError,
     OutputFile,
     RowWriter,
@@ -26,6 +27,6 @@ from kvchat.batch.run import BatchProgress, BatchRun, ItemResult, SaveFailure
 
 __all__ = [
     "BadLine", "BatchItem", "BatchProgress", "BatchRun", "ItemResult", "LineError",
-    "OutputError", "OutputFile", "RowWriter", "bad_line_row", "duplicate_ids", "is_complete",
-    "SaveFailure", "parse_line", "previous_rows", "read_batch", "result_row",
+    "OutputClosed", "OutputError", "OutputFile", "RowWriter", "SaveFailure", "bad_line_row",
+    "duplicate_ids", "is_complete", "parse_line", "previous_rows", "read_batch", "result_row",
 ]

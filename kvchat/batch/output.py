@@ -16,13 +16,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from kvchat.batch.output_file import OutputError, OutputFile
+from kvchat.batch.output_file import OutputClosed, OutputError, OutputFile
 from kvchat.batch.requests import BadLine, BatchItem
 from kvchat.batch.run import ItemResult
 from kvchat.responses import chat_completion, result_fields
 
 COMPLETE = ("stop", "length")
-__all__ = ["COMPLETE", "OutputError", "OutputFile", "RowWriter", "bad_line_row",
+__all__ = ["COMPLETE", "OutputClosed", "OutputError", "OutputFile", "RowWriter", "bad_line_row",
            "is_complete", "previous_rows", "result_row"]
 
 
@@ -133,6 +133,10 @@ class RowWriter:
             for row in rows:
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             fh.flush()
+        except BrokenPipeError:
+            if self.path is not None:
+                raise OutputError(f"Writing {self.path} failed (broken pipe).") from None
+            raise OutputClosed("The reader of the output went away.") from None
         except OSError as exc:
             where = self.path or "the output"
             raise OutputError(

@@ -26,6 +26,10 @@ class OutputError(KvchatError):
     """The output file could not be read or written, or another run is writing it."""
 
 
+class OutputClosed(OutputError):
+    """Whoever read the rows on stdout has gone (`kvchat batch f | head -1`): end quietly."""
+
+
 def _busy(path: Path) -> OutputError:
     return OutputError(
         f"Another kvchat batch is writing {path} now: two runs writing one file would lose one "

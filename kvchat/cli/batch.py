@@ -7,6 +7,7 @@ give every line its row and save the cache, and `--resume` finishes what a kille
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -31,6 +32,8 @@ from kvchat.cli.attach_options import (
 )
 from kvchat.cli.options import MaxTokensOption
 from kvchat.errors import KvchatError
+
+PIPE_EXIT_CODE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
 
 if TYPE_CHECKING:
     from kvchat.batch import BadLine, BatchItem, BatchRun, OutputFile
@@ -295,7 +298,7 @@ def _run(plan: _Plan, ui: Console, batch_size: str, start: Any, stats: Any,
          save: Any) -> tuple[Any, bool]:
     """Run the plan (`start(update)` makes the run), writing each row as it finishes; returns
     the run and whether it was interrupted. `save` runs however the run ends."""
-    from kvchat.batch import OutputError, RowWriter, bad_line_row, result_row
+    from kvchat.batch import OutputClosed, OutputError, RowWriter, bad_line_row, result_row
     from kvchat.client import ServerGone
     from kvchat.ui.batch_view import batch_progress, progress_rate, summary_table
 
@@ -328,12 +331,24 @@ def _run(plan: _Plan, ui: Console, batch_size: str, start: Any, stats: Any,
             failure.append(exc)
         finally:
             _finish(run, writer, failure, save)
+    if any(isinstance(f, OutputClosed) for f in failure):
+        _quiet_exit()  # nobody reads the rows any more: no summary, no error, as Unix tools
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
                            time.perf_counter() - started, batch_size, run.behind()))
     _report_saves(run, ui)
     if failure:
         raise failure[0]
     return run, interrupted
+
+
+def _quiet_exit() -> None:
+    """Stdout was closed under the run (`| head -1`): the cache is saved already; exit as a
+    tool killed by SIGPIPE would, saying nothing, and without a last flush into the pipe."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    raise typer.Exit(PIPE_EXIT_CODE)
 
 
 def _report_saves(run: Any, ui: Console) -> None:
