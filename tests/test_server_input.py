@@ -203,3 +203,33 @@ def test_request_outcomes_add_up_to_the_requests(served: Served) -> None:
     assert after["requests"] == after["completed"] + after["cancelled"] + after["errors"]
     metrics = served.client.get("/metrics").text
     assert f'kvchat:request_outcomes_total{{outcome="cancelled"}} {after["cancelled"]}.0' in metrics
+
+
+def test_a_session_document_with_wrong_shapes_is_a_400_and_the_session_goes_on(
+    served: Served,
+) -> None:
+    name = "shaped"
+    assert served.client.post("/generate", json={"prompt": "hi", "session": name,
+                                                 "create_session": True}).status_code == 200
+    turn = served.client.get(f"/sessions/{name}").json()["turns"][0]
+    for doc, fragment in [
+        ({"system": {"not": "text"}}, '"system" must be a string'),
+        ({"messages": [{"role": "user", "content": 3}]}, '"messages" must be a list'),
+        ({"messages": [["role", "user"]]}, '"messages" must be a list'),
+        ({"tokens": [1, -2]}, "whole numbers >= 0"),
+        ({"tokens": [10**9]}, "past this model's vocabulary"),
+        ({"turns": [{**turn, "hit_tokens": "many"}]}, "turns.hit_tokens"),
+        ({"turns": [turn]}, "each turn needs its user and assistant message"),
+    ]:
+        reply = served.client.put(f"/sessions/{name}", json=doc)
+        assert reply.status_code == 400, (doc, reply.text)
+        assert fragment in reply.json()["error"]["message"], doc
+    again = served.client.post("/generate", json={"prompt": "and now?", "session": name})
+    assert again.status_code == 200, again.text
+    retry = served.client.post(f"/sessions/{name}/retry")
+    assert retry.status_code == 200, retry.text
+
+
+def test_a_pin_with_an_empty_system_prompt_is_answered(served: Served) -> None:
+    reply = served.client.post("/cache/pin", json={"prompt": "", "system": ""})
+    assert reply.status_code in (201, 409), reply.text

@@ -23,6 +23,9 @@ class ChatCodec:
             if ids is not None:
                 eos.update([ids] if isinstance(ids, int) else ids)
         self.eos_ids = frozenset(eos)
+        config = getattr(model, "config", None)
+        # ids a prompt may hold: the tokenizer's, and any the model can emit beyond them
+        self.vocab_size = max(len(tokenizer), int(getattr(config, "vocab_size", 0) or 0))
 
     @cached_property
     def longest_token(self) -> int:
