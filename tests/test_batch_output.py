@@ -157,3 +157,15 @@ def test_batch_refuses_an_output_another_run_writes_before_it_loads_anything(tmp
     assert "Another kvchat batch is writing" in " ".join(res.output.split())
     assert [r["id"] for r in rows_of(out)] == ["q1"]  # the other run's rows are untouched
     assert not (tmp_path / "s").exists()
+
+
+def test_an_output_held_but_never_written_is_left_as_it_was(tmp_path):
+    from kvchat.batch import OutputFile
+
+    new = tmp_path / "new.jsonl"
+    OutputFile.hold(new).close()  # e.g. --fail-fast stopped the run before its first row
+    assert not new.exists()
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"line": 1}\n')
+    OutputFile.hold(old).close()
+    assert old.read_text() == '{"line": 1}\n'

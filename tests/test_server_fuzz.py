@@ -22,6 +22,7 @@ from kvchat.server import create_app, serving
 
 EXAMPLES = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
+FEWER = settings(EXAMPLES, max_examples=30)  # several requests per example
 
 # text of every kind, lone surrogates included (JSON writes them as "\ud800" escapes), and
 # often one of the characters parsers trip on
@@ -132,7 +133,7 @@ def test_pin_bodies(client: httpx.Client, body: Any, unpin: str) -> None:
                          headers={"Content-Type": "application/json"}))
 
 
-@EXAMPLES
+@FEWER
 @given(name=NAME, doc=SESSION_DOC, move=st.sampled_from(["rewind", "fork", "retry"]),
        body=near(st.fixed_dictionaries({}, optional={"turns": st.integers(1, 2), "name": NAME,
                                                     **OPTIONS}), ["turns", "name", *SAMPLING]))
@@ -156,7 +157,7 @@ def test_raw_bytes(client: httpx.Client, raw: bytes, path: str, content_type: st
     post(client, path, raw, content_type)
 
 
-@EXAMPLES
+@FEWER
 @given(depth=TEXT | st.integers(-5, 10).map(str), session=TEXT)
 def test_query_strings(client: httpx.Client, depth: str, session: str) -> None:
     query = f"depth={quote(depth.encode('utf-8', 'surrogatepass'))}&session=" \

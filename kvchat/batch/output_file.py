@@ -66,23 +66,27 @@ class OutputFile:
     """`path`, locked for this run from `hold` until `close`. Rows are appended through
     `start`'s stream; `rewrite` replaces the whole file atomically, still under the lock."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, created: bool = False) -> None:
         self.path = path
         self._fd = fd
         self._fh: IO[str] | None = None
+        self._unused = created  # made by `hold` and not written yet: `close` removes it
 
     @classmethod
     def hold(cls, path: Path) -> OutputFile:
         """Lock `path` (created if missing, its content untouched) for this run."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            return cls(path, _locked(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND))
+            existed = path.exists()
+            return cls(path, _locked(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+                       created=not existed)
         except OSError as exc:
             raise OutputError(f"Cannot write {path} ({exc.strerror or exc}).") from None
 
     def start(self, keep: bool) -> IO[str]:
         """The stream rows are appended to: after what the file holds with `keep` (a resumed
         run), else from an empty file."""
+        self._unused = False
         try:
             if not keep:
                 os.ftruncate(self._fd, 0)
@@ -117,7 +121,11 @@ class OutputFile:
         self._fd = fd
 
     def close(self) -> None:
-        """Let go of the file (and its lock)."""
+        """Let go of the file (and its lock); one this run made and never wrote is removed, so
+        a run that stopped before its first row leaves nothing behind."""
+        if self._unused and self._fd >= 0 and _same_file(self._fd, self.path):
+            with contextlib.suppress(OSError):
+                self.path.unlink()
         if self._fh is not None:
             with contextlib.suppress(OSError):
                 self._fh.close()
