@@ -7,6 +7,11 @@ class KvchatError(Exception):
     """An error whose message is written for the user; the CLI prints it and exits with code 2."""
 
 
+class BackendGone(KvchatError):
+    """The engine a front end talks to is gone (a resident server was stopped or killed):
+    nothing more can run or be saved through it."""
+
+
 class ModelError(KvchatError):
     """The model a user asked for cannot be found, fetched or used."""
 

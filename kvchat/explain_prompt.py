@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.cache.explain import CONTEXT, Explanation, MissReason, Tombstones, explain
+from kvchat.cache.visibility import Visibility, preview
 from kvchat.errors import KvchatError
+from kvchat.text_input import check_text, decode_utf8, strip_bom
 
 Message = dict[str, str]
 RERUN = "run `kvchat chat` (or `kvchat batch`) once with this version of kvchat to save it"
@@ -38,6 +40,11 @@ class PromptSpec:
 
     @classmethod
     def of_text(cls, text: str, system: str | None, raw: bool) -> PromptSpec:
+        """InvalidText when the text (or the system prompt) is not valid Unicode: a command
+        line byte that is not UTF-8 is refused here, not blamed on the snapshot."""
+        check_text(text, "The --explain text", from_os=True)
+        if system is not None:
+            check_text(system, "The --system text", from_os=True)
         if raw:
             return cls(raw=text)
         head = [{"role": "system", "content": system}] if system is not None else []
@@ -48,9 +55,10 @@ class PromptSpec:
         """The file's text as the user message (or raw prompt); a file holding one JSON
         object with "messages" or "prompt" (a `kvchat batch` row) gives that row's turn."""
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            data = path.read_bytes()
+        except OSError as exc:
             raise ExplainError(f"Cannot read the prompt file {path}: {exc}") from None
+        text = decode_utf8(strip_bom(data), f"The prompt file {path}")
         row = _batch_row(text)
         if row is None or raw:
             return cls.of_text(text, system, raw)
@@ -63,9 +71,10 @@ class PromptSpec:
         more, the first a `kvchat batch` row; every line must be one), else the file as one
         prompt (`of_file`, line None)."""
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            data = path.read_bytes()
+        except OSError as exc:
             raise ExplainError(f"Cannot read the prompt file {path}: {exc}") from None
+        text = decode_utf8(strip_bom(data), f"The prompt file {path}")
         lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         if raw or len(lines) < 2 or _batch_row(lines[0][1]) is None:
             return [(None, cls.of_file(path, system, raw))]
@@ -249,7 +258,9 @@ def _detail(why: Explanation, ids: Sequence[int], decode: Callable[[list[int]], 
                            "before": decode(list(ids[max(c - CONTEXT, 0) : c])),
                            "new": decode(list(ids[c : c + CONTEXT]))}
     if why.reason is MissReason.DIVERGED:
-        out.update(cached=decode(list(why.cached_next)), cached_ids=list(why.cached_next),
+        # the snapshot is the user's own cache: all of it is theirs to see
+        cached = preview(why.cached_next, decode, Visibility.CACHE, sent=False)
+        out.update(cached=cached, cached_ids=list(why.cached_next),
                    new_ids=list(ids[c : c + CONTEXT]))
     if why.reason is MissReason.EVICTED and why.evicted_at is not None:
         through = why.evicted_through or c

@@ -38,11 +38,20 @@ def write_error(what: str, path: Path, exc: Exception, atomic: bool = True) -> W
 
 
 def private_dir(path: Path, what: str = "the sessions folder") -> Path:
-    """Create `path` 0700, or drop its group and other bits; its parents are the user's, as is."""
+    """Create `path` 0700, or drop its group and other bits. Every folder it creates on the way
+    is 0700 too (a `cache/` made for `cache/store/` is as private as the store); folders that
+    already exist above it are the user's, as they are."""
     try:
         if not path.is_dir():
-            path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-            os.chmod(path, DIR_MODE)  # mkdir's mode goes through the umask
+            missing: list[Path] = []
+            folder = path
+            while not folder.is_dir() and folder != folder.parent:
+                missing.append(folder)
+                folder = folder.parent
+            for folder in reversed(missing):
+                with contextlib.suppress(FileExistsError):  # another process made it first
+                    folder.mkdir(mode=DIR_MODE)
+                    os.chmod(folder, DIR_MODE)  # mkdir's mode goes through the umask
             return path
     except OSError as exc:
         raise write_error(what, path, exc, atomic=False) from exc

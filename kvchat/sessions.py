@@ -40,6 +40,7 @@ from kvchat.files import (
     private_dir,
     write_error,
 )
+from kvchat.text_input import json_problem
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always fullmatch: `$` lets "a\n" in
 RESERVED = {"cache", "set-aside"}
@@ -133,12 +134,57 @@ class Session:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Session:
-        return cls(name=str(data["name"]), system=data.get("system"),
-                   messages=[dict(m) for m in data.get("messages", [])],
-                   tokens=[int(t) for t in data.get("tokens", [])],
-                   turns=[Turn(**t) for t in data.get("turns", [])],
+        """A session from its document; ValueError when the document's text is not valid
+        Unicode (`kvchat.text_input`: refused, never replaced), KeyError or TypeError when it
+        is not a session's."""
+        problem = json_problem(data)
+        if problem is not None:
+            raise ValueError(f"text that is not valid Unicode ({problem})")
+        system, messages = data.get("system"), data.get("messages", [])
+        if system is not None and not isinstance(system, str):
+            raise TypeError('"system" must be a string')
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and m.get("role") in _ROLES
+                and isinstance(m.get("content"), str) for m in messages):
+            raise TypeError('"messages" must be a list of {"role": "user" or "assistant" (or '
+                            '"system"), "content": a string} objects')
+        turns = [_turn(t) for t in data.get("turns", [])]
+        if len(messages) < 2 * len(turns):
+            raise ValueError("each turn needs its user and assistant message")
+        return cls(name=str(data["name"]), system=system,
+                   messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+                   tokens=[_count(t, "tokens") for t in data.get("tokens", [])], turns=turns,
                    created=float(data.get("created", time.time())),
                    updated=float(data.get("updated", time.time())))
+
+
+_ROLES = ("system", "user", "assistant")
+
+
+def _count(value: Any, what: str) -> int:
+    """A whole number >= 0 of a session document (a token id, a turn's count); TypeError
+    otherwise, never a bool or a float."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f'"{what}" must hold whole numbers >= 0, got {value!r}')
+    return value
+
+
+def _turn(doc: Any) -> Turn:
+    """One turn's record, with the types the REPL does arithmetic on."""
+    if not isinstance(doc, dict):
+        raise TypeError("each turn must be an object")
+    turn = Turn(**doc)
+    for name in ("prompt_tokens", "hit_tokens", "completion_tokens"):
+        _count(getattr(turn, name), f"turns.{name}")
+    if isinstance(turn.start_tokens, bool) or not isinstance(turn.start_tokens, int):
+        raise TypeError('"turns.start_tokens" must be a whole number')
+    for name in ("ttft_ms", "prefill_ms"):
+        if isinstance(getattr(turn, name), bool) or not isinstance(getattr(turn, name),
+                                                                   int | float):
+            raise TypeError(f'"turns.{name}" must be a number')
+    if not isinstance(turn.source, str) or not isinstance(turn.finish_reason, str):
+        raise TypeError('"turns.source" and "turns.finish_reason" must be strings')
+    return turn
 
 
 class SessionStore:

@@ -53,7 +53,11 @@ def start(model: Path, sessions: Path) -> Running:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     sessions = tmp_path_factory.mktemp("attach") / "sessions"
-    running = start(tiny_model_dir, sessions)
+    umask = os.umask(0o022)  # the usual umask: every folder kvchat makes is 0700 anyway
+    try:
+        running = start(tiny_model_dir, sessions)
+    finally:
+        os.umask(umask)
     try:
         yield running
     finally:
@@ -74,6 +78,11 @@ def test_the_lock_file_names_the_server_and_the_token_is_required(server: Runnin
     assert record["pid"] == server.pid and record["what"] == "kvchat serve"
     printed = kvchat("token", "--sessions-dir", str(server.sessions))
     assert printed.returncode == 0 and printed.stdout.strip() == server.token
+    log = server.sessions / "serve.log"
+    assert "Access token: generated; not written to this log" in log.read_text()
+    assert server.token not in log.read_text()
+    for folder in (server.sessions, server.sessions / "cache", server.sessions / "cache" / "store"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder  # before any save
     assert httpx.get(f"{server.url}/healthz").status_code == 200
     assert httpx.get(f"{server.url}/cache/stats").status_code == 401
     with Client(server.url, "wrong-token") as client, pytest.raises(ServerError) as err:
@@ -299,3 +308,52 @@ def test_ctrl_c_in_an_attached_chat_stops_the_reply_on_the_server(server: Runnin
     assert session is not None
     [turn] = session["turns"]
     assert turn["finish_reason"] == "interrupted" and turn["completion_tokens"] < 1500
+
+
+def test_a_server_killed_mid_reply_ends_the_chat_with_one_clear_message(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    sessions = tmp_path / "sessions"
+    running = start(tiny_model_dir, sessions)
+    chat = subprocess.Popen([sys.executable, "-m", "kvchat", "chat", "--session", "k",
+                             "--max-tokens", "1500", "--panels", "off", "--sessions-dir",
+                             str(sessions)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert chat.stdin is not None and chat.stdout is not None
+    chat.stdin.write(b"Tell me a story.\n")
+    chat.stdin.flush()
+    seen, deadline = b"", time.monotonic() + TIMEOUT_S
+    while b"assistant> " not in seen or len(seen.split(b"assistant> ", 1)[1]) < 4:
+        assert chat.poll() is None and time.monotonic() < deadline, seen
+        seen += os.read(chat.stdout.fileno(), 256)  # the reply is streaming
+    os.kill(running.pid, signal.SIGKILL)
+    _, err = chat.communicate(timeout=TIMEOUT_S)
+    said = " ".join(err.decode().split())
+    assert chat.returncode == 2, said
+    assert "went away during the reply" in said
+    assert f"Its process (pid {running.pid}) has exited: it was stopped or killed" in said
+    assert "The chat ends here" in said and "kvchat chat --session k" in said
+    assert "goes on; kvchat tries again" not in said and "Traceback" not in said
+
+
+def test_a_lock_naming_a_live_server_that_does_not_answer_says_it_is_running(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    from typer.testing import CliRunner
+
+    from kvchat.cli import app
+    from kvchat.sessions import sessions_lock
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens here
+    root = tmp_path / "sessions"
+    with sessions_lock(root, "kvchat serve") as lock:  # held by this (live) process
+        lock.publish(closed, "token")
+        result = CliRunner().invoke(app, ["inspect", "--sessions-dir", str(root)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, said
+    assert f"Its process (pid {os.getpid()}) is still running" in said
+    assert "stopped or killed" not in said

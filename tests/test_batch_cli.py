@@ -274,3 +274,70 @@ def test_a_lines_own_max_tokens_wins_and_the_help_and_summary_say_so(tiny_model_
         in flat
     help_text = " ".join(runner.invoke(app, ["batch", "--help"]).output.replace("│", " ").split())
     assert "a line's own max_tokens wins over this" in help_text
+
+
+def test_a_full_disk_for_sessions_reports_every_failed_save_and_fails_the_run(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    import errno
+
+    import kvchat.sessions as sessions_module
+
+    real_write = sessions_module.atomic_write
+    saves = {"beta": 0}
+
+    def disk_full_for_beta(path, data, what="a file"):
+        if path.name == "beta.json":
+            saves["beta"] += 1
+            if saves["beta"] > 2:  # the disk fills up after beta's second turn
+                raise sessions_module.write_error(what, path, OSError(errno.ENOSPC, "full"))
+        return real_write(path, data, what)
+
+    monkeypatch.setattr(sessions_module, "atomic_write", disk_full_for_beta)
+    src = tmp_path / "in.jsonl"
+    lines = [{"session": name, "prompt": f"{name} turn {i}"} for i in range(4)
+             for name in ("alpha", "beta")]
+    src.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out), "--batch-size", "2",
+                              *args(tiny_model_dir, tmp_path)], terminal_width=200)
+    assert res.exit_code == 1, res.output  # every row is written, but the run was not clean
+    text = " ".join(res.output.split())
+    beta_lines = [n for n, r in enumerate(lines, 1) if r["session"] == "beta"]
+    for line in beta_lines[2:]:  # each failed save, by its line
+        assert f"line {line}: Could not write session 'beta'" in text
+    assert "at the end of the run: Could not write session 'beta'" in text  # tried once more
+    assert "sessions behind beta (2 of 4 turns on disk)" in text
+    assert "Session beta is behind on disk (2 of 4 turns on disk)" in text
+    assert "alpha" not in text.split("sessions behind", 1)[1].split("evictions")[0]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 8 and all("error" not in r for r in rows)
+    root = tmp_path / "s"
+    assert len(json.loads((root / "beta.json").read_text())["turns"]) == 2
+    assert len(json.loads((root / "alpha.json").read_text())["turns"]) == 4
+
+
+def test_a_reader_that_goes_away_ends_the_batch_quietly(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    # rows of 4 KB: more than a pipe holds, so some write must meet the closed pipe
+    src.write_text("".join(json.dumps({"id": f"{i}-" + "x" * 4000, "prompt": f"question {i}"})
+                           + "\n" for i in range(40)))
+    # as `kvchat batch in.jsonl | head -1`: the reader takes one row, then closes the pipe
+    proc = subprocess.Popen([sys.executable, "-m", "kvchat", "batch", str(src),
+                             "--batch-size", "1", *args(tiny_model_dir, tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err  # as a tool killed by SIGPIPE
+    assert json.loads(first)["line"] == 1
+    said = " ".join(err.split())
+    for noise in ("Error", "Traceback", "free some space", "--resume", "BrokenPipe",
+                  "Exception ignored", "kvchat batch"):  # the summary's title included
+        assert noise not in said, said
+    meta = read_snapshot_meta(tmp_path / "s")
+    assert meta is not None and meta.cached_tokens > 0  # the cache was still saved

@@ -8,6 +8,7 @@ import io
 import json
 
 import pytest
+from typer.testing import CliRunner
 
 from kvchat.batch import (
     BadLine,
@@ -19,6 +20,7 @@ from kvchat.batch import (
     previous_rows,
     read_batch,
 )
+from kvchat.cli import app
 
 
 def rows_of(path) -> list[dict]:
@@ -117,3 +119,53 @@ def test_duplicate_ids_are_found(tmp_path):
                    '{"custom_id": "c", "body": {"messages": [{"role": "user", "content": "q"}]}}\n')
     items, _ = read_batch(src)
     assert duplicate_ids(items) == {"a": [1, 3]}
+
+
+def test_a_second_run_on_the_same_output_is_refused_until_the_first_has_let_go(tmp_path):
+    out = tmp_path / "out.jsonl"
+    first = RowWriter([1, 2], out)
+    first.write(2, done_row(2, "b"))
+    with pytest.raises(OutputError, match="Another kvchat batch is writing .*another -o file"):
+        RowWriter([1, 2], out)
+    first.write(1, done_row(1, "a"))
+    assert first.file is not None
+    first.file.rewrite(['{"line": 1}\n', '{"line": 2}\n'])  # renamed into place, still held
+    with pytest.raises(OutputError, match="Another kvchat batch"):
+        RowWriter([1, 2], out, keep={1: done_row(1, "a")})
+    first.close()
+    assert [r["line"] for r in rows_of(out)] == [1, 2]
+    second = RowWriter([1], out)  # now free: a new run starts from an empty file
+    second.write(1, done_row(1, "c"))
+    second.close()
+    assert [r["text"] for r in rows_of(out)] == ["ok"] and len(rows_of(out)) == 1
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_batch_refuses_an_output_another_run_writes_before_it_loads_anything(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a"}\n')
+    out = tmp_path / "out.jsonl"
+    kept = done_row(1, "x")
+    out.write_text(json.dumps(kept) + "\n")
+    other = RowWriter([1], out, keep={1: kept})  # another kvchat batch, mid-run
+    try:
+        res = CliRunner().invoke(app, ["batch", str(src), "-o", str(out), "--model",
+                                       "/nonexistent", "--sessions-dir", str(tmp_path / "s")])
+    finally:
+        other.close()
+    assert res.exit_code == 2
+    assert "Another kvchat batch is writing" in " ".join(res.output.split())
+    assert [r["id"] for r in rows_of(out)] == ["q1"]  # the other run's rows are untouched
+    assert not (tmp_path / "s").exists()
+
+
+def test_an_output_held_but_never_written_is_left_as_it_was(tmp_path):
+    from kvchat.batch import OutputFile
+
+    new = tmp_path / "new.jsonl"
+    OutputFile.hold(new).close()  # e.g. --fail-fast stopped the run before its first row
+    assert not new.exists()
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"line": 1}\n')
+    OutputFile.hold(old).close()
+    assert old.read_text() == '{"line": 1}\n'

@@ -15,6 +15,7 @@ import pytest
 import torch
 from _cache_helpers import fetch, make_tiered_cache, store
 
+from kvchat.cache.explain import MissReason
 from kvchat.cache.kvcache import HitSource
 from kvchat.cache.store_index import block_path
 from kvchat.cache.tree_index import exact_logits, export_index, import_index
@@ -73,6 +74,29 @@ def test_a_pool_full_of_other_prompts_makes_room_for_a_disk_hit(tmp_path: Path) 
     hit = fetch(cache, A + [99])
     assert hit.matched == len(A) and hit.source is HitSource.DISK
     assert fetch(cache, B).matched == len(B) - 1
+    assert cache.disk is not None
+    cache.disk.close()
+
+
+def test_a_disk_prefix_with_no_room_to_load_is_explained_by_what_was_served(
+    tmp_path: Path,
+) -> None:
+    cache = make_tiered_cache(tmp_path, num_blocks=4, block_size=BS)
+    store(cache, A)
+    assert cache.evict(4) == 4  # A is only on disk now
+    running = store(cache, list(range(70, 86)), hold=True)  # a request holds every block
+    hit = cache.lookup(A + [99])
+    assert (hit.matched, hit.source) == (0, HitSource.MISS)
+    assert hit.why is not None
+    assert (hit.why.reason, hit.why.cached, hit.why.disk_through) == (
+        MissReason.POOL_FULL, 0, len(A))
+    assert hit.why.describe(A + [99], None).startswith(f"pool full: tokens 0-{len(A)} of 15")
+    assert hit.why.to_json()["disk_through"] == len(A)
+    cache.release(hit.blocks)
+    cache.release(running.blocks)
+    again = fetch(cache, A + [99])  # room again: the same prefix is a disk hit, and says so
+    assert again.source is HitSource.DISK and again.matched == len(A)
+    assert again.why is not None and again.why.reason is MissReason.HIT
     assert cache.disk is not None
     cache.disk.close()
 
@@ -215,6 +239,28 @@ def test_cached_equals_cold_with_hits_from_disk_after_a_restart(tiny_model, tiny
     assert b.cache.stats().disk_hit_tokens >= sum(len(p) - BS for p in prompts)
     assert b.cache.stats().disk_hits == len(prompts)
     b.close()
+
+
+def test_rows_never_claim_a_hit_their_counters_deny(tiny_model, tiny_tokenizer, tmp_path):
+    """A warm rerun through a pool too small for every prompt's K/V at once: requests admitted
+    together hold the pool, so disk prefixes cannot all be loaded; each explanation says what
+    its own lookup served."""
+    rt = tiered_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=40)
+    rt.engine.batch_size = 8
+    prompts = [prompt(20 + i, 60) for i in range(8)]
+    results: list[GenerationResult] = []
+    for _ in range(2):
+        handles = [rt.engine.submit(Request(p, SamplingParams(max_new_tokens=4))) for p in prompts]
+        results += [h.run() for h in handles]
+        rt.cache.check_integrity()
+    assert any(r.miss_reason == "pool_full" for r in results[8:])  # the case happened
+    for r in results:
+        full = r.cache_hit_tokens >= r.prompt_tokens - 1
+        assert (r.miss_reason == "hit") == full, (r.miss_reason, r.cache_hit_tokens, r.miss_detail)
+        if r.miss_reason in ("diverged", "pool_full"):
+            assert f"tokens {r.cache_hit_tokens}-" in r.miss_detail or (
+                f"token {r.cache_hit_tokens} " in r.miss_detail)
+    rt.close()
 
 
 def test_a_corrupt_block_is_recomputed_correctly(tiny_model, tiny_tokenizer, tmp_path):

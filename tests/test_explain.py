@@ -11,6 +11,7 @@ from _cache_helpers import make_cache, store
 from kvchat.cache.explain import MissReason, Tombstones, explain
 from kvchat.cache.radix import RadixTree
 from kvchat.cache.tree_index import tree_from_records, tree_records
+from kvchat.cache.visibility import Visibility, preview
 
 BS = 4
 SYSTEM = list(range(100, 110))  # 10 tokens: ends in the middle of a 4-token block
@@ -51,6 +52,23 @@ def test_diverged_in_the_middle_of_a_block_says_where_and_what_the_cache_holds()
     assert "diverged at token 6" in line and "<106>" in line and "<999>" in line
     inside = cache.explain(SYSTEM + [1, 2, 3, 50, 51])  # parts inside A's own edge
     assert (inside.diverged_at, inside.cached_next) == (13, (4, 5, 6))
+
+
+def test_in_a_shared_namespace_a_divergence_shows_only_the_callers_own_tokens():
+    cache = cache_with(A, B)
+    changed = SYSTEM + [1, 2, 42, 43]  # parts inside A's edge: the cache holds 3, 4, 5, 6 next
+    e = cache.explain(changed)
+
+    def decode(ids):
+        return "".join(f"<{t}>" for t in ids)
+
+    own = e.describe(changed, decode, Visibility.OWN)
+    assert own.startswith("diverged at token 12 of 14: new '") and "(not shown)" in own
+    assert "<42><43>" in own and "<109><1><2>" in own  # its own tokens on both sides
+    assert not any(f"<{t}>" in own for t in (3, 4, 5, 6))  # never what the cache holds next
+    assert "<3><4><5><6>" in e.describe(changed, decode, Visibility.CACHE)
+    assert preview([3, 4], decode, Visibility.OWN, sent=False) is None
+    assert preview([3, 4], None, Visibility.OWN, sent=True) == "3 4"
 
 
 def test_evicted_says_when_and_by_which_policy():

@@ -203,6 +203,24 @@ def test_explain_imports_neither_torch_nor_transformers(saved):
     assert "HEAVY []" in out.stdout
 
 
+def test_a_command_line_byte_that_is_not_utf8_is_refused_not_blamed_on_the_snapshot(
+    saved, tmp_path
+):
+    args = [sys.executable, "-m", "kvchat", "inspect", "--sessions-dir", str(saved.root),
+            "--explain"]
+    out = subprocess.run([*args, b"hello \xff"], capture_output=True, timeout=120)
+    err = " ".join(out.stderr.decode().split())
+    assert out.returncode == 2, err
+    assert "The --explain text is not valid Unicode: byte 0xff at character 7 is not UTF-8" in err
+    assert "snapshot" not in err and "Traceback" not in err
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"caf\xe9")
+    result = CliRunner().invoke(cli.app, ["inspect", "--sessions-dir", str(saved.root),
+                                          "--explain-file", str(prompt)], env=WIDE)
+    assert result.exit_code == 2
+    assert "is not UTF-8 text (byte 4 is 0xe9)" in " ".join(result.output.split())
+
+
 DROP = object()  # _copy_with: leave the key out, as an older kvchat's index does
 
 

@@ -106,6 +106,17 @@ def test_everything_kvchat_writes_is_private_whatever_the_umask(umask, tmp_path)
     assert {str(p): oct(mode(p)) for p in files} == {str(p): "0o600" for p in files}
 
 
+def test_every_folder_made_on_the_way_is_private(umask, tmp_path):
+    parent = tmp_path / "projects"
+    parent.mkdir(mode=0o755)
+    os.chmod(parent, 0o755)
+    store = parent / "s" / "cache" / "store"
+    assert private_dir(store) == store
+    for folder in (parent / "s", parent / "s" / "cache", store):
+        assert mode(folder) == 0o700, folder  # made here: private, whatever the umask
+    assert mode(parent) == 0o755  # there before: the user's, as it was
+
+
 def test_a_wider_existing_dir_is_tightened_but_not_its_parent(tmp_path):
     parent = tmp_path / "projects"
     root = parent / "s"

@@ -1,11 +1,14 @@
 """`kvchat batch`: JSONL request files through the shared cache and the engine.
 
 requests.py parses lines (prompt / messages / OpenAI batch lines), run.py runs them (independent
-lines together, session lines in turn), output.py writes one row per line as each finishes.
+lines together, session lines in turn), output.py writes one row per line as each finishes, to
+the -o file, which output_file.py locks for one run.
 """
 
 from kvchat.batch.output import (
+    OutputClosed,
     OutputError,
+    OutputFile,
     RowWriter,
     bad_line_row,
     is_complete,
@@ -20,10 +23,10 @@ from kvchat.batch.requests import (
     parse_line,
     read_batch,
 )
-from kvchat.batch.run import BatchProgress, BatchRun, ItemResult
+from kvchat.batch.run import BatchProgress, BatchRun, ItemResult, SaveFailure
 
 __all__ = [
     "BadLine", "BatchItem", "BatchProgress", "BatchRun", "ItemResult", "LineError",
-    "OutputError", "RowWriter", "bad_line_row", "duplicate_ids", "is_complete", "parse_line",
-    "previous_rows", "read_batch", "result_row",
+    "OutputClosed", "OutputError", "OutputFile", "RowWriter", "SaveFailure", "bad_line_row",
+    "duplicate_ids", "is_complete", "parse_line", "previous_rows", "read_batch", "result_row",
 ]

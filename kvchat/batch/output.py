@@ -11,23 +11,19 @@ rest.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from kvchat.batch.output_file import OutputClosed, OutputError, OutputFile
 from kvchat.batch.requests import BadLine, BatchItem
 from kvchat.batch.run import ItemResult
-from kvchat.errors import KvchatError
 from kvchat.responses import chat_completion, result_fields
 
 COMPLETE = ("stop", "length")
-
-
-class OutputError(KvchatError):
-    """The output file could not be read or written."""
+__all__ = ["COMPLETE", "OutputClosed", "OutputError", "OutputFile", "RowWriter", "bad_line_row",
+           "is_complete", "previous_rows", "result_row"]
 
 
 def result_row(res: ItemResult) -> dict[str, Any]:
@@ -107,22 +103,19 @@ def previous_rows(path: Path, items: list[BatchItem]) -> dict[int, dict[str, Any
 
 
 class RowWriter:
-    """Writes rows as they finish: appended to a file (flushed), or in input order to a stream."""
+    """Writes rows as they finish: appended to a file (flushed), or in input order to a stream.
+    A file is held for this run alone (`OutputFile`: pass one already held, or a path)."""
 
-    def __init__(self, lines: Iterable[int], path: Path | None, stream: IO[str] | None = None,
+    def __init__(self, lines: Iterable[int], path: Path | OutputFile | None,
+                 stream: IO[str] | None = None,
                  keep: dict[int, dict[str, Any]] | None = None) -> None:
         self.order = sorted(set(lines))
-        self.path = path
+        self.file = OutputFile.hold(path) if isinstance(path, Path) else path
+        self.path = self.file.path if self.file is not None else None
         self.stream = stream
         self.rows: dict[int, dict[str, Any]] = dict(keep or {})
         self._next = 0  # stream mode: index into order of the next row to print
-        self._fh: IO[str] | None = None
-        if path is not None:
-            try:
-                _private_parent(path)
-                self._fh = open(path, "a" if keep else "w", encoding="utf-8")
-            except OSError as exc:
-                raise OutputError(f"Cannot write {path} ({exc.strerror or exc}).") from None
+        self._fh: IO[str] | None = self.file.start(bool(keep)) if self.file is not None else None
 
     def write(self, line: int, row: dict[str, Any]) -> None:
         self.rows[line] = row
@@ -140,6 +133,10 @@ class RowWriter:
             for row in rows:
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             fh.flush()
+        except BrokenPipeError:
+            if self.path is not None:
+                raise OutputError(f"Writing {self.path} failed (broken pipe).") from None
+            raise OutputClosed("The reader of the output went away.") from None
         except OSError as exc:
             where = self.path or "the output"
             raise OutputError(
@@ -148,34 +145,25 @@ class RowWriter:
                 "same command with --resume to finish the rest.") from None
 
     def close(self) -> None:
-        """Rewrite a file in input order (atomically), or print what the stream still holds."""
-        if self._fh is not None:
-            with contextlib.suppress(OSError):
-                self._fh.close()
+        """Rewrite a file in input order (atomically, still holding it) and let go of it, or
+        print what the stream still holds."""
+        if self.file is not None:
             self._fh = None
-            assert self.path is not None
-            self._rewrite_sorted(self.path)
+            try:
+                self._rewrite_sorted(self.file)
+            finally:
+                self.file.close()
         elif self.stream is not None:
             rest = [self.rows[n] for n in self.order[self._next:] if n in self.rows]
             self._next = len(self.order)
             self._append(self.stream, rest)
 
-    def _rewrite_sorted(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    def _rewrite_sorted(self, file: OutputFile) -> None:
+        lines = (json.dumps(self.rows[line], ensure_ascii=False) + "\n"
+                 for line in sorted(self.rows))
         try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                for line in sorted(self.rows):
-                    fh.write(json.dumps(self.rows[line], ensure_ascii=False) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            file.rewrite(lines)
         except OSError as exc:  # the appended file is still complete, only not in input order
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise OutputError(
-                f"All rows are in {path}, but putting them in input order failed "
+                f"All rows are in {file.path}, but putting them in input order failed "
                 f"({exc.strerror or exc}); each row carries its input \"line\".") from None
-
-
-def _private_parent(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)

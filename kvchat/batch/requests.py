@@ -6,8 +6,10 @@ Input lines, any mix of:
     {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
      "body": {"messages": [...], "max_tokens": N, "temperature": T}}     (OpenAI Batch API)
 with optional "id", "session", "system", "max_tokens", "temperature", "seed". Lines that share a
-"session" form one conversation (see run.py). Blank lines are skipped; a line that is not
-UTF-8 is an error of its own line, not of the file.
+"session" form one conversation (see run.py). Blank lines are skipped; a UTF-8 byte order mark
+before the first line is dropped; a line whose text is not valid Unicode (not UTF-8, or a lone
+surrogate escape such as "\\ud800") is an error of its own line, not of the file
+(`kvchat.text_input`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvchat.sessions import SessionError, validate_name
+from kvchat.text_input import InvalidText, check_json, decode_utf8, strip_bom
 
 _COMMON = {"id", "session", "system", "max_tokens", "temperature", "seed"}
 _OPENAI = {"custom_id", "method", "url", "body"}
@@ -75,6 +78,10 @@ def parse_line(text: str, line: int) -> BatchItem:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise LineError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    try:
+        check_json(obj, "the line")
+    except InvalidText as exc:
+        raise LineError(str(exc)) from None
     if not isinstance(obj, dict):
         raise LineError("each line must be a JSON object")
     openai = "body" in obj or "custom_id" in obj
@@ -163,14 +170,15 @@ def read_batch(path: Path) -> tuple[list[BatchItem], list[BadLine]]:
     errors: list[BadLine] = []
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, start=1):
+            if number == 1:
+                raw = strip_bom(raw)
             if not raw.strip():
                 continue
             digest = line_digest(raw)
             try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                errors.append(BadLine(number, f"not UTF-8 text (byte {exc.start + 1} of the "
-                                      "line); save the file as UTF-8", digest))
+                text = decode_utf8(raw, "the line")
+            except InvalidText as exc:
+                errors.append(BadLine(number, str(exc), digest))
                 continue
             try:
                 item = parse_line(text, number)

@@ -12,7 +12,7 @@ from kvchat.batch.requests import BatchItem
 from kvchat.cache.stats import ratio
 from kvchat.config import SamplingParams
 from kvchat.errors import KvchatError
-from kvchat.sessions import SessionStore
+from kvchat.sessions import Session, SessionStore
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run starts in this process
     from kvchat.engine.engine import Engine
@@ -26,6 +26,16 @@ class ItemResult:
     result: GenerationResult | None = None
     error: str | None = None
     not_started: bool = False  # the run stopped before this line started
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    """A session turn that ran (its row is written) but whose session file could not be
+    saved: the session on disk is behind by that turn until a later save succeeds."""
+
+    line: int | None  # None: the retry when the run ended
+    session: str
+    message: str
 
 
 @dataclass
@@ -66,7 +76,8 @@ class BatchRun:
         self.results: dict[int, ItemResult] = {}
         self.progress = BatchProgress()
         self._waiting: dict[str, list[BatchItem]] = {}
-        self.save_errors: list[str] = []
+        self.save_errors: list[SaveFailure] = []
+        self._on_disk: dict[str, int] = {}  # session -> turns its file holds
         self.stopped = False
         self.pin_system = pin_system  # pin each distinct system prompt once it is cached
         self._to_pin: list[tuple[int, list[int]]] = []  # (line, system prefix tokens)
@@ -81,6 +92,8 @@ class BatchRun:
             params = merge_params(self.defaults, item.max_tokens, item.temperature,
                                   seed=item.seed)
             session = self.sessions.open(item.session) if item.session else None
+            if session is not None:
+                self._on_disk.setdefault(session.name, len(session.turns))
             turn = prepare_turn(self.engine.codec, item.messages, params, session, item.system)
         except (KvchatError, ValueError) as exc:
             self._record(ItemResult(item, error=str(exc)))
@@ -106,7 +119,7 @@ class BatchRun:
                 else str(event.error or "the request did not run")
             self._record(ItemResult(item, error=message, not_started=not_started))
         else:
-            self._commit(turn, event.result)
+            self._commit(item, turn, event.result)
             self._record(ItemResult(item, result=event.result))
             if self.pin_system:
                 self._queue_pin(item, turn)
@@ -144,13 +157,35 @@ class BatchRun:
             except PinError as exc:
                 self.pin_errors.append(f"line {line}'s system prompt not pinned: {exc}")
 
-    def _commit(self, turn: PreparedTurn, result: GenerationResult) -> None:
+    def _commit(self, item: BatchItem, turn: PreparedTurn, result: GenerationResult) -> None:
         if turn.commit(result) is None or turn.session is None:
             return
+        self._save(turn.session, item.line)
+
+    def _save(self, session: Session, line: int | None) -> bool:
         try:
-            self.sessions.save(turn.session)
+            self.sessions.save(session)
         except KvchatError as exc:  # the reply is still written; only the transcript is not
-            self.save_errors.append(str(exc))
+            self.save_errors.append(SaveFailure(line, session.name, str(exc)))
+            return False
+        self._on_disk[session.name] = len(session.turns)
+        return True
+
+    def behind(self) -> dict[str, str]:
+        """The sessions whose files lack turns that ran (a save failed and none succeeded
+        since), each with how far behind it is."""
+        out = {}
+        for name, saved in sorted(self._on_disk.items()):
+            turns = len(self.sessions.open(name).turns)
+            if turns > saved:
+                out[name] = f"{saved} of {turns} turns on disk"
+        return out
+
+    def save_behind(self) -> None:
+        """Try once more to save each session that is behind (the disk may have room now);
+        a failure is recorded again."""
+        for name in self.behind():
+            self._save(self.sessions.open(name), None)
 
     def _advance_session(self, item: BatchItem) -> None:
         if item.session is None or self.stopped:

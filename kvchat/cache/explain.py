@@ -1,6 +1,7 @@
 """Why a prompt's cached prefix ended where it did: it was never seen (cold), it was cached and
-evicted (when, by which policy), or the cache holds a different continuation (diverged at token
-i: a changed date, a reordered system prompt).
+evicted (when, by which policy), the cache holds a different continuation (diverged at token
+i: a changed date, a reordered system prompt), or it is cached on disk but the pool had no room
+to load it back (pool full: running requests held every block).
 
 Torch-free: it walks a RadixTree, the live cache's or one `kvchat inspect` rebuilds from a
 snapshot's index, and remembers evicted blocks by their chained block keys (`block_keys`), which
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.cache.block_keys import next_key
 from kvchat.cache.radix import common_prefix
+from kvchat.cache.visibility import Visibility, preview
 
 if TYPE_CHECKING:
     from kvchat.cache.radix import Node, PrefixMatch, RadixTree
@@ -30,6 +32,7 @@ class MissReason(StrEnum):
     COLD = "cold"  # nothing beyond the cached prefix was ever cached
     EVICTED = "evicted"  # what followed was cached, then evicted
     DIVERGED = "diverged"  # the cache continues differently from the prompt
+    POOL_FULL = "pool_full"  # cached on disk, but no free pool block to load it back into
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class Explanation:
     evicted_through: int | None = None  # the prompt was cached up to here before eviction
     evicted_at: float | None = None  # unix time
     evicted_by: str | None = None  # the eviction policy (or "clear")
+    disk_through: int | None = None  # pool full: the prompt is cached on disk up to here
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"miss_reason": self.reason.value,
@@ -49,6 +53,8 @@ class Explanation:
         if self.reason is MissReason.EVICTED:
             out.update(evicted_through=self.evicted_through, evicted_at=self.evicted_at,
                        evicted_by=self.evicted_by)
+        if self.reason is MissReason.POOL_FULL:
+            out.update(disk_through=self.disk_through)
         return out
 
     def label(self, own_from: int, after_history: bool = False) -> str:
@@ -65,12 +71,11 @@ class Explanation:
             return "new" if cold else "shared prefix"
         return self.reason.value
 
-    def describe(self, prompt: Sequence[int], decode: Callable[[list[int]], str] | None) -> str:
+    def describe(self, prompt: Sequence[int], decode: Callable[[list[int]], str] | None,
+                 visibility: Visibility = Visibility.CACHE) -> str:
         """One line for people: where the cached prefix ended and why; a divergence shows a
-        few decoded tokens on each side, cached text against new text."""
-        def show(ids: Sequence[int]) -> str:
-            return decode(list(ids)) if decode else " ".join(map(str, ids))
-
+        few decoded tokens on each side, the cache's text against the prompt's, as far as the
+        caller may see them (`kvchat.cache.visibility`: in a shared namespace, only its own)."""
         n, c = self.prompt_tokens, self.cached
         if self.reason is MissReason.HIT:
             return f"all {c} reusable tokens of {n} were cached"
@@ -81,24 +86,35 @@ class Explanation:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.evicted_at or 0))
             return (f"evicted: tokens {c}-{self.evicted_through} of {n} were cached, then "
                     f"evicted by {self.evicted_by} at {when}")
+        if self.reason is MissReason.POOL_FULL:
+            return (f"pool full: tokens {c}-{self.disk_through} of {n} are cached on disk, but "
+                    "running requests held every pool block, so none could be loaded back")
         i = self.diverged_at or 0
-        head = show(prompt[max(i - CONTEXT, 0) : i])
-        return (f"diverged at token {i} of {n}: cached {head + show(self.cached_next)!r} "
-                f"vs new {head + show(prompt[i : i + CONTEXT])!r}")
+        head = preview(prompt[max(i - CONTEXT, 0) : i], decode, visibility, sent=True) or ""
+        new = head + (preview(prompt[i : i + CONTEXT], decode, visibility, sent=True) or "")
+        theirs = preview(self.cached_next, decode, visibility, sent=False)
+        if theirs is None:
+            return (f"diverged at token {i} of {n}: new {new!r}; the cache, shared with other "
+                    "callers, holds another continuation (not shown)")
+        return f"diverged at token {i} of {n}: cached {head + theirs!r} vs new {new!r}"
 
 
 def explain(tree: RadixTree, prompt: Sequence[int], namespace: str = "",
             tombstones: Tombstones | None = None, exact: bool = False,
-            match: PrefixMatch | None = None) -> Explanation:
+            match: PrefixMatch | None = None, served: int | None = None) -> Explanation:
     """Where `prompt`'s cached prefix ends in `namespace` and why. A non-exact hit always
     leaves the last token to compute, so n - 1 cached tokens is a full hit; `exact` says the
     exact index served the whole prompt. `match` is the tree's walk for `prompt`, when the
-    caller already made it."""
+    caller already made it. `served` is how many leading tokens a lookup actually served (the
+    facts its counters come from): a walk that found more, on disk, than could be loaded is
+    explained as POOL_FULL from there, never as a hit."""
     n = len(prompt)
     if exact:
         return Explanation(MissReason.HIT, n, n)
     match = match if match is not None else tree.find_prefix(prompt, namespace)
     cached = match.matched
+    if served is not None and served < min(cached, n - 1):
+        return Explanation(MissReason.POOL_FULL, served, n, disk_through=cached)
     if cached >= n - 1:
         return Explanation(MissReason.HIT, cached, n)
     dead = tombstones.longest(tree, namespace, prompt, cached) if tombstones else None

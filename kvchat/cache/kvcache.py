@@ -170,9 +170,12 @@ class PagedKVCache:
             found = self.tree.find_prefix(tokens, namespace)
             resident = found.resident(self.block_size)
             match = self.load(found)
-            # the walk explains the miss, unless loading cut the match (a block lost on disk)
+            # the walk explains the miss from what was served: when loading cut the match, the
+            # tree is walked again (a block lost on disk is pruned now), and what it still
+            # holds on disk past the match had no room in the pool (POOL_FULL)
+            cut = match.matched < found.matched
             why = explain(self.tree, tokens, namespace, self.tombstones,
-                          match=found if match.matched == found.matched else None)
+                          match=None if cut else found, served=match.matched)
             matched = min(match.matched, max(n - 1, 0))
             blocks = match.blocks[: _ceil_div(matched, self.block_size)]
             disk = max(matched - resident, 0)
@@ -397,7 +400,7 @@ class PagedKVCache:
 
     def explain(self, tokens: Sequence[int], namespace: str = "",
                 exact: bool = False) -> Explanation:
-        """Where `tokens`' cached prefix ends and why (cold, evicted, diverged), before they
+        """Where `tokens`' cached prefix ends and why (hit, cold, evicted, diverged), before they
         are stored. Touches no stats, timestamps or ref counts."""
         return explain(self.tree, tokens, namespace, self.tombstones, exact)
 

@@ -7,6 +7,7 @@ give every line its row and save the cache, and `--resume` finishes what a kille
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -31,8 +32,10 @@ from kvchat.cli.attach_options import (
 )
 from kvchat.errors import KvchatError
 
+PIPE_EXIT_CODE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
+
 if TYPE_CHECKING:
-    from kvchat.batch import BadLine, BatchItem, BatchRun
+    from kvchat.batch import BadLine, BatchItem, BatchRun, OutputFile
     from kvchat.cache.stats import CacheStats
     from kvchat.client import Attachment
     from kvchat.runtime import Runtime
@@ -40,10 +43,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Plan:
-    """What to run: the parsed file, and what an earlier output already holds."""
+    """What to run: the parsed file, the -o file held for this run (None: stdout), and what
+    an earlier output already holds."""
 
     items: list[BatchItem]
     bad: list[BadLine]
+    output: OutputFile | None = None
     kept: dict[int, dict[str, Any]] = field(default_factory=dict)
     max_tokens: int = 256  # --max-tokens: for lines that set no max_tokens of their own
 
@@ -125,23 +130,23 @@ def batch(
     to_stdout = output is None or str(output) == "-"
     out_path = None if to_stdout else output
     ui = stderr() if to_stdout else stdout()
-    plan = _plan(file, out_path, resume, ui)
-    plan.max_tokens = max_tokens
-    if plan.bad and fail_fast:
-        raise typer.Exit(1)
-    fixed_size = _batch_size_option(batch_size)
-    if server is not None:
-        with terminate_as_interrupt():
-            run, interrupted = _run_attached(server, plan, (max_tokens, temperature, seed),
-                                             out_path, (fail_fast, pin_system), ui)
-    else:
-        run, interrupted = _run_standalone(options, plan, (max_tokens, temperature, seed),
-                                           fixed_size, out_path, (fail_fast, pin_system), ui)
+    with _held(out_path) as held:  # another run writing the same -o is refused here
+        plan = _plan(file, held, resume, ui)
+        plan.max_tokens = max_tokens
+        if plan.bad and fail_fast:
+            raise typer.Exit(1)
+        fixed_size = _batch_size_option(batch_size)
+        defaults, flags = (max_tokens, temperature, seed), (fail_fast, pin_system)
+        if server is not None:
+            with terminate_as_interrupt():
+                run, interrupted = _run_attached(server, plan, defaults, out_path, flags, ui)
+        else:
+            run, interrupted = _run_standalone(options, plan, defaults, fixed_size, flags, ui)
     if pin_system:
         _report_pins(run, ui)
     if interrupted:
         _interrupted(run, plan, file, out_path, ui)
-    if plan.bad or run.progress.failed:
+    if plan.bad or run.progress.failed or run.behind():  # a session behind: not a clean run
         raise typer.Exit(1)
 
 
@@ -165,7 +170,21 @@ def _report_pins(run: Any, ui: Console) -> None:
              if not run.pin_errors else "[dim]--pin-system: nothing pinned[/dim]")
 
 
-def _plan(file: Path, out_path: Path | None, resume: bool, ui: Console) -> _Plan:
+@contextlib.contextmanager
+def _held(out_path: Path | None) -> Iterator[OutputFile | None]:
+    """The -o file, locked for this run (refused while another run writes it) until the run
+    ends; None for stdout."""
+    from kvchat.batch import OutputFile
+
+    held = OutputFile.hold(out_path) if out_path is not None else None
+    try:
+        yield held
+    finally:
+        if held is not None:
+            held.close()
+
+
+def _plan(file: Path, output: OutputFile | None, resume: bool, ui: Console) -> _Plan:
     from kvchat.batch import duplicate_ids, previous_rows, read_batch
 
     try:
@@ -179,14 +198,14 @@ def _plan(file: Path, out_path: Path | None, resume: bool, ui: Console) -> _Plan
     for request_id, lines in duplicate_ids(items).items():
         ui.print(f"[yellow]id {escape(request_id)!s} is used by lines "
                  f"{', '.join(map(str, lines))}: tell their rows apart by \"line\".[/yellow]")
-    plan = _Plan(items, bad)
+    plan = _Plan(items, bad, output)
     if resume:
-        if out_path is None:
+        if output is None:
             raise KvchatError("--resume continues a run that wrote to a file: give that file "
                               "with -o.")
-        plan.kept = previous_rows(out_path, items)
+        plan.kept = previous_rows(output.path, items)
         ui.print(f"[dim]resuming: {len(plan.kept)} of {len(items)} line(s) already finished in "
-                 f"{escape(str(out_path))}[/dim]")
+                 f"{escape(str(output.path))}[/dim]")
     return plan
 
 
@@ -233,8 +252,7 @@ def torch_threads() -> int:
 
 def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
                     defaults: tuple[int, float, int | None], fixed_size: int | None,
-                    out_path: Path | None, flags: tuple[bool, bool], ui: Console
-                    ) -> tuple[Any, bool]:
+                    flags: tuple[bool, bool], ui: Console) -> tuple[Any, bool]:
     """The lines through an engine in this process, under the sessions dir's lock. `flags`:
     (--fail-fast, --pin-system)."""
     from kvchat.batch import BatchRun
@@ -259,8 +277,7 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
             return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
                             update, pin_system=flags[1])
 
-        return _run(plan, out_path, ui, size, start, runtime.cache.stats,
-                    lambda: _save(runtime, ui))
+        return _run(plan, ui, size, start, runtime.cache.stats, lambda: _save(runtime, ui))
 
 
 def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, int | None],
@@ -269,10 +286,10 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
     """The lines through a running server (which batches them and saves its own cache).
     `flags`: (--fail-fast, --pin-system)."""
     from kvchat.cli.batch_attached import AttachedRun, describe, server_stats
-    from kvchat.client import Client, ServerGone
+    from kvchat.client import ServerGone
 
     describe(server, ui)
-    client = Client(server.url, server.token)
+    client = server.client()
     with client:
         client.health()  # a server that is gone says so before any row is written
 
@@ -280,22 +297,22 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
             return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1])
 
         def stats() -> CacheStats | None:
-            with Client(server.url, server.token) as fresh:  # the run's client may be closed
+            with server.client() as fresh:  # the run's client may be closed
                 return server_stats(fresh)
 
         try:
-            return _run(plan, out_path, ui, "the server's", start, stats, lambda: None)
+            return _run(plan, ui, "the server's", start, stats, lambda: None)
         except ServerGone as exc:
             again = f" kvchat batch FILE -o {out_path} --resume" if out_path else " --resume"
             raise ServerGone(f"{exc} Every finished line has its row; once a server runs "
                              f"again, finish the others with{again}.") from None
 
 
-def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
-         start: Any, stats: Any, save: Any) -> tuple[Any, bool]:
+def _run(plan: _Plan, ui: Console, batch_size: str, start: Any, stats: Any,
+         save: Any) -> tuple[Any, bool]:
     """Run the plan (`start(update)` makes the run), writing each row as it finishes; returns
     the run and whether it was interrupted. `save` runs however the run ends."""
-    from kvchat.batch import OutputError, RowWriter, bad_line_row, result_row
+    from kvchat.batch import OutputClosed, OutputError, RowWriter, bad_line_row, result_row
     from kvchat.client import ServerGone
     from kvchat.ui.batch_view import (
         batch_progress,
@@ -304,7 +321,7 @@ def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
         summary_table,
     )
 
-    writer = RowWriter(plan.lines, out_path, sys.stdout if out_path is None else None,
+    writer = RowWriter(plan.lines, plan.output, sys.stdout if plan.output is None else None,
                        keep=plan.kept)
     failure: list[KvchatError] = []
     interrupted = False
@@ -333,20 +350,45 @@ def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
             failure.append(exc)
         finally:
             _finish(run, writer, failure, save)
+    if any(isinstance(f, OutputClosed) for f in failure):
+        _quiet_exit()  # nobody reads the rows any more: no summary, no error, as Unix tools
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
                            time.perf_counter() - started, batch_size,
-                           max_tokens_note(plan.max_tokens, [i.max_tokens for i in plan.to_run])))
-    for message in run.save_errors[:1]:
-        ui.print(f"[yellow]{escape(message)}[/yellow]")
+                           max_tokens_note(plan.max_tokens, [i.max_tokens for i in plan.to_run]),
+                           run.behind()))
+    _report_saves(run, ui)
     if failure:
         raise failure[0]
     return run, interrupted
 
 
+def _quiet_exit() -> None:
+    """Stdout was closed under the run (`| head -1`): the cache is saved already; exit as a
+    tool killed by SIGPIPE would, saying nothing, and without a last flush into the pipe."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    raise typer.Exit(PIPE_EXIT_CODE)
+
+
+def _report_saves(run: Any, ui: Console) -> None:
+    """Every session save that failed, and which sessions' files are behind the rows."""
+    for failed in run.save_errors:
+        where = f"line {failed.line}" if failed.line is not None else "at the end of the run"
+        ui.print(f"[yellow]{where}: {escape(failed.message)}[/yellow]", soft_wrap=True)
+    for name, how in run.behind().items():
+        ui.print(f"[yellow]Session {escape(name)} is behind on disk ({escape(how)}): its file "
+                 "ends at the last save that worked; every reply is in the output rows."
+                 "[/yellow]", soft_wrap=True)
+
+
 def _finish(run: Any, writer: Any, failure: list[Any], save: Any) -> None:
-    """Every line gets its row, the output is put in input order, the cache is saved."""
+    """Every line gets its row, the output is put in input order, sessions behind on disk get
+    one more try, the cache is saved."""
     from kvchat.batch import OutputError, result_row
 
+    run.save_behind()
     try:
         for res in run.not_started():
             writer.write(res.item.line, result_row(res))

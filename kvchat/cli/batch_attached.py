@@ -20,7 +20,7 @@ from rich.markup import escape
 from kvchat.client import Attachment, Client, ServerError, ServerGone
 
 if TYPE_CHECKING:
-    from kvchat.batch import BatchItem, BatchProgress, ItemResult
+    from kvchat.batch import BatchItem, BatchProgress, ItemResult, SaveFailure
     from kvchat.engine.sequence import GenerationResult
 
 # Requests in flight at once: enough to keep a server's batch full, few enough for its queue.
@@ -90,7 +90,8 @@ class AttachedRun:
         self.on_update = on_update
         self.results: dict[int, ItemResult] = {}
         self.progress: BatchProgress = BatchProgress()
-        self.save_errors: list[str] = []
+        self.save_errors: list[SaveFailure] = []
+        self._saved: dict[str, bool] = {}  # session -> whether the server saved its last turn
         self.stopped = threading.Event()
         self.gone: ServerGone | None = None
         self._lock = threading.Lock()
@@ -140,6 +141,7 @@ class AttachedRun:
                 body["pin"] = "system"
             reply = self.client.generate(body)
             self._pin_outcome(item, reply.get("pin"))
+            self._save_outcome(item, reply.get("session_error"))
             res = ItemResult(item, result=cast("GenerationResult", RemoteResult(reply)))
         except ValueError as exc:
             res = ItemResult(item, error=str(exc))
@@ -162,6 +164,24 @@ class AttachedRun:
                                        f"{pin['error']}")
             elif pin.get("id"):
                 self.pinned.setdefault(str(pin["id"]), item.line)
+
+    def _save_outcome(self, item: BatchItem, error: Any) -> None:
+        from kvchat.batch import SaveFailure
+
+        if item.session is None:
+            return
+        with self._lock:
+            self._saved[item.session] = not error
+            if error:
+                self.save_errors.append(SaveFailure(item.line, item.session, str(error)))
+
+    def behind(self) -> dict[str, str]:
+        """The sessions whose last turn the server could not save to its file."""
+        return {name: "the server could not save its last turn"
+                for name, saved in sorted(self._saved.items()) if not saved}
+
+    def save_behind(self) -> None:
+        """The server saves its own sessions (each turn saves the whole session again)."""
 
     def _record(self, res: ItemResult) -> None:
         with self._lock:

@@ -61,9 +61,12 @@ def chat(
     from kvchat.cli.attach_options import find_server
     from kvchat.config import SamplingParams
     from kvchat.sessions import SessionStore, sessions_lock, validate_name
+    from kvchat.text_input import check_text
     from kvchat.ui.views import PANEL_MODES
 
     name = validate_name(session) if session is not None else None
+    if system is not None:
+        check_text(system, "The --system text", from_os=True)
     if panels not in PANEL_MODES:
         raise KvchatError(f"--panels must be one of {', '.join(PANEL_MODES)}, got {panels!r}.")
     params = SamplingParams(
@@ -82,13 +85,12 @@ def chat(
 
 def _attached_chat(server: Attachment, options: LazyRuntimeOptions, name: str | None,
                    system: str | None, params: SamplingParams, panels: str) -> None:
-    from kvchat.client import Client
     from kvchat.client.chat import RemoteBackend
     from kvchat.sessions import SessionStore
     from kvchat.ui.repl import Chat
     from kvchat.ui.terminal import make_reader
 
-    with Client(server.url, server.token) as client:
+    with server.client() as client:
         backend = RemoteBackend(client, server.found)
         name = name or _new_session_name(backend.sessions.names())
         session = backend.sessions.open(name)

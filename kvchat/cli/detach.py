@@ -20,6 +20,8 @@ from kvchat.cli.options import SessionsDirOption
 from kvchat.errors import KvchatError
 
 LOG_NAME = "serve.log"
+# Set for the background server: its output is the log file, which never gets the token.
+DETACHED_ENV = "KVCHAT_SERVE_DETACHED"
 # Loading a large model can take minutes; stopping saves the snapshot (seconds per GiB).
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 120.0
@@ -39,7 +41,8 @@ def start_detached(sessions_dir: Path) -> None:
     args = [a for a in sys.argv[1:] if a != "--detach"]
     try:
         child = subprocess.Popen([sys.executable, "-m", "kvchat", *args], stdin=subprocess.DEVNULL,
-                                 stdout=fd, stderr=fd, start_new_session=True)
+                                 stdout=fd, stderr=fd, start_new_session=True,
+                                 env={**os.environ, DETACHED_ENV: "1"})
     finally:
         os.close(fd)
     url = _wait_until_up(child, sessions_dir, log_path)

@@ -182,11 +182,10 @@ def _explain(sessions_dir: Path, specs: list[tuple[int | None, PromptSpec]],
 def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
                     session: str | None) -> None:
     """The live cache of a running server: /cache/tree, the document --json prints."""
-    from kvchat.client import Client
     from kvchat.client import documents as docs
     from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
 
-    with Client(server.url, server.token) as client:
+    with server.client() as client:
         doc = client.cache_tree(depth if as_json else None, session)
     if as_json:
         typer.echo(json.dumps(doc, ensure_ascii=False))

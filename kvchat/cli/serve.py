@@ -118,7 +118,8 @@ def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_t
                            "set one); /v1/completions and /generate send plain text.[/yellow]",
                            soft_wrap=True)
         if access.token_line:  # once, unwrapped, so that it can be copied
-            stderr().print(escape(access.token_line), soft_wrap=True, highlight=False)
+            stderr().print(escape(_token_line(access.token_line)), soft_wrap=True,
+                           highlight=False)
         log_to_stderr()
         bound_host, bound_port = sock.getsockname()[:2]
         server = Server(uvicorn.Config(web, host=host, port=bound_port, lifespan="on"))
@@ -133,6 +134,19 @@ def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_t
             # the lifespan saved already, unless a second Ctrl-C forced the exit
             web.state.engine.close()
             sock.close()
+
+
+def _token_line(line: str) -> str:
+    """The generated token's line; a background server's output is its log file, which keeps
+    no secret: the token is in the sessions dir's lock file (0600) only."""
+    import os
+
+    from kvchat.cli.detach import DETACHED_ENV
+
+    if os.environ.get(DETACHED_ENV):
+        return ("Access token: generated; not written to this log (attached kvchat commands "
+                "read it from the sessions dir's lock file).")
+    return line
 
 
 def _bind(host: str, port: int) -> socket.socket:

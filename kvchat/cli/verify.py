@@ -88,11 +88,14 @@ def verify(
     transformers' own `generate` on the same model: per prompt, the first divergent token and
     the largest logit difference. Exit code 1 if any greedy output differs by more than the
     precision's rounding explains (a tie within it is reported, not failed)."""
+    from kvchat.text_input import check_text
     from kvchat.ui.cache_view import preview
     from kvchat.ui.verify_view import verify_summary, verify_table
 
     if prompt is not None and file is not None:
         raise KvchatError("Give a prompt or --file, not both.")
+    if prompt is not None:
+        check_text(prompt, "The prompt", from_os=True)  # before the model loads
     if file is not None:
         prompts = _read_prompt_file(file)
     else:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
+from kvchat.client.http import Client
 from kvchat.errors import KvchatError
 from kvchat.sessions import lock_holder
 
@@ -19,6 +20,10 @@ class Attachment(NamedTuple):
     url: str
     token: str | None
     found: str  # "--connect URL" or "the server holding <dir> (pid N)"
+    pid: int | None = None  # the server's process, as the lock file says (not for --connect)
+
+    def client(self) -> Client:
+        return Client(self.url, self.token, self.pid)
 
 
 def attachment(sessions_dir: Path, connect: str | None, token: str | None,
@@ -40,4 +45,4 @@ def attachment(sessions_dir: Path, connect: str | None, token: str | None,
     if holder is None or holder.url is None:
         return None  # free, or held by a chat or batch: the standalone path says which
     return Attachment(holder.url, token or holder.token,
-                      f"the server holding {sessions_dir} (pid {holder.pid})")
+                      f"the server holding {sessions_dir} (pid {holder.pid})", holder.pid)

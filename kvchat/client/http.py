@@ -7,12 +7,14 @@ interrupt it) drops the connection, which cancels the request on the server at i
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from kvchat.errors import KvchatError
+from kvchat.errors import BackendGone, KvchatError
 
 # Generation can take minutes between two events on a slow device: no read timeout there.
 CONNECT_TIMEOUT_S = 5.0
@@ -28,15 +30,55 @@ class ServerError(KvchatError):
         self.kind = kind
 
 
-class ServerGone(KvchatError):
+class ServerGone(BackendGone):
     """The server cannot be reached, or went away mid-reply."""
 
 
-def _gone(url: str, exc: Exception) -> ServerGone:
-    return ServerGone(
-        f"The kvchat server at {url} cannot be reached ({type(exc).__name__}: {exc}). It was "
-        "stopped or killed: start it again with `kvchat serve`, or run this command with "
-        "--standalone.")
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True  # no /proc here: kill(0) is all there is to know
+
+
+def _still_running(pid: int, settle_s: float = 1.0) -> bool:
+    """The process still runs after `settle_s`: one dropping its connections may be dying."""
+    deadline = time.monotonic() + settle_s
+    while _alive(pid):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _gone(url: str, exc: Exception, pid: int | None = None,
+          mid_reply: bool = False) -> ServerGone:
+    """Why the server cannot be reached, as far as this machine can tell: a server process
+    that is still alive is not "stopped or killed"."""
+    what = "went away during the reply" if mid_reply else "cannot be reached"
+    head = f"The kvchat server at {url} {what} ({type(exc).__name__}: {exc})."
+    if pid is not None and pid > 0 and _still_running(pid):
+        return ServerGone(
+            f"{head} Its process (pid {pid}) is still running, so it is not answering at that "
+            "address: it may listen elsewhere than the lock file says, still be starting, or "
+            f"be stuck. Stop it with `kvchat stop` (or kill {pid}) and start it again, or run "
+            "this command with --standalone once it has stopped.")
+    if pid is not None and pid > 0:
+        why = f"Its process (pid {pid}) has exited: it was stopped or killed."
+    elif mid_reply:
+        why = "It was stopped or killed."
+    else:
+        why = "Nothing answers there: it was stopped or killed, or runs elsewhere."
+    return ServerGone(f"{head} {why} Start it again with `kvchat serve`, or run this command "
+                      "with --standalone.")
 
 
 def _error_from(response: httpx.Response) -> ServerError:
@@ -56,8 +98,10 @@ class ReplyStream:
     """One streaming reply: iterate for text deltas; afterwards `result` holds the `done`
     event's fields (or `error` what went wrong). `close()` cancels it on the server."""
 
-    def __init__(self, url: str, response: httpx.Response, context: Any) -> None:
+    def __init__(self, url: str, response: httpx.Response, context: Any,
+                 pid: int | None = None) -> None:
         self.url = url
+        self.pid = pid
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
         self._response = response
@@ -81,7 +125,7 @@ class ReplyStream:
                     event = "message"
         except httpx.HTTPError as exc:
             if not self._closed:
-                raise _gone(self.url, exc) from None
+                raise _gone(self.url, exc, self.pid, mid_reply=True) from None
         finally:
             self.close()
 
@@ -93,10 +137,13 @@ class ReplyStream:
 
 
 class Client:
-    """`kvchat serve` at `url`, called with `token` (None: a server run with --no-auth)."""
+    """`kvchat serve` at `url`, called with `token` (None: a server run with --no-auth);
+    `pid`, when known (the lock file's), tells a server that does not answer from one that is
+    gone."""
 
-    def __init__(self, url: str, token: str | None = None) -> None:
+    def __init__(self, url: str, token: str | None = None, pid: int | None = None) -> None:
         self.url = url.rstrip("/")
+        self.pid = pid
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         timeout = httpx.Timeout(CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -114,7 +161,7 @@ class Client:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise _gone(self.url, exc) from None
+            raise _gone(self.url, exc, self.pid) from None
         if response.status_code >= 400:
             raise _error_from(response)
         return response.json()
@@ -134,12 +181,12 @@ class Client:
         try:
             response = context.__enter__()
         except httpx.HTTPError as exc:
-            raise _gone(self.url, exc) from None
+            raise _gone(self.url, exc, self.pid) from None
         if response.status_code >= 400:
             error = _error_from(response)
             context.__exit__(None, None, None)
             raise error
-        return ReplyStream(self.url, response, context)
+        return ReplyStream(self.url, response, context, self.pid)
 
     # ---- the cache and the sessions ----
 

@@ -2,15 +2,20 @@
 
 A model without a chat template (a base model) gets kvchat's plain-text format instead
 (`kvchat.chat_template`): a single prompt as it is, a conversation as "User: ..." paragraphs.
+Text that is not valid Unicode never reaches the tokenizer (`kvchat.text_input`): the front
+ends refuse it where it enters, and `encode` refuses it again rather than crash in the
+tokenizer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 from kvchat.chat_template import TRANSCRIPT_STOPS, own_template, single_prompt, transcript
 from kvchat.errors import KvchatError
+from kvchat.text_input import check_text
 
 
 class ChatTemplateError(KvchatError):
@@ -28,6 +33,9 @@ class ChatCodec:
         self.eos_ids = frozenset(eos)
         # the chat template in use: the model's own, or --chat-template's; None: plain text
         self.template: str | None = own_template(tokenizer)
+        config = getattr(model, "config", None)
+        # ids a prompt may hold: the tokenizer's, and any the model can emit beyond them
+        self.vocab_size = max(len(tokenizer), int(getattr(config, "vocab_size", 0) or 0))
         self.start_text = self._start_text()
 
     @property
@@ -47,6 +55,12 @@ class ChatCodec:
         if extra <= 0 or full[extra:] != bare:
             return ""
         return self.decode(full[:extra], skip_special_tokens=False)
+
+    @cached_property
+    def longest_token(self) -> int:
+        """Characters in the longest token of the vocabulary: a text of c characters is at
+        least c / longest_token tokens, which bounds a prompt's length without tokenising it."""
+        return max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
 
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
         """The conversation as the chat template writes it (or as plain-text paragraphs).
@@ -89,6 +103,7 @@ class ChatCodec:
         return ()
 
     def encode(self, text: str) -> list[int]:
+        check_text(text, "The prompt")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

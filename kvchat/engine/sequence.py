@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvchat.cache.kvcache import Lookup
+from kvchat.cache.visibility import Visibility
 from kvchat.config import SamplingParams
 from kvchat.engine.sampling import make_generator, sample
 
@@ -36,6 +37,8 @@ class Request:
     namespace: str = ""  # cache namespace: entries of one are never a hit in another
     own_from: int = 0  # where the request's own text starts (after a history / system prompt)
     after_history: bool = False  # own_from ends a session's history (else a shared head)
+    # what the caller may see of that namespace's cached tokens (its `miss_detail`)
+    visibility: Visibility = Visibility.CACHE
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class GenerationResult:
     disk_hit_tokens: int = 0  # of cache_hit_tokens, those loaded back from the disk tier
     miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.cache.explain`) | off
     diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
-    miss_detail: str = ""  # one line for people (`Explanation.describe`)
+    miss_detail: str = ""  # one line for people, as the caller may see it (`describe`)
     miss_label: str = "off"  # miss_reason as people read it: new, shared prefix (`label`), ...
     draft_tokens: int = 0  # tokens the cache proposed as drafts (`kvchat.cache.drafts`)
     draft_accepted: int = 0  # of those, the ones verification kept
@@ -240,7 +243,7 @@ class Sequence:
         if why is None:
             return {}
         return {"miss_reason": why.reason.value, "diverged_at": why.diverged_at,
-                "miss_detail": why.describe(self.prompt_ids, decode),
+                "miss_detail": why.describe(self.prompt_ids, decode, self.request.visibility),
                 "miss_label": why.label(self.request.own_from, self.request.after_history)}
 
     def __repr__(self) -> str:

@@ -28,6 +28,7 @@ from fastapi import Depends, Request
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvchat.cache.visibility import Visibility
 from kvchat.errors import KvchatError
 from kvchat.files import FILE_MODE, atomic_write, private_dir
 from kvchat.server.errors import ApiError, error_response
@@ -121,6 +122,14 @@ class Tenant:
     @property
     def admin(self) -> bool:
         return self.id == ""
+
+    def sees(self, namespace: str) -> Visibility:
+        """What this caller may see of the tokens cached in `namespace`: all of them when it is
+        the admin (who runs the cache) or the namespace is its private one; only those it sent
+        when others write there too (--share-cache, a cache_salt group)."""
+        if self.admin or (self.private and namespace == self.namespace):
+            return Visibility.CACHE
+        return Visibility.OWN
 
     def sid(self, session: str) -> str:
         """The cache's name for one of this tenant's sessions: tenants' names never collide

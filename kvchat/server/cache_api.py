@@ -15,6 +15,7 @@ from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 
 from kvchat.cache.stats import CacheStats, Counters, PoolStats
+from kvchat.cache.visibility import Visibility
 from kvchat.server.auth import Caller, Tenant
 from kvchat.server.errors import api_error
 from kvchat.server.state import State
@@ -66,8 +67,9 @@ def visible(tree: CacheTree, tenant: Tenant) -> CacheTree:
     requests (the pool's size, not its occupancy by others)."""
     if tenant.admin:
         return tree
-    nodes, exact = ((), ()) if not tenant.private else cv.in_namespace(
-        tree.nodes, tree.exact, tenant.namespace, tenant.own)
+    # a namespace others write to holds their prompts: no tree, no exact entries of it
+    nodes, exact = ((), ()) if tenant.sees(tenant.namespace) is Visibility.OWN else (
+        cv.in_namespace(tree.nodes, tree.exact, tenant.namespace, tenant.own))
     own = tree.tenants.get(tenant.id, TenantCounters())
     sessions = {name: c for sid, c in tree.stats.sessions.items()
                 if (name := tenant.own(sid)) is not None}

@@ -15,6 +15,7 @@ from kvchat.engine.engine import PromptTooLongError
 from kvchat.errors import KvchatError
 from kvchat.server.worker import EngineStopped, RequestCancelled
 from kvchat.sessions import SessionError
+from kvchat.text_input import InvalidText, decode_utf8
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,13 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = _HTTP_KINDS.get(exc.status_code, "invalid_request_error")
-    return error_response(exc.status_code, kind, str(exc.detail))
+    message = str(exc.detail)
+    if exc.status_code == 400 and request.method in ("POST", "PUT"):
+        try:  # the framework could not parse the body: say so if it is not UTF-8 at all
+            decode_utf8(await request.body(), "The body")
+        except InvalidText as bad:
+            message = str(bad)
+    return error_response(exc.status_code, kind, message)
 
 
 async def _crash(request: Request, exc: Exception) -> JSONResponse:

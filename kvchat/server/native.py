@@ -59,11 +59,10 @@ async def reply(body: GenerateBody, request: Request, state: State, tenant: Tena
         handle.on_done(lambda: None if handle.result is not None else undo())
     if lock is not None:
         handle.on_done(lock.release)
-    extra = {"session": body.session} if body.session else {}
     if not body.stream:
         result = await wait_result(handle, request)
-        return {**result_fields(result), **_pinned(job), **extra}
-    return EventStream(_events(handle, extra, job), handle)
+        return {**result_fields(result), **_pinned(job), **_session(handle, body.session)}
+    return EventStream(_events(handle, body.session, job), handle)
 
 
 def _prepare(state: State, sessions: Sessions, job: PinJob | None,
@@ -79,14 +78,24 @@ def _pinned(job: PinJob | None) -> dict[str, Any]:
     return {"pin": job.outcome} if job is not None and job.outcome is not None else {}
 
 
-async def _events(handle: Handle, extra: dict[str, Any], job: PinJob | None
+def _session(handle: Handle, name: str | None) -> dict[str, Any]:
+    """A session turn's name, and why its file could not be saved when it was not (the turn
+    ran; the session on disk is behind it)."""
+    if name is None:
+        return {}
+    failed = {"session_error": handle.session_error} if handle.session_error else {}
+    return {"session": name, **failed}
+
+
+async def _events(handle: Handle, session: str | None, job: PinJob | None
                   ) -> AsyncIterator[bytes]:
     async for delta in handle.stream():
         yield sse({"text": delta}, "token")
     if handle.error is not None:
         yield sse(error_event(handle.error), "error")
     elif handle.result is not None:
-        yield sse({**result_fields(handle.result), **_pinned(job), **extra}, "done")
+        done = {**result_fields(handle.result), **_pinned(job), **_session(handle, session)}
+        yield sse(done, "done")
 
 
 @router.get("/healthz", response_model=None)

@@ -61,8 +61,9 @@ def pin_tokens(state: ServerState, sessions: Sessions, body: PinBody) -> list[in
     else:
         messages = ([m.model_dump() for m in body.messages] if body.messages is not None
                     else [{"role": "user", "content": body.prompt or ""}])
+        state.preparer.check_size([*(m["content"] for m in messages), body.system or ""])
         if body.system is not None and not any(m["role"] == "system" for m in messages):
-            messages.insert(0, system_messages(body.system)[0])
+            messages.insert(0, {"role": "system", "content": body.system})  # as a request
         tokens = codec.encode_chat(messages)
     if body.what == "all":
         return tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvchat.config import SamplingParams
@@ -24,6 +25,8 @@ DEFAULT_MAX_TOKENS = 256
 NO_CHAT_TEMPLATE = ("This model has no chat template, so its messages cannot be written as a "
                     "prompt. Send a plain prompt to /v1/completions (or /generate), or start "
                     "kvchat serve with --chat-template FILE|NAME.")
+# Normalizers may shorten text before it is split: bound tokens from half the characters.
+_NORMALIZE_MARGIN = 2
 # The OpenAI API maps "developer" onto what chat templates call "system".
 _OPENAI_ROLES = {"developer": "system"}
 
@@ -98,6 +101,19 @@ class Preparer:
         defaults = SamplingParams(max_new_tokens=self.max_tokens, temperature=default_temperature)
         return merge_params(defaults, max_new, temperature, top_p, top_k, seed, stop)
 
+    def check_size(self, texts: Iterable[str]) -> None:
+        """Refuse, before any tokenising, text that cannot fit the model's context: c characters
+        are at least c / (2 x the longest token) tokens. So no request tokenises more than
+        about context x longest token x 2 characters, whatever size of body it sends."""
+        chars = sum(len(t) for t in texts)
+        per_token = self.engine.codec.longest_token * _NORMALIZE_MARGIN
+        at_least, context = chars // per_token, self.engine.max_context
+        if at_least >= context:
+            raise ApiError(400, "context_length_exceeded",
+                           f"The prompt is {chars:,} characters long, so at least "
+                           f"{at_least:,} tokens; the model's context is {context:,} tokens. "
+                           "It was refused without being tokenised.")
+
     def _checked(self, turn: PreparedTurn) -> PreparedTurn:
         try:
             self.engine.check_request(turn.request())
@@ -113,6 +129,7 @@ class Preparer:
                         body.seed, body.stop)
         messages = ([m.model_dump() for m in body.messages] if body.messages is not None
                     else [{"role": "user", "content": body.prompt or ""}])
+        self.check_size([*(m["content"] for m in messages), body.system or ""])
         session = None
         if body.session is not None:
             session = sessions.get(body.session, body.create_session)
@@ -127,6 +144,7 @@ class Preparer:
                         body.top_p, None, body.seed, body.stop)
         messages = [{"role": _OPENAI_ROLES.get(m.role, m.role), "content": m.text()}
                     for m in body.messages]
+        self.check_size(m["content"] for m in messages)
         return self._checked(prepare_turn(self.engine.codec, messages, p))
 
     def completion(self, body: CompletionBody) -> PreparedTurn:

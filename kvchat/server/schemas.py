@@ -1,12 +1,14 @@
-"""Request bodies, checked by pydantic before a handler runs (strict: "9" is not a number)."""
+"""Request bodies, checked by pydantic before a handler runs (strict: "9" is not a number;
+every string valid Unicode, as `kvchat.text_input` rules for every entrance)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvchat.sessions import SessionError, validate_name
+from kvchat.text_input import json_problem
 
 PinWhat = Literal["system", "all"]
 # a request's "pin": "system" (or true) pins its system prefix, "all" its prompt and reply
@@ -22,13 +24,33 @@ def _session_name(name: str | None) -> str | None:
     return name
 
 
+class Body(BaseModel):
+    """A request body. Text that is not valid Unicode anywhere in it (a lone surrogate such as
+    "\\ud800") fails the whole request with a 400 naming the field, before any handler runs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        problem = json_problem(data)
+        if problem is not None:
+            raise ValueError(f"text that is not valid Unicode ({problem}); send UTF-8 text, a "
+                             "lone surrogate such as \\ud800 is refused, not replaced")
+        return data
+
+
+def _stops(stop: str | list[str] | None) -> str | list[str] | None:
+    if stop is not None and "" in ([stop] if isinstance(stop, str) else stop):
+        raise ValueError("a stop string must not be empty")
+    return stop
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class SamplingBody(BaseModel):
+class SamplingBody(Body):
     """The sampling options of /generate (greedy by default). Unknown fields are errors, so a
     misspelt option is not silently lost."""
 
@@ -41,6 +63,8 @@ class SamplingBody(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     cache_salt: str | None = None  # a sharing group the server declares (--cache-salt)
+
+    _valid_stop = field_validator("stop")(_stops)
 
 
 class GenerateBody(SamplingBody):
@@ -67,6 +91,7 @@ class GenerateBody(SamplingBody):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
     type: Literal["text"]
     text: str
 
@@ -75,7 +100,14 @@ class ChatMessage(BaseModel):
     # extra fields ("name", tool-call fields) are ignored, as OpenAI clients may send them
     model_config = ConfigDict(strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # only an assistant's may be left out
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f'a {self.role} message needs "content" (a string or a list of '
+                             "text parts)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -84,10 +116,11 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)  # "yes" is not a boolean
     include_usage: bool = False
 
 
-class ChatCompletionBody(BaseModel):
+class ChatCompletionBody(Body):
     """POST /v1/chat/completions: the subset kvchat implements. Other OpenAI fields are
     accepted and ignored, so an SDK's defaults never fail a request."""
 
@@ -106,8 +139,9 @@ class ChatCompletionBody(BaseModel):
     cache_salt: str | None = None  # as vLLM's; only the names the server declares
     pin: PinOption = None  # kvchat's own: the reply's "kvchat" object reports it
 
+    _valid_stop = field_validator("stop")(_stops)
 
-class CompletionBody(BaseModel):
+class CompletionBody(Body):
     """POST /v1/completions: a plain prompt (text, or token ids), with any model, chat
     template or not. Other OpenAI fields are accepted and ignored, as for chat completions."""
 
@@ -125,6 +159,8 @@ class CompletionBody(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
 
+    _valid_stop = field_validator("stop")(_stops)
+
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionBody:
         if isinstance(self.prompt, list) and not self.prompt:
@@ -137,7 +173,7 @@ class CompletionBody(BaseModel):
         return self
 
 
-class PinBody(BaseModel):
+class PinBody(Body):
     """POST /cache/pin: what to pin, given as a request would send it or as a session's
     history so far."""
 
@@ -161,17 +197,17 @@ class PinBody(BaseModel):
         return self
 
 
-class UnpinBody(BaseModel):
+class UnpinBody(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     id: str
 
 
-class RewindBody(BaseModel):
+class RewindBody(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     turns: int = Field(1, ge=1)
 
 
-class ForkBody(BaseModel):
+class ForkBody(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str
 

@@ -71,6 +71,10 @@ async def put_session(name: str, state: State, tenant: Caller,
         new = Session.from_json({**doc, "name": name})
     except (KeyError, TypeError, ValueError) as exc:
         raise ApiError(400, "invalid_request_error", f"Not a session document: {exc}.") from exc
+    vocab = state.worker.codec.vocab_size
+    if any(t >= vocab for t in new.tokens):
+        raise ApiError(400, "invalid_request_error", "Not a session document: its tokens hold "
+                       f"ids past this model's vocabulary ({vocab:,} ids).")
     lock = sessions.turn_locks.setdefault(name, asyncio.Lock())
     async with lock:
         def write() -> Session:

@@ -39,11 +39,12 @@ class ServerState:
                     namespace: str, after: Callable[[GenerationResult], None] | None = None
                     ) -> Handle:
         """Prepare the request in a worker thread and hand it to the engine, cached in
-        `namespace` and counted for `tenant`; any failure becomes the HTTP error the client
-        sees. `after` runs on the engine thread once the result is stored (see `Handle`)."""
+        `namespace`, explained as `tenant` may see that namespace (`Tenant.sees`) and counted
+        for `tenant`; any failure becomes the HTTP error the client sees. `after` runs on the
+        engine thread once the result is stored (see `Handle`)."""
         try:
             turn = await run_in_threadpool(prepare, body)
-            request = turn.request(namespace)
+            request = replace(turn.request(namespace), visibility=tenant.sees(namespace))
             if request.sid is not None:
                 request = replace(request, sid=tenant.sid(request.sid))
             handle = Handle(turn, self.sessions.of(tenant).store, request, tenant.id, after)

@@ -76,6 +76,7 @@ class Handle:
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
         self.cancel_event = threading.Event()
+        self.session_error: str | None = None  # the session's file could not be saved
         self._callbacks: list[Callable[[], None]] = []
         self._engine_handle: RequestHandle | None = None
 
@@ -127,9 +128,12 @@ class Handle:
 
 @dataclass
 class ServerCounters:
+    """Requests admitted to the engine, and how each ended: exactly one of completed,
+    cancelled or errors, so once none is in flight the three add up to `requests`."""
+
     requests: int = 0
-    completed: int = 0
-    cancelled: int = 0  # the client went away before the reply was complete
+    completed: int = 0  # a result went to a client still waiting for it
+    cancelled: int = 0  # the client went away first (its stopped reply is kept), or shutdown
     errors: int = 0
     draft_tokens: int = 0  # reply tokens the cache proposed as drafts
     draft_accepted: int = 0  # of those, the ones verification kept
@@ -155,9 +159,10 @@ class TenantCounters:
         return replace(self, **{name: getattr(self, name) + n for name, n in deltas.items()})
 
     def after(self, result: GenerationResult) -> TenantCounters:
+        """What a request that ran did with the cache (its outcome is counted apart)."""
         hit = result.cache_hit_tokens
         return self.plus(
-            completed=1, lookups=1, hits=int(hit > 0), exact_hits=int(result.hit_source == "exact"),
+            lookups=1, hits=int(hit > 0), exact_hits=int(result.hit_source == "exact"),
             prompt_tokens=result.prompt_tokens, hit_tokens=hit,
             stored_tokens=max(result.stored_tokens - hit, 0))
 
@@ -180,6 +185,16 @@ class CacheTree(NamedTuple):
     exact: tuple[cv.ExactView, ...]
     stats: CacheStats
     tenants: dict[str, TenantCounters]  # by tenant id ("" the admin)
+
+
+def _outcome(handle: Handle, event: Finished) -> str:
+    """How a request ended, one of ServerCounters' outcomes: a client that went away (or a
+    request the engine cancelled before it started) is cancelled, whatever came back."""
+    if handle.cancel_event.is_set() or isinstance(event.error, RequestCancelled):
+        return "cancelled"
+    if event.error is not None or event.result is None:
+        return "errors"
+    return "completed"
 
 
 def model_id(runtime: Runtime) -> str:
@@ -371,17 +386,13 @@ class EngineWorker:
     def _finished(self, handle: Handle, event: Finished) -> None:
         if handle._engine_handle is not None:
             self._handles.pop(handle._engine_handle.request_id, None)
-        if handle.cancel_event.is_set():
-            self.counters.cancelled += 1
-            self._count(handle, cancelled=1)
+        outcome = _outcome(handle, event)
+        setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
+        self._count(handle, **{outcome: 1})
         if event.error is not None or event.result is None:
-            if not isinstance(event.error, RequestCancelled):
-                self.counters.errors += 1
-                self._count(handle, errors=1)
             handle.turn.abort()
             handle.fail(event.error or RequestCancelled("The request did not run."))
             return
-        self.counters.completed += 1
         self.counters.draft_tokens += event.result.draft_tokens
         self.counters.draft_accepted += event.result.draft_accepted
         self.ttft.observe(event.result.ttft_ms / 1000)
@@ -407,8 +418,9 @@ class EngineWorker:
             return
         try:
             handle.store.save(session)
-        except (OSError, KvchatError):
+        except (OSError, KvchatError) as exc:  # the reply still goes out, and says so
             log.exception("Could not save session %s.", session.name)
+            handle.session_error = str(exc)
 
     def _abort(self, error: BaseException) -> None:
         """Running requests store their K/V and finish as interrupted; the others fail."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvchat.cache.stats import ratio
 
@@ -62,6 +63,7 @@ def max_tokens_note(default: int, own: Sequence[int | None]) -> str:
 def summary_table(
     p: BatchProgress, results: Sequence[ItemResult], parse_errors: int, stats: CacheStats | None,
     wall_s: float, batch_size: str | None = None, max_tokens: str | None = None,
+    behind: Mapping[str, str] | None = None,
 ) -> Table:
     done = [r.result for r in results if r.result is not None]
     prompt = sum(r.prompt_tokens for r in done)
@@ -83,6 +85,10 @@ def summary_table(
         t.add_row("batch size", batch_size)
     if max_tokens is not None:
         t.add_row("max tokens", max_tokens)
+    if behind:  # session files a failed save left behind the rows
+        t.add_row("sessions behind", Text(", ".join(f"{name} ({how})"
+                                                    for name, how in behind.items()),
+                                          style="yellow"))
     if stats is not None:
         t.add_row("evictions", f"{stats.eviction_count:,}")
         pool = stats.pool

@@ -13,7 +13,7 @@ from kvchat.explain_prompt import PromptExplanation
 from kvchat.ui.views import bar, pct, printable
 
 _STYLE = {MissReason.HIT: "green", MissReason.COLD: "cyan", MissReason.EVICTED: "yellow",
-          MissReason.DIVERGED: "magenta"}
+          MissReason.DIVERGED: "magenta", MissReason.POOL_FULL: "red"}
 
 
 def _shown(text: str) -> str:

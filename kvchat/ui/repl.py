@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, cast
 from rich.console import Console
 from rich.text import Text
 
-from kvchat.errors import KvchatError
+from kvchat.errors import BackendGone, KvchatError
 from kvchat.sessions import Session, SessionError, validate_name
+from kvchat.text_input import InvalidText, check_text
 from kvchat.ui import views
 from kvchat.ui.cache_view import preview
 from kvchat.ui.chat_backend import ChatBackend, LocalBackend, Reply, TurnDone, TurnFailed
@@ -157,22 +158,37 @@ class Chat(ConversationMoves):
     # ---- running ----
 
     def run(self) -> None:
+        """Read and run lines until /exit or the end of input, then save. A backend that is
+        gone (a server stopped or killed) ends the chat at once with one message: nothing can
+        run or be saved through it any more."""
         self.console.print(views.banner(self.banner_lines()))
         try:
-            while self.running:
-                try:
-                    line = self.reader.read(f"{self.session.name}> ")
-                except KeyboardInterrupt:
-                    continue  # Ctrl-C at the prompt clears the line
-                except EOFError:
-                    self.console.print()
-                    break
-                try:
-                    self.handle(line)
-                except KeyboardInterrupt:
-                    self._say("(interrupted)", "yellow")
-        finally:
+            self._loop()
             self.save_all(snapshot=self.backend.owns_cache)  # a server saves its own
+        except BackendGone as gone:
+            raise BackendGone(f"{gone} The chat ends here; once a server runs again, `kvchat "
+                              f"chat --session {self.session.name}` goes on from the last turn "
+                              "it recorded.") from None
+        except BaseException:
+            self.save_all(snapshot=self.backend.owns_cache)
+            raise
+
+    def _loop(self) -> None:
+        while self.running:
+            try:
+                line = check_text(self.reader.read(f"{self.session.name}> "), "This line")
+            except KeyboardInterrupt:
+                continue  # Ctrl-C at the prompt clears the line
+            except EOFError:
+                self.console.print()
+                break
+            except InvalidText as error:  # the line is refused; the chat goes on
+                self._say(f"{error} Nothing was sent.", "red")
+                continue
+            try:
+                self.handle(line)
+            except KeyboardInterrupt:
+                self._say("(interrupted)", "yellow")
 
     def handle(self, line: str) -> None:
         if not line.strip():
@@ -191,6 +207,8 @@ class Chat(ConversationMoves):
             return
         try:
             handler(command.arg)
+        except BackendGone:
+            raise
         except KvchatError as error:
             self._say(str(error), "red")
 
@@ -213,6 +231,8 @@ class Chat(ConversationMoves):
         out = self.console.file
         try:
             reply = self.backend.start(self.session, text, params or self.params)
+        except BackendGone:
+            raise
         except KvchatError as error:
             self._say(str(error), "red")
             return
@@ -316,6 +336,8 @@ class Chat(ConversationMoves):
         try:
             save()
             return True
+        except BackendGone:
+            raise  # nothing goes on through a backend that is gone
         except KvchatError as error:
             self._say(f"{error} The chat goes on; kvchat tries again after the next turn.",
                       "yellow")

@@ -47,10 +47,22 @@ class TerminalReader:
 
 
 class PipeReader:
-    """For input that is not a terminal (a pipe, a file): one line per message."""
+    """For input that is not a terminal (a pipe, a file): one line per message. A line that is
+    not UTF-8 raises InvalidText (`kvchat.text_input`) and is consumed: the next read goes on
+    with the next line."""
 
     def read(self, prompt: str) -> str:
-        return input(prompt)
+        from kvchat.text_input import decode_utf8
+
+        stdin = getattr(sys.stdin, "buffer", None)
+        if stdin is None:  # a text stream without bytes under it (a test's StringIO)
+            return input(prompt)
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        raw = stdin.readline()
+        if not raw:
+            raise EOFError
+        return decode_utf8(raw.removesuffix(b"\n").removesuffix(b"\r"), "This line")
 
 
 def make_reader(history_file: Path) -> LineReader:
