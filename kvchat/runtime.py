@@ -36,6 +36,7 @@ class RuntimeOptions:
     disk_cache_gb: float = 10.0  # the disk tier's budget; 0: evicted blocks are dropped
     store_dir: Path | None = None  # the disk tier's folder (default: sessions_dir/cache/store)
     chat_template: str | None = None  # --chat-template (None: the model's own, if any)
+    compile: bool = False  # --compile: decode steps through torch.compile
 
     def __post_init__(self) -> None:
         import math
@@ -92,6 +93,17 @@ def template_fields(codec: Any) -> dict[str, Any]:
             "special_tokens": {k: v for k, v in tokens.items() if isinstance(v, str)}}
 
 
+def compile_decode(engine: Engine) -> None:
+    """--compile: compile the engine's decode step now, under a spinner (torch keeps what it
+    compiled on disk, so a later start with the same model and shapes is faster)."""
+    from rich.console import Console
+
+    engine.runner.compile_decode()
+    with Console(stderr=True).status("Compiling the decode step (--compile; a minute or two "
+                                     "the first time, less once torch has it on disk)…"):
+        engine.warm_up()
+
+
 class Runtime:
     def __init__(self, engine: Engine, options: RuntimeOptions, model_label: str) -> None:
         self.engine = engine
@@ -143,6 +155,8 @@ class Runtime:
 
             # the tokenizer is left as it is: the fingerprint (and the cache) stay the model's
             engine.codec.use_template(resolve(options.chat_template, loaded.tokenizer))
+        if options.compile:
+            compile_decode(engine)
         runtime = cls(engine, options, loaded.source.description)
         runtime.restore()
         return runtime

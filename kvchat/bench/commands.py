@@ -224,6 +224,9 @@ def decode(
     llama_cpp: Annotated[Path | None, typer.Option(
         "--llama-cpp", help="llama.cpp build folder (with llama-bench and llama-server): run "
         "them on the same GGUF, interleaved with kvchat's trials.", file_okay=False)] = None,
+    compile_too: Annotated[bool, typer.Option(
+        "--compile", help="Also measure each precision with its decode steps compiled "
+        "(kvchat's --compile; adds a compile of a minute or two per precision).")] = False,
     model: Model = None,
     device: Device = "auto",
     as_json: Json = False,
@@ -246,7 +249,8 @@ def decode(
     gguf = Path(source.location) if source.is_gguf else None
     with _status("bench decode") as progress:
         res = bench_decode(lambda p: _load(model, p, device), names, _ints(rows, "--rows"),
-                           context, new_tokens, prefill_tokens, trials, llama, gguf, progress)
+                           context, new_tokens, prefill_tokens, trials, llama, gguf, progress,
+                           compile_too)
     _emit(res.as_dict(), decode_table(res), as_json)
 
 

@@ -74,9 +74,11 @@ def _repeat(engine: Engine, context: int, new: int, seed: int) -> tuple[float, f
 def bench_decode(
     load: Callable[[str], Any], precisions: Sequence[str], rows: Sequence[int], context: int,
     new_tokens: int, prefill_tokens: int, trials: int, llama: LlamaCpp | None, gguf: Path | None,
-    progress: Progress | None = None,
+    progress: Progress | None = None, compile_too: bool = False,
 ) -> DecodeResult:
-    """`load(precision)` gives a loaded model (kvchat.models.LoadedModel) at that precision."""
+    """`load(precision)` gives a loaded model (kvchat.models.LoadedModel) at that precision;
+    `compile_too` adds, per precision, the same figures with decode steps compiled
+    (`ModelRunner.compile_decode`), measured after the eager ones."""
     say = progress or (lambda _: None)
     loaded = {}
     for p in precisions:
@@ -107,6 +109,8 @@ def bench_decode(
         figures.append(PrecisionDecode(
             p, loaded[p].step_bytes, Timing.of(single[p]), tuple(rates),
             sorted(prefill)[len(prefill) // 2], forwards, repeat_s))
+        if compile_too:
+            figures.append(_compiled(engine, figures[-1], rows, context, new_tokens, trials, say))
     del engines, loaded
     gc.collect()
     peer = None
@@ -114,6 +118,22 @@ def bench_decode(
         say("llama-server: 1 and 8 requests at once")
         peer = _llama_peer(llama, gguf, llama_runs, context, new_tokens)
     return DecodeResult(context, new_tokens, prefill_tokens, trials, tuple(figures), peer)
+
+
+def _compiled(engine: Engine, eager: PrecisionDecode, rows: Sequence[int], context: int,
+              new: int, trials: int, say: Progress) -> PrecisionDecode:
+    """The engine's precision again with its decode steps compiled: one stream and rows."""
+    say(f"{eager.precision}: compiling the decode step")
+    engine.runner.compile_decode()
+    engine.warm_up()
+    for n in rows:  # each batch size's graph is compiled before it is timed
+        _rows_rate(engine, n, context, 4, seed=7000 + n)
+    say(f"{eager.precision} compiled: one stream and rows")
+    single = Timing.of([_one_stream(engine, context, new, seed=200 + t) for t in range(trials)])
+    rates = tuple(RowsRate(n, _rows_rate(engine, n, context, new, seed=2000 * n)) for n in rows)
+    return PrecisionDecode(f"{eager.precision} compiled", eager.step_bytes, single, rates,
+                           eager.prefill_tps, eager.repeat_forwards_per_token,
+                           eager.repeat_s_per_token)
 
 
 def _llama_peer(llama: LlamaCpp, gguf: Path, runs: Sequence[Any], context: int,

@@ -48,6 +48,12 @@ ChatTemplateOption = Annotated[
         show_default=False,
     ),
 ]
+CompileOption = Annotated[
+    bool,
+    typer.Option("--compile", help="Run decode steps through torch.compile: fewer small-op "
+                 "launches per step, after a one-time compile of a minute or two; outputs then "
+                 "round like a batch's (see Precision in the README)."),
+]
 DeviceOption = Annotated[
     str,
     typer.Option("--device", help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N."),
@@ -113,6 +119,7 @@ _MODEL_FAMILY = (
     _option("model", ModelOption, None),
     _option("dtype", DtypeOption, None),
     _option("device", DeviceOption, "auto"),
+    _option("compile", CompileOption, False),
     _option("chat_template", ChatTemplateOption, None),
 )
 _CACHE_FAMILY = (
@@ -144,6 +151,7 @@ def _runtime_options(
     model: str | None,
     dtype: str | None,
     device: str,
+    compile: bool,
     chat_template: str | None,
     policy: str | None,
     block_size: int,
@@ -165,7 +173,7 @@ def _runtime_options(
     return RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
                           prefill_chunk=prefill_chunk, sessions_dir=sessions_dir,
                           persist=persist, disk_cache_gb=disk_cache_gb, store_dir=store,
-                          chat_template=chat_template)
+                          chat_template=chat_template, compile=compile)
 
 
 def _option_family(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvchat.cache.kvcache import PagedKVCache
-from kvchat.config import CacheConfig
+from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.codec import ChatCodec
 from kvchat.engine.decode_batch import DecodeBatch
 from kvchat.engine.drafting import DRAFT_MAX, plan_drafts
@@ -143,6 +143,17 @@ class Engine:
         track = cache is not None and cache.policy.name == "h2o"
         runner = ModelRunner(model, prefill_chunk, track_mass=track)
         return cls(runner, ChatCodec(tokenizer, model), cache, batch_size)
+
+    def warm_up(self) -> None:
+        """Run the first decode steps of a batch of one and of two (no cache touched): the
+        first call of a compiled step compiles it."""
+        scratch = Engine(self.runner, self.codec, None, 2)
+        ids = [0] * 4
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        scratch.generate(Request(ids, params))
+        pair = [scratch.submit(Request(ids, params)), scratch.submit(Request(ids[:3], params))]
+        while any(not h.done for h in pair):
+            scratch.step()
 
     def without_cache(self) -> Engine:
         """Same model, no cache (so no drafts either): the cold reference for verify and

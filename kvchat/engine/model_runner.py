@@ -44,6 +44,16 @@ class ModelRunner:
         if track_mass:
             track_attention(model)
         self.forward_calls = 0
+        self._decode_fn: Callable[..., Any] | None = None  # compiled forward of decode steps
+
+    def compile_decode(self) -> None:
+        """Run one-token decode steps through `torch.compile` (dynamic shapes: one graph per
+        batch of one and one for larger batches, reused as the context grows). Prefill, draft
+        verification and H2O's tracked forwards stay eager. The compiled step fuses small ops,
+        so its logits round differently from the eager ones (bfloat16: ties, as in a batch)."""
+        import torch
+
+        self._decode_fn = torch.compile(self.model.forward, dynamic=True)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,8 +85,10 @@ class ModelRunner:
         keep: int | torch.Tensor = 1
         if columns is not None:
             keep = torch.tensor(list(columns), dtype=torch.long, device=input_ids.device)
+        one_token = input_ids.shape[1] == 1 and columns is None and not self.track_mass
+        call = self._decode_fn if one_token and self._decode_fn is not None else self.model
         with attention_mass(self.track_mass) as rows:
-            out = self.model(
+            out = call(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
