@@ -18,6 +18,7 @@ from kvchat.errors import KvchatError
 from kvchat.sessions import Session, validate_name
 from kvchat.ui.chat_backend import (
     PLAIN_LINE,
+    CacheViews,
     PinInfo,
     PinsInfo,
     Reply,
@@ -107,7 +108,7 @@ class RemoteReply:
                         str(why.get("miss_label") or why.get("miss_reason") or ""))
 
 
-class RemoteBackend:
+class RemoteBackend(CacheViews):
     """A resident `kvchat serve`: its cache, its sessions."""
 
     owns_cache = False
