@@ -23,12 +23,14 @@ from rich.markup import escape
 
 from kvchat.cli.app import INTERRUPT_EXIT_CODE, app, stderr, stdout
 from kvchat.cli.attach_options import (
+    ApiKeyOption,
     ConnectOption,
     LazyRuntimeOptions,
     StandaloneOption,
     TokenOption,
     lazy_runtime_options,
 )
+from kvchat.cli.batch_engine import ConcurrencyOption, OrderOption, check_order
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
@@ -104,6 +106,9 @@ def batch(
     ] = False,
     connect: ConnectOption = None,
     token: TokenOption = None,
+    api_key: ApiKeyOption = None,
+    order: OrderOption = "cache-aware",
+    concurrency: ConcurrencyOption = None,
     standalone: StandaloneOption = False,
     *,
     options: LazyRuntimeOptions,
@@ -117,11 +122,14 @@ def batch(
     SIGTERM writes a row for every line and saves the cache; --resume finishes a killed run.
 
     While a kvchat server holds the sessions dir (or with --connect), the lines go to it and
-    are batched with whatever else it runs.
+    are batched with whatever else it runs. --connect to another OpenAI-compatible engine
+    (llama-server, vLLM, SGLang) sends them in cache-aware order, --concurrency at a time.
     """
-    from kvchat.cli.attach_options import find_server
+    from kvchat.cli.attach_options import find_server, remote_engine
 
-    server = find_server(options, connect, token, standalone)
+    check_order(order)
+    server = find_server(options, connect, token, standalone, api_key)
+    engine = remote_engine(server) if server is not None else None
     to_stdout = output is None or str(output) == "-"
     out_path = None if to_stdout else output
     ui = stderr() if to_stdout else stdout()
@@ -130,13 +138,21 @@ def batch(
     if plan.bad and fail_fast:
         raise typer.Exit(1)
     fixed_size = _batch_size_option(batch_size)
-    if server is not None:
+    defaults = (max_tokens, temperature, seed)
+    if engine is not None:
+        from kvchat.cli.batch_engine import run_on_engine
+
         with terminate_as_interrupt():
-            run, interrupted = _run_attached(server, plan, (max_tokens, temperature, seed),
-                                             out_path, (fail_fast, pin_system), ui)
+            run, interrupted = run_on_engine(*engine, plan, options.sessions_dir, defaults,
+                                             out_path, (fail_fast, pin_system),
+                                             (order, concurrency), ui, _run)
+    elif server is not None:
+        with terminate_as_interrupt():
+            run, interrupted = _run_attached(server, plan, defaults, out_path,
+                                             (fail_fast, pin_system), ui, concurrency)
     else:
-        run, interrupted = _run_standalone(options, plan, (max_tokens, temperature, seed),
-                                           fixed_size, out_path, (fail_fast, pin_system), ui)
+        run, interrupted = _run_standalone(options, plan, defaults, fixed_size, out_path,
+                                           (fail_fast, pin_system), ui)
     if pin_system:
         _report_pins(run, ui)
     if interrupted:
@@ -264,8 +280,8 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
 
 
 def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, int | None],
-                  out_path: Path | None, flags: tuple[bool, bool], ui: Console
-                  ) -> tuple[Any, bool]:
+                  out_path: Path | None, flags: tuple[bool, bool], ui: Console,
+                  concurrency: int | None = None) -> tuple[Any, bool]:
     """The lines through a running server (which batches them and saves its own cache).
     `flags`: (--fail-fast, --pin-system)."""
     from kvchat.cli.batch_attached import AttachedRun, describe, server_stats
@@ -277,7 +293,8 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
         client.health()  # a server that is gone says so before any row is written
 
         def start(update: Any) -> AttachedRun:
-            return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1])
+            return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1],
+                               concurrency)
 
         def stats() -> CacheStats | None:
             with Client(server.url, server.token) as fresh:  # the run's client may be closed
@@ -291,7 +308,7 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
                              f"again, finish the others with{again}.") from None
 
 
-def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
+def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str | None,
          start: Any, stats: Any, save: Any) -> tuple[Any, bool]:
     """Run the plan (`start(update)` makes the run), writing each row as it finishes; returns
     the run and whether it was interrupted. `save` runs however the run ends."""
@@ -333,9 +350,11 @@ def _run(plan: _Plan, out_path: Path | None, ui: Console, batch_size: str,
             failure.append(exc)
         finally:
             _finish(run, writer, failure, save)
+    extra = run.summary_rows() if hasattr(run, "summary_rows") else []
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
                            time.perf_counter() - started, batch_size,
-                           max_tokens_note(plan.max_tokens, [i.max_tokens for i in plan.to_run])))
+                           max_tokens_note(plan.max_tokens, [i.max_tokens for i in plan.to_run]),
+                           extra))
     for message in run.save_errors[:1]:
         ui.print(f"[yellow]{escape(message)}[/yellow]")
     if failure:
