@@ -30,6 +30,17 @@ CACHE_REPORT_HINT = {
     GENERIC: "this server may not report them",
 }
 
+# What a client cannot know: whether the engine still holds what it cached.
+CACHE_NOTE = {
+    LLAMA_CPP: "what llama-server holds now is its own: each slot keeps the last prompt it "
+    "computed, its RAM prompt cache (--cache-ram) earlier ones while they fit",
+    VLLM: "what vLLM holds now is its own: its prefix cache frees the least recently used "
+    "blocks when the pool needs them",
+    SGLANG: "what SGLang holds now is its own: its radix cache evicts the least recently used "
+    "prefixes when the pool needs them",
+    GENERIC: "what the server holds now is its own to say",
+}
+
 
 class NotOpenAICompatible(KvchatError):
     """The URL answers, but not as an OpenAI-compatible server."""

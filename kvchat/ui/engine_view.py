@@ -16,7 +16,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from kvchat.cache.stats import ratio
-from kvchat.ui.cache_view import preview
+from kvchat.ui.cache_view import distinct_offsets, preview
 from kvchat.ui.views import TurnView, bar, ms, pct, plural
 
 if TYPE_CHECKING:
@@ -69,9 +69,14 @@ def engine_hit_panel(turn: TurnView, engine: str, reported: bool, mode: str = "f
                  title_align="left", expand=False)
 
 
-def engine_panel(engine: EngineFacts, totals: ClientTotals, mode: str = "full"
+def engine_panel(engine: EngineFacts, totals: ClientTotals | None = None, mode: str = "full"
                  ) -> RenderableType:
     """The engine as it describes itself, and this client's requests as it reported them."""
+    if totals is None:  # `kvchat inspect`: the engine alone
+        lines = [f"model {engine.model}", f"at {engine.url}",
+                 *(f"{k} {v}" for k, v in engine.facts)]
+        return Panel(Text("\n".join(lines)), title=f"{engine.name} · as it reports",
+                     title_align="left", expand=False)
     share = ratio(totals.cached_tokens, totals.prompt_tokens)
     mine = (f"cached {totals.cached_tokens:,} / {totals.prompt_tokens:,} prompt tok "
             f"{pct(share)}" if totals.reported else "cached tokens not reported")
@@ -97,7 +102,11 @@ def _chain(node: SentNode) -> tuple[list[SentNode], SentNode]:
     return chain, chain[-1]
 
 
-def _message(node: SentNode, limit: int) -> str:
+def _message(node: SentNode, limit: int, shared: int = 0) -> str:
+    """The message's role and text; after `shared` characters a sibling has too, so that
+    siblings are told apart ("system: …about deserts.")."""
+    if shared > 8 and shared < len(node.content):
+        return f"{node.role}: …{preview(node.content[shared - 4:], limit - 1)}"
     return f"{node.role}: {preview(node.content, limit)}"
 
 
@@ -114,10 +123,10 @@ def report_text(report: Report | None) -> str:
     return f"cached {report.cached_tokens:,}/{report.prompt_tokens:,} tok"
 
 
-def _label(chain: Sequence[SentNode], on_path: bool) -> Text:
+def _label(chain: Sequence[SentNode], on_path: bool, shared: int = 0) -> Text:
     head, tail = chain[0], chain[-1]
     label = Text(f"{plural(len(chain), 'msg')} · sent {head.sent:,}× ")
-    text = f'"{_message(head, 28)}"'
+    text = f'"{_message(head, 28, shared)}"'
     if len(chain) > 1:
         text += f' … "{_message(tail, 24)}"'
     label.append(text, style="bold cyan" if on_path else "cyan")
@@ -147,10 +156,12 @@ def sent_tree(roots: Sequence[SentNode], engine: str, depth: int = 3, max_childr
     while stack:
         parent, group, level, at = stack.pop()
         chains = [_chain(n) for n in group]
-        marked = [(c, end, _on_path(c, highlight, at)) for c, end in chains]
+        shared = distinct_offsets([[ord(ch) for ch in n.content] for n in group])
+        marked = [(c, end, _on_path(c, highlight, at), cut)
+                  for (c, end), cut in zip(chains, shared, strict=True)]
         marked.sort(key=lambda m: (not m[2], -m[0][0].last))
-        for chain, end, on_path in marked[:max_children]:
-            branch = parent.add(_label(chain, on_path))
+        for chain, end, on_path, cut in marked[:max_children]:
+            branch = parent.add(_label(chain, on_path, cut))
             if not end.children:
                 continue
             if level < depth:
@@ -206,7 +217,8 @@ def explain_line(match: SentMatch, engine: str) -> str:
         shared = (f"the first {match.chars:,} of the {match.next_chars:,} characters of its "
                   "first message")
     elif match.messages == match.total_messages:
-        shared = f"all {plural(match.total_messages, 'message')}"
+        shared = ("its one message, whole" if match.total_messages == 1
+                  else f"all {match.total_messages} of its messages")
     else:
         shared = f"its first {match.messages} of {match.total_messages} messages" + (
             f", then {match.chars:,} of the next one's {match.next_chars:,} characters"
