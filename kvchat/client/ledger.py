@@ -180,18 +180,24 @@ class Ledger:
                     break
                 node, level, whole = found, found.children, whole + 1
             rest = messages[whole] if whole < len(messages) else None
-            chars, partial = 0, None
+            chars, near = 0, list[SentNode]()  # next messages sent sharing the most with it
             if rest is not None:
                 for c in level:
-                    if c.role == rest["role"]:
-                        n = _common_chars(c.content, rest["content"])
-                        if n > chars:
-                            chars, partial = n, c
-            deepest = partial or node
-            requests = deepest.sent if deepest is not None else 0
-            report = deepest.newest_report() if deepest is not None else None
-            sent_next = partial.content[chars:] if partial is not None else (
-                level[0].content if level and rest is None else "")
+                    n = _common_chars(c.content, rest["content"]) if c.role == rest["role"] \
+                        else 0
+                    if n and n >= chars:
+                        near = [*near, c] if n == chars else [c]
+                        chars = n
+            if near:
+                requests = sum(c.sent for c in near)
+                reports = [r for r in (c.newest_report() for c in near) if r is not None]
+                report = max(reports, key=lambda r: r.at, default=None)
+                newest = max(near, key=lambda c: c.last)
+                sent_next = newest.content[chars:]
+            else:
+                requests = node.sent if node is not None else 0
+                report = node.newest_report() if node is not None else None
+                sent_next = level[0].content if level and rest is None else ""
             prompt_next = rest["content"][chars:] if rest is not None else ""
             return SentMatch(whole, len(messages), chars,
                              len(rest["content"]) if rest is not None else 0, requests, report,
