@@ -234,3 +234,26 @@ def test_inspect_and_explain_answer_from_the_clients_record(tmp_path: Path) -> N
     answer = json.loads(as_json.output)
     assert (answer["source"], answer["messages"], answer["requests"]) == (
         "this client's record", 1, 3)
+
+
+def test_chat_batch_and_inspect_on_an_engine_import_neither_torch_nor_transformers(
+        tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    file = few_shot_file(tmp_path / "lines.jsonl", each=1)
+    common = ["--connect", "URL", "--sessions-dir", str(tmp_path / "s")]
+    commands = [["chat", "-s", "sea", *common], ["batch", str(file), "-o",
+                                                 str(tmp_path / "out.jsonl"), *common],
+                ["inspect", *common]]
+    with FakeEngine("llamacpp") as fake:
+        for args in commands:
+            argv = ["kvchat", *[fake.url if a == "URL" else a for a in args]]
+            code = (f"import sys\nfrom kvchat.cli import app\nsys.argv = {argv!r}\n"
+                    "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+                    "print('LOADED', 'torch' in sys.modules, 'transformers' in sys.modules)\n")
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  input="What is a wave?\n/exit\n", timeout=120)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.rstrip().endswith("LOADED False False"), (argv, done.stdout)
+    assert len(fake.bodies) == 3  # the chat's turn and the batch's two lines
