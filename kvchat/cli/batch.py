@@ -130,29 +130,41 @@ def batch(
     check_order(order)
     server = find_server(options, connect, token, standalone, api_key)
     engine = remote_engine(server) if server is not None else None
-    to_stdout = output is None or str(output) == "-"
-    out_path = None if to_stdout else output
-    ui = stderr() if to_stdout else stdout()
+    out_path = None if output is None or str(output) == "-" else output
+    ui = stdout() if out_path is not None else stderr()
     plan = _plan(file, out_path, resume, ui)
     plan.max_tokens = max_tokens
     if plan.bad and fail_fast:
         raise typer.Exit(1)
     fixed_size = _batch_size_option(batch_size)
-    defaults = (max_tokens, temperature, seed)
+    defaults, flags = (max_tokens, temperature, seed), (fail_fast, pin_system)
+    where = (engine, server, options, fixed_size, (order, concurrency))
+    run, interrupted = _dispatch(where, plan, defaults, flags, out_path, ui)
+    _finish_command(run, interrupted, plan, file, out_path, pin_system, ui)
+
+
+def _dispatch(where: tuple[Any, Attachment | None, LazyRuntimeOptions, int | None,
+                           tuple[str, int | None]],
+              plan: _Plan, defaults: tuple[int, float, int | None], flags: tuple[bool, bool],
+              out_path: Path | None, ui: Console) -> tuple[Any, bool]:
+    """The run on another engine, on a kvchat server, or in this process."""
+    engine, server, options, fixed_size, how = where
     if engine is not None:
         from kvchat.cli.batch_engine import run_on_engine
 
         with terminate_as_interrupt():
-            run, interrupted = run_on_engine(*engine, plan, options.sessions_dir, defaults,
-                                             out_path, (fail_fast, pin_system),
-                                             (order, concurrency), ui, _run)
-    elif server is not None:
+            client, info = engine
+            return run_on_engine(client, info, plan, options.sessions_dir, defaults, out_path,
+                                 flags, how, ui, _run)
+    if server is not None:
         with terminate_as_interrupt():
-            run, interrupted = _run_attached(server, plan, defaults, out_path,
-                                             (fail_fast, pin_system), ui, concurrency)
-    else:
-        run, interrupted = _run_standalone(options, plan, defaults, fixed_size, out_path,
-                                           (fail_fast, pin_system), ui)
+            return _run_attached(server, plan, defaults, out_path, flags, ui, how[1])
+    return _run_standalone(options, plan, defaults, fixed_size, out_path, flags, ui)
+
+
+def _finish_command(run: Any, interrupted: bool, plan: _Plan, file: Path,
+                    out_path: Path | None, pin_system: bool, ui: Console) -> None:
+    """What the run pinned, an interrupted run's paragraph, and the exit code."""
     if pin_system:
         _report_pins(run, ui)
     if interrupted:

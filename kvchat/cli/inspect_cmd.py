@@ -93,10 +93,7 @@ def inspect_snapshot(
 
             explain_on_server(server, sessions_dir, specs, as_json)
         return
-    from kvchat.sessions import cache_dir, validate_name
-    from kvchat.snapshots import INDEX, read_snapshot_meta
-    from kvchat.ui import cache_view as cv
-    from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
+    from kvchat.sessions import validate_name
 
     if session is not None:
         validate_name(session)
@@ -110,6 +107,17 @@ def inspect_snapshot(
     if server is not None:
         _inspect_server(server, as_json, depth, session)
         return
+    _inspect_saved(sessions_dir, as_json, depth, session)
+
+
+def _inspect_saved(sessions_dir: Path, as_json: bool, depth: int | None,
+                   session: str | None) -> None:
+    """The snapshot saved in the sessions dir, read without the model."""
+    from kvchat.sessions import cache_dir
+    from kvchat.snapshots import INDEX, read_snapshot_meta
+    from kvchat.ui import cache_view as cv
+    from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
+
     index = cache_dir(sessions_dir) / INDEX
     try:
         info = read_snapshot_meta(sessions_dir)
