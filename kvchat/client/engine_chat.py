@@ -83,7 +83,7 @@ class EngineReply:
 class EngineBackend:
     """A remote engine's replies, with this client's sessions and record of what it sent."""
 
-    owns_cache = False
+    owns_cache = True  # what it saves is the record of what it sent (the REPL's saves)
     history = "messages"  # sessions are compared by messages: the engine's tokens are its own
 
     def __init__(self, client: OpenAIClient, engine: EngineInfo, store: SessionStore,
@@ -124,7 +124,8 @@ class EngineBackend:
         return EngineReply(self, stream, session, text, messages)
 
     def sent(self, messages: Sequence[dict[str, str]], usage: Usage) -> None:
-        """Count a finished request and add it to the record (saved with the session)."""
+        """Count a finished request and add it to the record (saved as the REPL saves a
+        snapshot: every few turns and on the way out)."""
         self.ledger.record(messages, usage)
         reported = usage.cached_tokens is not None
         t = self.totals
@@ -132,7 +133,6 @@ class EngineBackend:
                                    t.cached_tokens + (usage.cached_tokens or 0),
                                    t.reported + int(reported))
         self._last_reported = reported
-        self.save_snapshot()
 
     # ---- views ----
 
