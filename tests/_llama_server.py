@@ -32,7 +32,7 @@ def unavailable() -> str | None:
     if why is not None:
         return f"llama-server is not built and cannot be here: {why}"
     return (f"llama-server is not built yet: `python {SCRIPT.relative_to(SCRIPT.parent.parent)}`"
-            f" builds it once into {BINARY.parent} (about 9 minutes on 2 cores)")
+            f" builds it once into {BINARY.parent} (about 8 CPU-minutes)")
 
 
 def free_port() -> int:
