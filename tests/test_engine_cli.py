@@ -257,3 +257,31 @@ def test_chat_batch_and_inspect_on_an_engine_import_neither_torch_nor_transforme
             assert done.returncode == 0, done.stderr
             assert done.stdout.rstrip().endswith("LOADED False False"), (argv, done.stdout)
     assert len(fake.bodies) == 3  # the chat's turn and the batch's two lines
+
+
+def test_sigterm_stops_an_engine_batch_with_a_row_for_every_line(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    file = tmp_path / "lines.jsonl"
+    file.write_text("".join(json.dumps({"prompt": f"question {i}?", "max_tokens": 400}) + "\n"
+                            for i in range(12)))
+    out = tmp_path / "out.jsonl"
+    with FakeEngine("vllm", reply=" ".join(["word"] * 400)) as fake:  # 0.8 s a reply
+        run = subprocess.Popen([sys.executable, "-m", "kvchat", "batch", str(file), "-o",
+                                str(out), "--connect", fake.url, "--concurrency", "2",
+                                "--sessions-dir", str(tmp_path / "s")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not fake.bodies:
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.05)
+        run.send_signal(signal.SIGTERM)
+        stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stdout + stderr
+    found = rows(out)
+    assert [r["line"] for r in found] == list(range(1, 13))
+    assert all(r.get("status") == "not_started" for r in found if not r.get("finish_reason"))
+    assert "--resume" in " ".join(stdout.split())
