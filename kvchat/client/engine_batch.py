@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from kvchat.batch.order import input_order, prompt_text, shared_prefix_groups
+from kvchat.batch.order import SendQueue, input_order, prompt_text, shared_prefix_groups
 from kvchat.client.http import ServerGone
 from kvchat.client.openai_http import Completion, OpenAIClient
 from kvchat.client.remote_turns import begin, conversation, record, request_body
@@ -105,9 +105,7 @@ class EngineRun:
         self._in_flight = 0
         self._crash: BaseException | None = None
 
-    def _plan(self) -> Any:
-        from kvchat.batch.order import SendQueue
-
+    def _plan(self) -> SendQueue:
         chains: dict[str, list[int]] = {}
         single = []
         for item in self.items:
@@ -150,7 +148,7 @@ class EngineRun:
         if self.gone is not None:
             raise self.gone
 
-    def _one(self, item: BatchItem, queue: Any) -> None:
+    def _one(self, item: BatchItem, queue: SendQueue) -> None:
         try:
             self._send(item, queue)
         except BaseException as exc:  # a bug must stop the run, not hang it
@@ -167,7 +165,7 @@ class EngineRun:
             msgs.insert(0, {"role": "system", "content": item.system})
         return msgs
 
-    def _send(self, item: BatchItem, queue: Any) -> None:
+    def _send(self, item: BatchItem, queue: SendQueue) -> None:
         from kvchat.batch import ItemResult
 
         if self.stopped.is_set():
