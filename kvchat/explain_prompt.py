@@ -245,11 +245,12 @@ def explain_snapshot(meta: Mapping[str, Any], spec: PromptSpec) -> PromptExplana
                 for rec in meta.get("exact") or [])
     why = explain(snapshot_tree(meta), ids, "", tombstones, exact)
     return PromptExplanation(why, tuple(ids), why.describe(ids, tok.decode),
-                             _detail(why, ids, tok.decode, spec, len(tombstones)))
+                             explanation_detail(why, ids, tok.decode, spec, len(tombstones)))
 
 
-def _detail(why: Explanation, ids: Sequence[int], decode: Callable[[list[int]], str],
-            spec: PromptSpec, tombstones: int) -> dict[str, Any]:
+def explanation_detail(why: Explanation, ids: Sequence[int],
+                       decode: Callable[[list[int]], str], spec: PromptSpec,
+                       tombstones: int) -> dict[str, Any]:
     """Decoded text on each side of where the cached prefix ends (for diverged: what the
     cache holds next against what the prompt has), and when an eviction happened."""
     c = why.cached

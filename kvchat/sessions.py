@@ -26,11 +26,12 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from kvchat.cache.radix import common_prefix
 from kvchat.cache.stats import ratio
 from kvchat.errors import KvchatError
 from kvchat.files import (
@@ -84,6 +85,9 @@ class Turn:
     prefill_ms: float
     finish_reason: str
     start_tokens: int = -1  # history tokens before this turn (-1: unknown, an older file)
+    # the engine whose reply reported these counts ("": kvchat's own cache); such a turn
+    # leaves the token history as it was (the engine's tokens are its own)
+    reported_by: str = ""
 
     @property
     def hit_rate(self) -> float:
@@ -185,6 +189,57 @@ def _turn(doc: Any) -> Turn:
     if not isinstance(turn.source, str) or not isinstance(turn.finish_reason, str):
         raise TypeError('"turns.source" and "turns.finish_reason" must be strings')
     return turn
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Another session that shares a session's history: for how many tokens, then its own."""
+
+    name: str
+    shared: int
+    tokens: list[int]
+    turns: int
+
+
+def branches(session: Session, others: Sequence[Session]) -> list[Branch]:
+    """The sessions whose token history starts like `session`'s, most shared first."""
+    out = []
+    for other in others:
+        if other.name == session.name:
+            continue
+        shared = common_prefix(session.tokens, other.tokens)
+        if shared:
+            out.append(Branch(other.name, shared, list(other.tokens), len(other.turns)))
+    return sorted(out, key=lambda b: (-b.shared, b.name))
+
+
+class MessageBranch(NamedTuple):
+    """Another session whose conversation starts like a session's: for how many messages (the
+    system prompt counts as one), then what each says next ("" where it ends)."""
+
+    name: str
+    shared: int
+    here: str
+    there: str
+
+
+def message_branches(session: Session, others: Sequence[Session]) -> list[MessageBranch]:
+    """`branches` by messages, for sessions on an engine whose token ids are its own."""
+    def said(s: Session) -> list[tuple[str, str]]:
+        head = [("system", s.system)] if s.system else []
+        return head + [(m["role"], m["content"]) for m in s.messages]
+
+    mine, out = said(session), []
+    for other in others:
+        theirs = said(other)
+        shared = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False))
+                       if a != b),
+                      min(len(mine), len(theirs)))
+        if other.name != session.name and shared:
+            out.append(MessageBranch(other.name, shared,
+                                     mine[shared][1] if shared < len(mine) else "",
+                                     theirs[shared][1] if shared < len(theirs) else ""))
+    return sorted(out, key=lambda b: (-b.shared, b.name))
 
 
 class SessionStore:

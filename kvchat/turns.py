@@ -199,25 +199,3 @@ def _head_length(codec: ChatCodec, earlier: Sequence[Message], prompt_ids: Seque
         return 0
     head = text[: text.find(_PROBE)] if _PROBE in text else ""
     return common_prefix(codec.encode(head), list(prompt_ids)) if head else 0
-
-
-@dataclass(frozen=True)
-class Branch:
-    """Another session that shares a session's history: for how many tokens, then its own."""
-
-    name: str
-    shared: int
-    tokens: list[int]
-    turns: int
-
-
-def branches(session: Session, others: Sequence[Session]) -> list[Branch]:
-    """The sessions whose token history starts like `session`'s, most shared first."""
-    out = []
-    for other in others:
-        if other.name == session.name:
-            continue
-        shared = common_prefix(session.tokens, other.tokens)
-        if shared:
-            out.append(Branch(other.name, shared, list(other.tokens), len(other.turns)))
-    return sorted(out, key=lambda b: (-b.shared, b.name))

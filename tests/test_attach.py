@@ -271,6 +271,23 @@ def test_light_commands_do_not_import_modeling_code(args: list[str], torch_free:
         assert loaded[1:3] == ["False", "False"]
 
 
+def test_attached_explain_answers_from_the_live_tree(server: Running, tmp_path: Path) -> None:
+    """--explain on a kvchat server (the one holding the dir, or --connect) asks its live
+    cache, not the snapshot it last saved."""
+    with Client(server.url, server.token) as client:
+        client.generate({"prompt": "Explain the tides.", "system": SYSTEM, "max_tokens": 3})
+    held = kvchat("inspect", "--explain", "Explain the tides.", "--system", SYSTEM, "--json",
+                  "--sessions-dir", str(server.sessions))
+    assert held.returncode == 0, held.stderr
+    assert json.loads(held.stdout)["miss_reason"] == "hit"
+    text = kvchat("inspect", "--explain", "Explain the waves.", "--system", SYSTEM,
+                  "--connect", server.url, "--token", server.token,
+                  "--sessions-dir", str(tmp_path))
+    said = " ".join(text.stdout.split())
+    assert text.returncode == 0, text.stderr
+    assert "live cache of the server at" in said and "diverged at token" in said
+
+
 def test_connect_takes_the_token_from_the_environment(server: Running, tmp_path: Path) -> None:
     args = ("inspect", "--json", "--connect", server.url, "--sessions-dir", str(tmp_path))
     refused = kvchat(*args, env={"KVCHAT_TOKEN": ""})

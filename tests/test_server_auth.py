@@ -348,3 +348,33 @@ def test_serve_prints_a_new_token_once_and_requires_it(tiny_model_dir: Path,
             proc.kill()
             proc.wait()
     assert token not in rest  # printed once, at start-up
+
+
+def test_cache_explain_answers_from_the_live_cache_and_hides_what_others_sent(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """POST /cache/explain (what `kvchat inspect --explain --connect` shows): the live cache's
+    answer in the caller's namespace; in a shared one a tenant learns where a prompt parted
+    from what is cached, never the tokens another tenant sent."""
+    auth = Auth(ADMIN, (KEY_A, KEY_B), share_cache=True)
+    other = "What is the capital of Spain? Answer in one word."
+    with serve(tiny_model_dir, tmp_path / "sessions", auth) as s:
+        s.generate(KEY_A, prompt=other)
+
+        def explain(key: str, **body: Any) -> dict[str, Any]:
+            reply = s.client.post("/cache/explain", headers=bearer(key), json=body)
+            assert reply.status_code == 200, reply.text
+            return dict(reply.json())
+
+        ask = {"messages": [{"role": "user", "content": PROMPT}]}
+        admin, b = explain(ADMIN, **ask), explain(KEY_B, **ask)
+        assert admin["miss_reason"] == b["miss_reason"] == "diverged"
+        assert admin["diverged_at"] == b["diverged_at"] == admin["cached_tokens"] > 0
+        assert admin["detail"]["cached_ids"] and "Spain"[:2] in admin["detail"]["cached"]
+        assert b["detail"]["cached_ids"] == [] and "Spain" not in json.dumps(b)
+        assert b["line"].startswith(f"diverged at token {b['diverged_at']}")
+        s.generate(KEY_B, prompt=PROMPT)
+        assert explain(KEY_B, **ask)["miss_reason"] == "hit"
+        raw = explain(ADMIN, prompt="no template: a text never sent")
+        assert raw["miss_reason"] == "cold" and raw["detail"]["templated"] is False
+        bad = s.client.post("/cache/explain", headers=bearer(ADMIN), json={})
+        assert bad.status_code == 400

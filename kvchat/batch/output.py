@@ -35,7 +35,9 @@ def result_row(res: ItemResult) -> dict[str, Any]:
         return {"id": item.id, **where, "status": "not_started", "error": res.error}
     if r is None:
         return {"id": item.id, **where, "error": res.error}
-    return {"id": item.id, **where, **result_fields(r),
+    # a remote engine's reply has only the fields its API reports (`EngineReply.row_fields`)
+    fields = r.row_fields() if hasattr(r, "row_fields") else result_fields(r)
+    return {"id": item.id, **where, **fields,
             **({"session": item.session} if item.session else {})}
 
 
@@ -49,7 +51,8 @@ def _openai_row(res: ItemResult) -> dict[str, Any]:
             "interrupted" if r is not None else "request_failed")
         message = res.error or "The reply was interrupted before it finished."
         return {**head, "response": None, "error": {"code": code, "message": message}}
-    body = chat_completion(r, f"chatcmpl-{request_id}")
+    body = r.response_body() if hasattr(r, "response_body") else \
+        chat_completion(r, f"chatcmpl-{request_id}")
     return {**head, "response": {"status_code": 200, "request_id": request_id, "body": body},
             "error": None}
 

@@ -14,12 +14,21 @@ from kvchat.cli import options as shared
 
 if TYPE_CHECKING:
     from kvchat.client import Attachment
+    from kvchat.client.engines import EngineInfo
+    from kvchat.client.openai_http import OpenAIClient
     from kvchat.runtime import RuntimeOptions
 
 ConnectOption = Annotated[
     str | None,
-    typer.Option("--connect", help="Attach to the kvchat server at this URL (default: the "
-                 "server holding --sessions-dir, if one does).", show_default=False),
+    typer.Option("--connect", help="Attach to the server at this URL: kvchat serve, or any "
+                 "OpenAI-compatible engine (llama.cpp's llama-server, vLLM, SGLang), told "
+                 "from its API (default: the kvchat server holding --sessions-dir, if one "
+                 "does).", show_default=False),
+]
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option("--api-key", show_default=False,
+                 help="API key for --connect (default: --token, else $OPENAI_API_KEY)."),
 ]
 TokenOption = Annotated[
     str | None,
@@ -70,7 +79,7 @@ def _lazy(**values: Any) -> LazyRuntimeOptions:
 
 
 def find_server(options: LazyRuntimeOptions | Path, connect: str | None, token: str | None,
-                standalone: bool) -> Attachment | None:
+                standalone: bool, api_key: str | None = None) -> Attachment | None:
     """The server to attach to (see `kvchat.client.attachment`); says which of `options` it
     ignores then."""
     from kvchat.client import attachment
@@ -79,7 +88,7 @@ def find_server(options: LazyRuntimeOptions | Path, connect: str | None, token: 
         sessions_dir, ignored = options.sessions_dir, options.ignored_when_attached()
     else:
         sessions_dir, ignored = options, []
-    server = attachment(sessions_dir, connect, token, standalone)
+    server = attachment(sessions_dir, connect, token, standalone, api_key)
     if server is not None and ignored:
         from kvchat.cli.app import stderr
 
@@ -87,3 +96,24 @@ def find_server(options: LazyRuntimeOptions | Path, connect: str | None, token: 
                        "keeps its own model and cache settings (--standalone runs one of "
                        "this command's own).[/yellow]")
     return server
+
+
+def remote_engine(server: Attachment) -> tuple[OpenAIClient, EngineInfo] | None:
+    """For --connect: a client of the engine there and what it says it is; None for a kvchat
+    server, whose own API (sessions, tree, pins) the attached commands use. Raises one
+    paragraph when the URL is unreachable, not OpenAI-compatible, or refuses the key."""
+    if not server.connect:
+        return None
+    from kvchat.client.engines import detect
+    from kvchat.client.openai_http import OpenAIClient
+
+    client = OpenAIClient(server.url, server.token)
+    try:
+        engine = detect(client)
+    except BaseException:
+        client.close()
+        raise
+    if engine.is_kvchat:
+        client.close()
+        return None
+    return client, engine

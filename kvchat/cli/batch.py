@@ -24,12 +24,14 @@ from rich.markup import escape
 
 from kvchat.cli.app import INTERRUPT_EXIT_CODE, app, stderr, stdout
 from kvchat.cli.attach_options import (
+    ApiKeyOption,
     ConnectOption,
     LazyRuntimeOptions,
     StandaloneOption,
     TokenOption,
     lazy_runtime_options,
 )
+from kvchat.cli.batch_engine import ConcurrencyOption, OrderOption, check_order
 from kvchat.errors import KvchatError
 
 PIPE_EXIT_CODE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
@@ -109,6 +111,9 @@ def batch(
     ] = False,
     connect: ConnectOption = None,
     token: TokenOption = None,
+    api_key: ApiKeyOption = None,
+    order: OrderOption = "cache-aware",
+    concurrency: ConcurrencyOption = None,
     standalone: StandaloneOption = False,
     *,
     options: LazyRuntimeOptions,
@@ -122,11 +127,14 @@ def batch(
     SIGTERM writes a row for every line and saves the cache; --resume finishes a killed run.
 
     While a kvchat server holds the sessions dir (or with --connect), the lines go to it and
-    are batched with whatever else it runs.
+    are batched with whatever else it runs. --connect to another OpenAI-compatible engine
+    (llama-server, vLLM, SGLang) sends them in cache-aware order, --concurrency at a time.
     """
-    from kvchat.cli.attach_options import find_server
+    from kvchat.cli.attach_options import find_server, remote_engine
 
-    server = find_server(options, connect, token, standalone)
+    check_order(order)
+    server = find_server(options, connect, token, standalone, api_key)
+    engine = remote_engine(server) if server is not None else None
     to_stdout = output is None or str(output) == "-"
     out_path = None if to_stdout else output
     ui = stderr() if to_stdout else stdout()
@@ -137,11 +145,33 @@ def batch(
             raise typer.Exit(1)
         fixed_size = _batch_size_option(batch_size)
         defaults, flags = (max_tokens, temperature, seed), (fail_fast, pin_system)
-        if server is not None:
-            with terminate_as_interrupt():
-                run, interrupted = _run_attached(server, plan, defaults, out_path, flags, ui)
-        else:
-            run, interrupted = _run_standalone(options, plan, defaults, fixed_size, flags, ui)
+        where = (engine, server, options, fixed_size, (order, concurrency))
+        run, interrupted = _dispatch(where, plan, defaults, flags, out_path, ui)
+    _finish_command(run, interrupted, plan, file, out_path, pin_system, ui)
+
+
+def _dispatch(where: tuple[Any, Attachment | None, LazyRuntimeOptions, int | None,
+                           tuple[str, int | None]],
+              plan: _Plan, defaults: tuple[int, float, int | None], flags: tuple[bool, bool],
+              out_path: Path | None, ui: Console) -> tuple[Any, bool]:
+    """The run on another engine, on a kvchat server, or in this process."""
+    engine, server, options, fixed_size, how = where
+    if engine is not None:
+        from kvchat.cli.batch_engine import run_on_engine
+
+        with terminate_as_interrupt():
+            client, info = engine
+            return run_on_engine(client, info, plan, options.sessions_dir, defaults, out_path,
+                                 flags, how, ui, _run)
+    if server is not None:
+        with terminate_as_interrupt():
+            return _run_attached(server, plan, defaults, out_path, flags, ui, how[1])
+    return _run_standalone(options, plan, defaults, fixed_size, flags, ui)
+
+
+def _finish_command(run: Any, interrupted: bool, plan: _Plan, file: Path,
+                    out_path: Path | None, pin_system: bool, ui: Console) -> None:
+    """What the run pinned, an interrupted run's paragraph, and the exit code."""
     if pin_system:
         _report_pins(run, ui)
     if interrupted:
@@ -281,8 +311,8 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
 
 
 def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, int | None],
-                  out_path: Path | None, flags: tuple[bool, bool], ui: Console
-                  ) -> tuple[Any, bool]:
+                  out_path: Path | None, flags: tuple[bool, bool], ui: Console,
+                  concurrency: int | None = None) -> tuple[Any, bool]:
     """The lines through a running server (which batches them and saves its own cache).
     `flags`: (--fail-fast, --pin-system)."""
     from kvchat.cli.batch_attached import AttachedRun, describe, server_stats
@@ -294,7 +324,8 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
         client.health()  # a server that is gone says so before any row is written
 
         def start(update: Any) -> AttachedRun:
-            return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1])
+            return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1],
+                               concurrency)
 
         def stats() -> CacheStats | None:
             with server.client() as fresh:  # the run's client may be closed
@@ -308,7 +339,7 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
                              f"again, finish the others with{again}.") from None
 
 
-def _run(plan: _Plan, ui: Console, batch_size: str, start: Any, stats: Any,
+def _run(plan: _Plan, ui: Console, batch_size: str | None, start: Any, stats: Any,
          save: Any) -> tuple[Any, bool]:
     """Run the plan (`start(update)` makes the run), writing each row as it finishes; returns
     the run and whether it was interrupted. `save` runs however the run ends."""
@@ -352,10 +383,11 @@ def _run(plan: _Plan, ui: Console, batch_size: str, start: Any, stats: Any,
             _finish(run, writer, failure, save)
     if any(isinstance(f, OutputClosed) for f in failure):
         _quiet_exit()  # nobody reads the rows any more: no summary, no error, as Unix tools
+    extra = run.summary_rows() if hasattr(run, "summary_rows") else []
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
                            time.perf_counter() - started, batch_size,
                            max_tokens_note(plan.max_tokens, [i.max_tokens for i in plan.to_run]),
-                           run.behind()))
+                           run.behind(), extra))
     _report_saves(run, ui)
     if failure:
         raise failure[0]

@@ -80,7 +80,8 @@ class AttachedRun:
 
     def __init__(self, client: Client, items: list[BatchItem],
                  defaults: tuple[int, float, int | None], fail_fast: bool,
-                 on_update: Callable[[ItemResult], None], pin_system: bool = False) -> None:
+                 on_update: Callable[[ItemResult], None], pin_system: bool = False,
+                 concurrency: int | None = None) -> None:
         from kvchat.batch import BatchProgress
 
         self.client = client
@@ -98,6 +99,7 @@ class AttachedRun:
         self.pin_system = pin_system  # ask the server to pin each line's system prompt
         self.pinned: dict[str, int] = {}  # pin id -> the first line that pinned it
         self.pin_errors: list[str] = []
+        self.max_in_flight = concurrency or MAX_IN_FLIGHT
 
     def run(self) -> None:
         """Send every line; returns when all are answered. Ctrl-C (KeyboardInterrupt) closes
@@ -113,7 +115,7 @@ class AttachedRun:
             else:
                 sessions[item.session].append(item)
         work = [chain for group in chains.values() for chain in group]
-        with ThreadPoolExecutor(max_workers=max(1, min(MAX_IN_FLIGHT, len(work)))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_in_flight, len(work)))) as pool:
             futures = [pool.submit(self._chain, chain) for chain in work]
             try:
                 _wait_all(futures)

@@ -9,6 +9,7 @@ from rich.markup import escape
 
 from kvchat.cli.app import app, stdout
 from kvchat.cli.attach_options import (
+    ApiKeyOption,
     ConnectOption,
     LazyRuntimeOptions,
     StandaloneOption,
@@ -20,6 +21,8 @@ from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
     from kvchat.client import Attachment
+    from kvchat.client.engines import EngineInfo
+    from kvchat.client.openai_http import OpenAIClient
     from kvchat.config import SamplingParams
     from kvchat.runtime import RuntimeOptions
 
@@ -50,6 +53,7 @@ def chat(
     ] = "full",
     connect: ConnectOption = None,
     token: TokenOption = None,
+    api_key: ApiKeyOption = None,
     standalone: StandaloneOption = False,
     *,
     options: LazyRuntimeOptions,
@@ -57,7 +61,9 @@ def chat(
     """Chat in a REPL; after each reply, panels show what the cache served.
 
     While a kvchat server holds the sessions dir (or with --connect), the chat attaches to it:
-    its cache and sessions, shared with everything else it serves."""
+    its cache and sessions, shared with everything else it serves. --connect to another
+    OpenAI-compatible engine (llama-server, vLLM, SGLang) keeps the sessions here and shows
+    what that engine reports."""
     from kvchat.cli.attach_options import find_server
     from kvchat.config import SamplingParams
     from kvchat.sessions import SessionStore, sessions_lock, validate_name
@@ -72,8 +78,14 @@ def chat(
     params = SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
-    server = find_server(options, connect, token, standalone)
+    server = find_server(options, connect, token, standalone, api_key)
     if server is not None:
+        from kvchat.cli.attach_options import remote_engine
+
+        engine = remote_engine(server)
+        if engine is not None:
+            _engine_chat(*engine, options, name, system, params, panels)
+            return
         _attached_chat(server, options, name, system, params, panels)
         return
     # The lock comes first: a second chat on the same folder fails before loading a model.
@@ -98,6 +110,27 @@ def _attached_chat(server: Attachment, options: LazyRuntimeOptions, name: str | 
             session.system = system
         reader = make_reader(SessionStore(options.sessions_dir).history_file())
         Chat(backend, session, params, stdout(), reader, panels).run()
+
+
+def _engine_chat(client: OpenAIClient, engine: EngineInfo, options: LazyRuntimeOptions,
+                 name: str | None, system: str | None, params: SamplingParams,
+                 panels: str) -> None:
+    """The REPL on a remote engine; its sessions are this sessions dir's, under its lock."""
+    from kvchat.client.engine_chat import EngineBackend
+    from kvchat.client.ledger import Ledger
+    from kvchat.sessions import SessionStore, sessions_lock
+    from kvchat.ui.repl import Chat
+    from kvchat.ui.terminal import make_reader
+
+    with client, sessions_lock(options.sessions_dir, f"kvchat chat --connect {engine.url}"):
+        store = SessionStore(options.sessions_dir)
+        ledger = Ledger.open(options.sessions_dir, engine.url, engine.kind)
+        backend = EngineBackend(client, engine, store, ledger)
+        session = store.open(name or _new_session_name(store.names()))
+        if system is not None:
+            session.system = system
+        Chat(backend, session, params, stdout(), make_reader(store.history_file()),
+             panels).run()
 
 
 def _new_session_name(existing: list[str]) -> str:

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from kvchat.cli.app import app, stderr, stdout
-from kvchat.cli.attach_options import ConnectOption, TokenOption
+from kvchat.cli.attach_options import ApiKeyOption, ConnectOption, TokenOption
 from kvchat.cli.options import SessionsDirOption
 from kvchat.errors import KvchatError
 
@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 ExplainOption = Annotated[
     str | None,
     typer.Option("--explain", help="Say why this user message, as a new conversation's first "
-                 "turn, would miss the saved cache (cold, evicted or diverged).",
-                 show_default=False),
+                 "turn, would miss the cache (cold, evicted or diverged): the saved snapshot, "
+                 "a kvchat server's live cache, or for another engine this client's record of "
+                 "what it sent.", show_default=False),
 ]
 ExplainFileOption = Annotated[
     Path | None,
@@ -70,27 +71,53 @@ def inspect_snapshot(
     raw: RawOption = False,
     connect: ConnectOption = None,
     token: TokenOption = None,
+    api_key: ApiKeyOption = None,
     standalone: StandaloneOption = False,
 ) -> None:
     """Show the saved cache (radix tree, exact index, stats) without loading the model; while
     a kvchat server holds the sessions dir (or with --connect), its live cache. --explain says
-    why a prompt would miss the saved cache."""
-    specs = _explain_spec(explain_text, explain_file, system, raw, connect)
+    why a prompt would miss the cache.
+
+    --connect to another OpenAI-compatible engine shows what its API says of itself and this
+    client's record of what it sent (the engine's cache is its own); --explain answers from
+    that record."""
+    from kvchat.cli.attach_options import find_server, remote_engine
+
+    specs = _explain_spec(explain_text, explain_file, system, raw)
     if specs is not None:
-        _explain(sessions_dir, specs, as_json)
+        server = find_server(sessions_dir, connect, token, standalone, api_key)
+        if server is None:
+            _explain(sessions_dir, specs, as_json)
+        else:
+            from kvchat.cli.inspect_engine import explain_on_server
+
+            explain_on_server(server, sessions_dir, specs, as_json)
         return
-    from kvchat.cli.attach_options import find_server
-    from kvchat.sessions import cache_dir, validate_name
+    from kvchat.sessions import validate_name
+
+    if session is not None:
+        validate_name(session)
+    server = find_server(sessions_dir, connect, token, standalone, api_key)
+    engine = remote_engine(server) if server is not None else None
+    if engine is not None:
+        from kvchat.cli.inspect_engine import inspect_engine
+
+        inspect_engine(*engine, sessions_dir, as_json, depth)
+        return
+    if server is not None:
+        _inspect_server(server, as_json, depth, session)
+        return
+    _inspect_saved(sessions_dir, as_json, depth, session)
+
+
+def _inspect_saved(sessions_dir: Path, as_json: bool, depth: int | None,
+                   session: str | None) -> None:
+    """The snapshot saved in the sessions dir, read without the model."""
+    from kvchat.sessions import cache_dir
     from kvchat.snapshots import INDEX, read_snapshot_meta
     from kvchat.ui import cache_view as cv
     from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
 
-    if session is not None:
-        validate_name(session)
-    server = find_server(sessions_dir, connect, token, standalone)
-    if server is not None:
-        _inspect_server(server, as_json, depth, session)
-        return
     index = cache_dir(sessions_dir) / INDEX
     try:
         info = read_snapshot_meta(sessions_dir)
@@ -131,8 +158,8 @@ def inspect_snapshot(
                                 _disk_tier(meta, sessions_dir)))
 
 
-def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: bool,
-                  connect: str | None) -> list[tuple[int | None, PromptSpec]] | None:
+def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: bool
+                  ) -> list[tuple[int | None, PromptSpec]] | None:
     """The prompts --explain asks about (with their line in a JSONL file); None when inspect
     shows the cache instead."""
     if text is None and file is None and system is None and not raw:
@@ -143,8 +170,6 @@ def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: 
         raise KvchatError("--system and --raw go with one of --explain TEXT or --explain-file "
                           "FILE." if text is None else
                           "Give --explain TEXT or --explain-file FILE, not both.")
-    if connect is not None:
-        raise KvchatError("--explain reads the saved snapshot; it does not use --connect.")
     if text is not None:
         return [(None, PromptSpec.of_text(text, system, raw))]
     assert file is not None

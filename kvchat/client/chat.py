@@ -18,6 +18,7 @@ from kvchat.errors import KvchatError
 from kvchat.sessions import Session, validate_name
 from kvchat.ui.chat_backend import (
     PLAIN_LINE,
+    CacheViews,
     PinInfo,
     PinsInfo,
     Reply,
@@ -108,7 +109,7 @@ class RemoteReply:
                         int(why.get("draft_tokens") or 0), int(why.get("draft_accepted") or 0))
 
 
-class RemoteBackend:
+class RemoteBackend(CacheViews):
     """A resident `kvchat serve`: its cache, its sessions."""
 
     owns_cache = False

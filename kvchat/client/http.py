@@ -236,6 +236,12 @@ class Client:
         result: dict[str, Any] = self._call("DELETE", "/cache/pin", params={"id": pin_id})
         return result
 
+    def explain(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /cache/explain: why `messages` (or the raw `prompt`) would miss the live
+        cache."""
+        result: dict[str, Any] = self._call("POST", "/cache/explain", json=body)
+        return result
+
     def save(self) -> dict[str, Any]:
         """Write the server's cache snapshot now; returns where and how many tokens."""
         result: dict[str, Any] = self._call("POST", "/cache/save")

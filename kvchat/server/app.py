@@ -14,6 +14,7 @@ from kvchat.runtime import Runtime
 from kvchat.server import (
     cache_api,
     completions,
+    explain_api,
     metrics,
     moves_api,
     native,
@@ -62,7 +63,7 @@ def create_app(
     app.state.server = ServerState(worker, TenantSessions(worker.store),
                                    Preparer(worker.engine, max_tokens), gate)
     add_error_handlers(app)
-    for api in (native, openai, completions, cache_api, pins_api, sessions_api, moves_api,
-                metrics):
+    for api in (native, openai, completions, cache_api, explain_api, pins_api, sessions_api,
+                moves_api, metrics):
         app.include_router(api.router)
     return app

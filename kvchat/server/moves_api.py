@@ -23,8 +23,7 @@ from kvchat.server.prepare import Sessions
 from kvchat.server.schemas import ForkBody, GenerateBody, RetryBody, RewindBody
 from kvchat.server.sessions_api import session_name
 from kvchat.server.state import State
-from kvchat.sessions import Session, SessionError
-from kvchat.turns import branches
+from kvchat.sessions import Session, SessionError, branches
 
 router = APIRouter()
 

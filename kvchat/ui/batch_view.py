@@ -64,6 +64,7 @@ def summary_table(
     p: BatchProgress, results: Sequence[ItemResult], parse_errors: int, stats: CacheStats | None,
     wall_s: float, batch_size: str | None = None, max_tokens: str | None = None,
     behind: Mapping[str, str] | None = None,
+    extra: Sequence[tuple[str, str]] = (),
 ) -> Table:
     done = [r.result for r in results if r.result is not None]
     prompt = sum(r.prompt_tokens for r in done)
@@ -89,6 +90,8 @@ def summary_table(
         t.add_row("sessions behind", Text(", ".join(f"{name} ({how})"
                                                     for name, how in behind.items()),
                                           style="yellow"))
+    for what, value in extra:  # a remote engine: which, in what order, how it reported
+        t.add_row(what, value)
     if stats is not None:
         t.add_row("evictions", f"{stats.eviction_count:,}")
         pool = stats.pool

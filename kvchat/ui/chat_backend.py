@@ -18,6 +18,8 @@ PLAIN_LINE = ("template none: plain text, 'User:' / 'Assistant:' paragraphs "
               "(--chat-template sets one)")
 
 if TYPE_CHECKING:
+    from rich.console import RenderableType
+
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
     from kvchat.engine.engine import RequestHandle
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from kvchat.sessions import Session, SessionStore, Turn
     from kvchat.turns import PreparedTurn
     from kvchat.ui.cache_view import NodeView
+    from kvchat.ui.views import TurnView
 
 
 class TurnDone(NamedTuple):
@@ -95,6 +98,8 @@ class Sessions(Protocol):
 class ChatBackend(Protocol):
     sessions: Sessions
     owns_cache: bool  # the snapshot is this process's to save (not a server's)
+    history: str  # how sessions are compared (/branches): "tokens", or "messages" for an
+    # engine whose tokens are its own
     unavailable: dict[str, str]  # slash command -> why it is not available here
 
     def banner_lines(self) -> list[str]: ...
@@ -102,13 +107,7 @@ class ChatBackend(Protocol):
     def start(self, session: Session, text: str, params: SamplingParams) -> Reply:
         """Start the session's next turn; raises KvchatError when it cannot start."""
 
-    def stats(self) -> CacheStats: ...
-
-    def nodes(self) -> Sequence[NodeView]: ...
-
     def decode(self, ids: Sequence[int]) -> str: ...
-
-    def integrity(self) -> str: ...
 
     def save_snapshot(self) -> None: ...
 
@@ -122,6 +121,57 @@ class ChatBackend(Protocol):
         """End the pins that cover a prefix of the session's history."""
 
     def pins(self) -> PinsInfo: ...
+
+    # what the panels and /stats, /tree, /save show of the cache (`CacheViews` for kvchat's
+    # own cache; an engine that only reports numbers shows those)
+
+    def turn_panels(self, view: TurnView, mode: str, highlight: str) -> RenderableType: ...
+
+    def stats_view(self, turns: Sequence[Turn]) -> RenderableType: ...
+
+    def tree_view(self, highlight: str) -> RenderableType: ...
+
+    def saved(self) -> str:
+        """What /save wrote besides the session, for its message."""
+
+
+class CacheViews:
+    """The views of a kvchat cache, in this process or on a kvchat server: pool, radix tree,
+    counters."""
+
+    history = "tokens"
+
+    def stats(self) -> CacheStats:
+        raise NotImplementedError
+
+    def nodes(self) -> Sequence[NodeView]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def integrity(self) -> str:
+        raise NotImplementedError
+
+    def turn_panels(self, view: TurnView, mode: str, highlight: str) -> RenderableType:
+        from kvchat.ui import views
+
+        return views.turn_panels(view, self.stats(), self.nodes(), self.decode, mode,
+                                 highlight)
+
+    def stats_view(self, turns: Sequence[Turn]) -> RenderableType:
+        from kvchat.ui import views
+
+        return views.stats_view(self.stats(), turns, self.integrity())
+
+    def tree_view(self, highlight: str) -> RenderableType:
+        from kvchat.ui import views
+
+        return views.tree_view(self.nodes(), self.decode, depth=8, max_children=8,
+                               highlight=highlight)
+
+    def saved(self) -> str:
+        return f"the cache snapshot ({self.stats().tree_tokens:,} tokens)"
 
 
 # ---- in this process -----------------------------------------------------------------------
@@ -153,7 +203,7 @@ class LocalReply:
                         result.draft_tokens, result.draft_accepted)
 
 
-class LocalBackend:
+class LocalBackend(CacheViews):
     """The runtime (engine, cache, sessions dir) in this process."""
 
     owns_cache = True

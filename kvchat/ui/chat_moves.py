@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -23,7 +23,7 @@ from kvchat.ui.cache_view import preview
 
 if TYPE_CHECKING:
     from kvchat.config import SamplingParams
-    from kvchat.turns import Branch
+    from kvchat.sessions import Branch, MessageBranch
     from kvchat.ui.chat_backend import ChatBackend, Sessions
 
 MOVES: dict[str, tuple[str, str]] = {
@@ -59,9 +59,9 @@ class ConversationMoves:
         if not s.turns:
             self._say("Nothing to retry yet: send a message first.")
             return
-        text = s.messages[-2]["content"]
+        text, reply = s.messages[-2]["content"], s.messages[-1]["content"]
         last = s.turns[-1]
-        before = s.tokens[last.prompt_tokens:]  # the reply being retried
+        before: list[Any] = s.tokens[last.prompt_tokens:]  # the reply being retried
         saved = s.fork(s.name)
         s.rewind(1)
         params = self.params
@@ -72,9 +72,13 @@ class ConversationMoves:
             s.messages[:], s.tokens[:], s.turns[:] = saved.messages, saved.tokens, saved.turns
             return
         now = s.turns[-1]
-        again = s.tokens[now.prompt_tokens:]
+        again: list[Any] = s.tokens[now.prompt_tokens:]
+        if last.reported_by or now.reported_by:  # an engine's tokens are its own: compare text
+            before, again = list(reply), list(s.messages[-1]["content"])
         hit = "an exact hit, no prefill" if now.source == "exact" else \
-            f"{now.hit_tokens:,} of {now.prompt_tokens:,} tokens cached"
+            f"{now.hit_tokens:,} of {now.prompt_tokens:,} tokens cached" + (
+                f" ({now.reported_by} reported)" if now.source == "reported" else "") \
+            if now.source != "unreported" else f"not reported as cached by {now.reported_by}"
         how = "at temperature 0" if self.params.greedy else "with a new seed"
         same = compare_replies(before, last.finish_reason, again, now.finish_reason)
         self._say(f"Retried: the prompt was {hit}; {how} the reply is {same}.", "dim")
@@ -92,8 +96,10 @@ class ConversationMoves:
         gone = self.session.rewind(n)
         self.store.save(self.session)
         left = len(self.session.turns)
+        cached = ("and everything before it is still cached" if self.backend.history == "tokens"
+                  else "resending what is left, which the engine has cached while it holds it")
         self._say(f"Rewound {gone} turn(s); {left} left. The next message continues from there, "
-                  "and everything before it is still cached.")
+                  f"{cached}.")
 
     def _fork(self, arg: str) -> None:
         if not arg:
@@ -104,12 +110,16 @@ class ConversationMoves:
         self._save_session()
         fork = self.session.fork(name)
         self.store.save(fork)
-        self._say(f"Forked {self.session.name} into {name}: {len(fork.tokens):,} tokens of "
-                  "history, read from the same cached blocks (nothing copied).")
+        if self.backend.history == "tokens":
+            self._say(f"Forked {self.session.name} into {name}: {len(fork.tokens):,} tokens "
+                      "of history, read from the same cached blocks (nothing copied).")
+        else:
+            self._say(f"Forked {self.session.name} into {name}: {len(fork.messages):,} "
+                      "messages of history, resent as the same prefix by its next turn.")
         self._enter(self.store.open(name))
 
     def _branches(self, arg: str) -> None:
-        from kvchat.turns import branches
+        from kvchat.sessions import branches
 
         others = []
         for name in self.store.names():
@@ -119,12 +129,19 @@ class ConversationMoves:
                 others.append(self.store.open(name, create=False))
             except SessionError:
                 continue
-        rows = branches(self.session, others)
-        if not rows:
-            self._say("No other session shares this one's history.")
-            return
-        print_ = self.console.print
-        print_(branches_table(self.session, rows, self._decode))
+        if self.backend.history == "messages":
+            from kvchat.sessions import message_branches
+
+            by_message = message_branches(self.session, others)
+            if by_message:
+                self.console.print(message_branches_table(self.session, by_message))
+                return
+        else:
+            rows = branches(self.session, others)
+            if rows:
+                self.console.print(branches_table(self.session, rows, self._decode))
+                return
+        self._say("No other session shares this one's history.")
 
 
     def _pin(self, arg: str) -> None:
@@ -159,7 +176,7 @@ class ConversationMoves:
         self.console.print(t)
 
 
-def compare_replies(before: Sequence[int], before_end: str, again: Sequence[int],
+def compare_replies(before: Sequence[object], before_end: str, again: Sequence[object],
                     again_end: str) -> str:
     """How a retried reply compares with the one it replaced; a reply stopped early is the
     other's beginning, not a different reply."""
@@ -186,4 +203,18 @@ def branches_table(session: Session, rows: Sequence[Branch],
         there = decode(b.tokens[b.shared: b.shared + 8])
         t.add_row(b.name, f"{b.shared:,}", Text(preview(here, 24) or "(ends here)"),
                   Text(preview(there, 24) or "(ends here)"))
+    return t
+
+
+def message_branches_table(session: Session, rows: Sequence[MessageBranch]) -> Table:
+    """Sessions whose conversation starts like `session`'s: how many messages, then what
+    each says next."""
+    t = Table(title=f"sessions sharing {session.name}'s conversation", title_justify="left")
+    t.add_column("session")
+    t.add_column("shared messages", justify="right")
+    t.add_column("then this one")
+    t.add_column("then that one")
+    for b in rows:
+        t.add_row(b.name, f"{b.shared:,}", Text(preview(b.here, 24) or "(ends here)"),
+                  Text(preview(b.there, 24) or "(ends here)"))
     return t

@@ -25,7 +25,7 @@ def explain_panel(result: PromptExplanation, source: str) -> RenderableType:
     """Cached tokens against prompt tokens, the reason, and for a divergence the text on each
     side (cached vs new); for an eviction, when and by which policy."""
     why, d = result.explanation, result.detail
-    n = len(result.prompt_ids)
+    n = why.prompt_tokens
     share = why.cached / n if n else 0.0
     table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
     table.add_column(style="bold")

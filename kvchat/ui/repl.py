@@ -28,7 +28,6 @@ from kvchat.ui.chat_moves import MOVES, ConversationMoves
 from kvchat.ui.terminal import LineReader, WordWrap, cancel_on_sigint, typeahead_hidden
 
 if TYPE_CHECKING:
-    from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
     from kvchat.runtime import Runtime
 
@@ -279,10 +278,7 @@ class Chat(ConversationMoves):
             draft_accepted=done.draft_accepted,
         )
         if self.panels != "off":
-            self.console.print(
-                views.turn_panels(view, self._summary(), self.backend.nodes(),
-                                  self._decode, self.panels, self.session.name)
-            )
+            self.console.print(self.backend.turn_panels(view, self.panels, self.session.name))
 
     def _stream(self, reply: Reply) -> None:
         out = self.console.file
@@ -311,9 +307,6 @@ class Chat(ConversationMoves):
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(ids)
-
-    def _summary(self) -> CacheStats:
-        return self.backend.stats()
 
     def save_snapshot(self) -> None:
         self.backend.save_snapshot()
@@ -349,15 +342,10 @@ class Chat(ConversationMoves):
         self.console.print(views.help_view(list(COMMANDS.values()), KEYS))
 
     def _stats(self, arg: str) -> None:
-        integrity = self.backend.integrity()
-        self.console.print(views.stats_view(self._summary(), self.session.turns, integrity))
+        self.console.print(self.backend.stats_view(self.session.turns))
 
     def _tree(self, arg: str) -> None:
-        nodes = self.backend.nodes()
-        self.console.print(
-            views.tree_view(nodes, self._decode, depth=8, max_children=8,
-                            highlight=self.session.name)
-        )
+        self.console.print(self.backend.tree_view(self.session.name))
 
     def _sessions(self, arg: str) -> None:
         rows = []
@@ -418,9 +406,7 @@ class Chat(ConversationMoves):
     def _save(self, arg: str) -> None:
         if not self.save_all():
             return
-        cached = self._summary().tree_tokens
-        self._say(f"Saved session {self.session.name} and the cache snapshot "
-                  f"({cached:,} tokens).")
+        self._say(f"Saved session {self.session.name} and {self.backend.saved()}.")
 
     def _panels(self, arg: str) -> None:
         mode = arg.lower()

@@ -1,0 +1,286 @@
+"""`kvchat batch --connect URL` on a remote engine: every line a streamed /v1/chat/completions,
+sent in cache-aware order (`kvchat.batch.order`) with at most --concurrency in flight.
+
+Rows, progress, crash safety and --resume are the standalone run's: each reply becomes a row
+(the fields the engine reports: `cache_hit_tokens` is its `cached_tokens`, null where it
+reported none), written by the same RowWriter as soon as it arrives. Session lines continue
+sessions kept in this sessions dir. Ctrl-C closes the connections; an engine that goes away
+stops the run; either way every line gets its row and `--resume` finishes the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+from kvchat.batch.order import SendQueue, input_order, prompt_text, shared_prefix_groups
+from kvchat.client.http import ServerGone
+from kvchat.client.openai_http import Completion, OpenAIClient
+from kvchat.client.remote_turns import begin, conversation, record, request_body
+from kvchat.config import SamplingParams
+from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from kvchat.batch import BatchItem, BatchProgress, ItemResult, SaveFailure
+    from kvchat.batch.order import Group
+    from kvchat.client.engines import EngineInfo
+    from kvchat.client.ledger import Ledger
+    from kvchat.engine.sequence import GenerationResult
+    from kvchat.sessions import SessionStore
+
+NOT_FINISHED = "not run: the batch stopped before this line finished"
+Message = dict[str, str]
+
+
+class EngineReply(NamedTuple):
+    """A reply as the engine reported it, read where a batch reads a GenerationResult."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    reported_cached: int | None  # usage.prompt_tokens_details.cached_tokens
+    ttft_ms: float
+    total_ms: float
+    prefill_ms: float  # the engine's own prompt time (llama.cpp's timings), else 0: unknown
+    engine: str
+    body: dict[str, Any]
+
+    @classmethod
+    def of(cls, reply: Completion, engine: str) -> EngineReply:
+        u = reply.usage
+        return cls(reply.text, reply.finish_reason, u.prompt_tokens or 0,
+                   u.completion_tokens or 0, u.cached_tokens, reply.ttft_ms or 0.0,
+                   reply.total_ms, u.prefill_ms or 0.0, engine, reply.body)
+
+    @property
+    def cache_hit_tokens(self) -> int:
+        return self.reported_cached or 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cache_hit_tokens
+
+    def row_fields(self) -> dict[str, Any]:
+        """A row's fields: what the engine reported, and the times this client measured."""
+        fields: dict[str, Any] = {
+            "text": self.text, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cache_hit_tokens": self.reported_cached, "finish_reason": self.finish_reason,
+            "ttft_ms": round(self.ttft_ms, 2), "total_ms": round(self.total_ms, 2),
+            "engine": self.engine}
+        if self.prefill_ms:
+            fields["prefill_ms"] = round(self.prefill_ms, 2)
+        return fields
+
+    def response_body(self) -> dict[str, Any]:
+        return self.body
+
+
+class EngineRun:
+    """The lines of a batch file through a remote engine. Offers what the summary needs of a
+    BatchRun: `progress`, `results`, `ordered()`, `not_started()`."""
+
+    def __init__(self, client: OpenAIClient, engine: EngineInfo, items: list[BatchItem],
+                 defaults: tuple[int, float, int | None], fail_fast: bool,
+                 on_update: Callable[[ItemResult], None], store: SessionStore,
+                 ledger: Ledger, order: str = "cache-aware", concurrency: int = 4) -> None:
+        from kvchat.batch import BatchProgress
+
+        self.client, self.engine, self.items = client, engine, items
+        self.defaults, self.fail_fast, self.on_update = defaults, fail_fast, on_update
+        self.store, self.ledger = store, ledger
+        self.order, self.concurrency = order, max(1, concurrency)
+        self.results: dict[int, ItemResult] = {}
+        self.progress: BatchProgress = BatchProgress()
+        self.save_errors: list[SaveFailure] = []
+        self._behind: dict[str, int] = {}  # session -> turns its file lacks
+        self.pinned: dict[str, int] = {}
+        self.pin_errors: list[str] = []
+        self.stopped = threading.Event()
+        self.gone: ServerGone | None = None
+        self.groups: list[Group] = []
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._crash: BaseException | None = None
+
+    def _plan(self) -> SendQueue:
+        chains: dict[str, list[int]] = {}
+        single = []
+        for item in self.items:
+            if item.session is None:
+                single.append((item.line, prompt_text(self._messages_of(item))))
+            else:
+                chains.setdefault(item.session, []).append(item.line)
+        self.groups = shared_prefix_groups(single) if self.order == "cache-aware" \
+            else input_order([line for line, _ in single])
+        if self.order == "cache-aware" and self.engine.per_slot_cache:
+            # a group runs in one slot, line after line; groups run side by side in others
+            return SendQueue((), [list(g.lines) for g in self.groups] + list(chains.values()))
+        return SendQueue(self.groups, list(chains.values()))
+
+    def run(self) -> None:
+        """Send every line; returns when all are answered. Ctrl-C closes the connections."""
+        queue = self._plan()
+        by_line = {item.line: item for item in self.items}
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        try:
+            with self._cond:
+                while self._crash is None:
+                    while not self.stopped.is_set() and self._in_flight < self.concurrency:
+                        line = queue.take()
+                        if line is None:
+                            break
+                        self._in_flight += 1
+                        pool.submit(self._one, by_line[line], queue)
+                    if self._in_flight == 0 and (queue.empty or self.stopped.is_set()):
+                        break
+                    self._cond.wait(0.2)  # short: the main thread must stay responsive
+        except BaseException:
+            self.stopped.set()
+            self.client.close()  # every connection drops: the engine stops those requests
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if self._crash is not None:
+            raise self._crash
+        if self.gone is not None:
+            raise self.gone
+
+    def _one(self, item: BatchItem, queue: SendQueue) -> None:
+        try:
+            self._send(item, queue)
+        except BaseException as exc:  # a bug must stop the run, not hang it
+            self._crash = exc
+        finally:
+            with self._cond:
+                queue.done(item.line)
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    def _messages_of(self, item: BatchItem) -> list[Message]:
+        msgs = [dict(m) for m in item.messages]
+        if item.system is not None and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": item.system})
+        return msgs
+
+    def _send(self, item: BatchItem, queue: SendQueue) -> None:
+        from kvchat.batch import ItemResult
+
+        if self.stopped.is_set():
+            return
+        session, saved = None, None
+        try:
+            max_tokens, temperature, seed = self.defaults
+            params = SamplingParams(
+                max_new_tokens=item.max_tokens or max_tokens,
+                temperature=item.temperature if item.temperature is not None else temperature,
+                seed=item.seed if item.seed is not None else seed)
+            if item.session is None:
+                messages = self._messages_of(item)
+            else:
+                session = self.store.open(item.session)
+                saved = (session.system, [dict(m) for m in session.messages])
+                *earlier, last = item.messages
+                if last["role"] != "user":
+                    raise KvchatError("the last message of a session turn must be the user's")
+                begin(session, earlier, item.system)
+                messages = conversation(session, last["content"])
+            stream = self.client.chat(request_body(self.engine.model, messages, params))
+
+            def prefilled(text: str) -> None:  # the first text: the engine has the prompt
+                if not told:
+                    told.append(True)
+                    with self._cond:
+                        queue.prefilled(item.line)
+                        self._cond.notify_all()
+
+            told: list[bool] = []
+            reply = stream.drain(prefilled)
+        except (KvchatError, ValueError) as exc:
+            if isinstance(exc, ServerGone):
+                self._stop(exc)
+                return
+            if session is not None and saved is not None:
+                session.system, session.messages = saved[0], saved[1]
+            self._record(ItemResult(item, error=str(exc)))
+            return
+        self.ledger.record(messages, reply.usage)
+        if session is not None:
+            record(session, item.messages[-1]["content"], reply, reply.text, reply.ttft_ms,
+                   self.engine.kind)
+            try:
+                self.store.save(session)
+                self._behind.pop(session.name, None)
+            except KvchatError as exc:  # the reply is still written; only the transcript not
+                from kvchat.batch import SaveFailure
+
+                self.save_errors.append(SaveFailure(item.line, session.name, str(exc)))
+                self._behind[session.name] = self._behind.get(session.name, 0) + 1
+        result = cast("GenerationResult", EngineReply.of(reply, self.engine.kind))
+        self._record(ItemResult(item, result=result))
+
+    def _stop(self, exc: ServerGone) -> None:
+        if not self.stopped.is_set():  # not Ctrl-C closing the connections
+            self.gone = self.gone or exc
+        self.stopped.set()
+
+    def _record(self, res: ItemResult) -> None:
+        with self._cond:
+            self.results[res.item.line] = res
+            p = self.progress
+            p.done += 1
+            if res.error is not None:
+                p.failed += 1
+                if self.fail_fast:
+                    self.stopped.set()
+            elif res.result is not None:
+                p.prompt_tokens += res.result.prompt_tokens
+                p.hit_tokens += res.result.cache_hit_tokens
+                p.completion_tokens += res.result.completion_tokens
+            self.on_update(res)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def behind(self) -> dict[str, str]:
+        """Sessions whose file lacks turns whose rows are written (a save failed)."""
+        return {name: f"{n} turn(s) not on disk" for name, n in self._behind.items()}
+
+    def save_behind(self) -> None:
+        """One more try at the sessions a failed save left behind."""
+        for name in list(self._behind):
+            try:
+                self.store.save(self.store.open(name))
+                del self._behind[name]
+            except KvchatError as exc:
+                from kvchat.batch import SaveFailure
+
+                self.save_errors.append(SaveFailure(None, name, str(exc)))
+
+    def ordered(self) -> list[ItemResult]:
+        return [self.results[i.line] for i in self.items if i.line in self.results]
+
+    def not_started(self) -> list[ItemResult]:
+        from kvchat.batch import ItemResult
+
+        return [ItemResult(i, error=NOT_FINISHED, not_started=True) for i in self.items
+                if i.line not in self.results]
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """The summary's own lines for a remote engine: which, in what order, how reported."""
+        shared = [g for g in self.groups if len(g.lines) > 1]
+        then = ("the rest one after another (its slot keeps the prefix)"
+                if self.engine.per_slot_cache else "the rest once it is prefilled")
+        how = (f"cache-aware: {len(shared)} shared-prefix group(s) of "
+               f"{sum(len(g.lines) for g in shared)} lines, each group's first line alone, "
+               f"{then}" if self.order == "cache-aware" else "input order")
+        done = [r.result for r in self.results.values() if r.result is not None]
+        reported = sum(cast("EngineReply", r).reported_cached is not None for r in done)
+        rows = [("engine", self.engine.name()), ("order", how),
+                ("in flight", f"at most {self.concurrency}")]
+        if reported < len(done):
+            rows.append(("cached tokens", f"reported for {reported} of {len(done)} replies"))
+        return rows
