@@ -304,7 +304,7 @@ class EngineWorker:
             return None
         st = store.stats()
         return {"blocks": st.blocks, "bytes": st.bytes, "budget_bytes": st.budget_bytes,
-                "path": str(self.runtime.options.store_path)}
+                "path": store.describe(), "shared": store.shared}
 
     def tree(self) -> Future[CacheTree]:
         def read() -> CacheTree:
