@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvchat.cache.radix import PrefixMatch
 from kvchat.cache.block_backend import ReadStatus
+from kvchat.cache.radix import PrefixMatch
 
 if TYPE_CHECKING:
+    from kvchat.cache.block_backend import BlockBackend
     from kvchat.cache.blocks import Block, BlockManager
     from kvchat.cache.exact import ExactEntry
     from kvchat.cache.kvcache import PagedKVCache
     from kvchat.cache.radix import DiskBlock, Node, RadixTree
-    from kvchat.cache.block_backend import BlockBackend
 
 
 class Loaded(NamedTuple):
