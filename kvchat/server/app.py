@@ -14,6 +14,7 @@ from kvchat.runtime import Runtime
 from kvchat.server import (
     cache_api,
     completions,
+    fleet_api,
     metrics,
     moves_api,
     native,
@@ -63,6 +64,6 @@ def create_app(
                                    Preparer(worker.engine, max_tokens), gate)
     add_error_handlers(app)
     for api in (native, openai, completions, cache_api, pins_api, sessions_api, moves_api,
-                metrics):
+                metrics, fleet_api):
         app.include_router(api.router)
     return app

@@ -34,7 +34,9 @@ from kvchat.server.errors import ApiError, error_response
 
 SECRET_FILE = ".server-secret"
 TENANTS_DIR = "tenants"  # sessions/tenants/<tenant id>/: an API key's sessions
-_OPEN_PATHS = {"/healthz"}
+# liveness, and what routers probe without credentials (`fleet_api`)
+_OPEN_PATHS = {"/healthz", "/health", "/server_info", "/get_server_info", "/model_info",
+               "/get_model_info", "/get_load"}
 _HEX_LEN = 32  # of a namespace: 128 bits of the HMAC, as unguessable as the whole of it
 
 

@@ -148,6 +148,8 @@ class TenantCounters:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     stored_tokens: int = 0  # tokens its requests added to the cache
+    disk_hit_tokens: int = 0  # of hit_tokens, from blocks on disk / in the shared store
+    shared_hit_tokens: int = 0
 
     def plus(self, **deltas: int) -> TenantCounters:
         return replace(self, **{name: getattr(self, name) + n for name, n in deltas.items()})
@@ -157,7 +159,8 @@ class TenantCounters:
         return self.plus(
             completed=1, lookups=1, hits=int(hit > 0), exact_hits=int(result.hit_source == "exact"),
             prompt_tokens=result.prompt_tokens, hit_tokens=hit,
-            stored_tokens=max(result.stored_tokens - hit, 0))
+            stored_tokens=max(result.stored_tokens - hit, 0),
+            disk_hit_tokens=result.disk_hit_tokens, shared_hit_tokens=result.shared_hit_tokens)
 
 
 @dataclass(frozen=True)
@@ -304,7 +307,7 @@ class EngineWorker:
             return None
         st = store.stats()
         return {"blocks": st.blocks, "bytes": st.bytes, "budget_bytes": st.budget_bytes,
-                "path": store.describe(), "shared": store.shared}
+                "path": store.describe()}
 
     def tree(self) -> Future[CacheTree]:
         def read() -> CacheTree:
