@@ -103,3 +103,63 @@ def get_json(url: str, token: str | None = None) -> dict:  # type: ignore[type-a
     reply = httpx.get(url, headers=headers, timeout=10)
     reply.raise_for_status()
     return reply.json()
+
+
+TOKEN = "fleet-admin-token"
+KEYS = ("fleet-tenant-a", "fleet-tenant-b")
+SECRET = "f" * 64  # $KVCHAT_SERVER_SECRET: the same on every instance
+
+
+def start_instance(model_dir: Path, root: Path, name: str, store: str,
+                   *extra: str) -> tuple[str, subprocess.Popen[str]]:
+    """`kvchat serve` on the tiny model, its own sessions dir, the fleet's store; returns its URL
+    once /health answers."""
+    port = free_port()
+    env = {**os.environ, "KVCHAT_SERVER_SECRET": SECRET, "KVCHAT_TOKEN": TOKEN}
+    args = [str(BIN / "kvchat"), "serve", "--model", str(model_dir), "--device", "cpu",
+            "--port", str(port), "--sessions-dir", str(root / name), "--store", store,
+            "--block-size", "4", "--cache-mb", "8", "--batch-size", "4", "--max-tokens", "4",
+            *(a for key in KEYS for a in ("--api-key", key)), *extra]
+    log = open(root / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, (root / f"{name}.log").read_text()
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+
+    wait_until(up, 120, f"{name}'s start")
+    return url, proc
+
+
+@contextlib.contextmanager
+def router(kind: str, workers: list[str], policy: str,
+           root: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """sglang-router or vllm-router on loopback in front of `workers`, ready to route."""
+    port, metrics = free_port(), free_port()
+    exe = router_binary(kind)
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+              "--policy", policy, "--prometheus-port", str(metrics),
+              "--health-check-interval-secs", "1", "--health-failure-threshold", "1"]
+    if kind == "sglang":
+        args = [str(exe), "-m", "sglang_router.launch_router", *common,
+                "--prometheus-host", "127.0.0.1", "--log-level", "warn",
+                "--worker-startup-check-interval", "1"]
+    else:
+        args = [str(exe), *common, "--log-level", "warning"]
+    log = open(root / f"{kind}-router.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, (root / f"{kind}-router.log").read_text()
+            reply = httpx.post(f"{url}/v1/completions", timeout=30,
+                               headers={"Authorization": f"Bearer {TOKEN}"},
+                               json={"model": "kvchat", "prompt": "warm up", "max_tokens": 1})
+            return reply.status_code == 200
+
+        wait_until(ready, 60, f"{kind}-router's start")
+        yield url, proc
+    finally:
+        stop(proc)
+        log.close()

@@ -140,8 +140,18 @@ class Tenant:
 ADMIN = Tenant("", "")
 
 
+SECRET_ENV = "KVCHAT_SERVER_SECRET"  # the same secret on every instance of a fleet
+
+
 def load_secret(sessions_dir: Path) -> bytes:
-    """The server secret in the sessions dir, created (0600, in a 0700 folder) the first time."""
+    """The server secret: $KVCHAT_SERVER_SECRET when set (a fleet's instances share one), else
+    the one in the sessions dir, created (0600, in a 0700 folder) the first time."""
+    shared = os.environ.get(SECRET_ENV, "").strip()
+    if shared:
+        if len(shared) < 32:
+            raise AuthError(f"${SECRET_ENV} is too short: give at least 32 characters, e.g. "
+                            "from `openssl rand -hex 32`.")
+        return shared.encode()
     path = private_dir(Path(sessions_dir)) / SECRET_FILE
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
