@@ -131,3 +131,18 @@ def test_a_request_through_vllm_router(tiny_model_dir: Path, tmp_path: Path) -> 
     finally:
         for _, proc in workers:
             stop(proc)
+
+
+def test_no_request_fails_when_the_shared_store_dies(tiny_model_dir: Path,
+                                                     tmp_path: Path) -> None:
+    with redis_server(tmp_path) as (store, redis):
+        url, proc = start_instance(tiny_model_dir, tmp_path, "a", store)
+        try:
+            assert cached(ask(url, SYSTEMS[0], "First?")) == 0
+            stop(redis, signal.SIGKILL)
+            replies = [ask(url, SYSTEMS[g % 3], f"Still here {g}?") for g in range(6)]
+            assert cached(replies[0]) > 0  # the memory tier goes on serving
+        finally:
+            stop(proc)
+    log = (tmp_path / "a.log").read_text()
+    assert log.count("not answering") == 1, log

@@ -60,6 +60,18 @@ def test_shared_blocks_extend_what_the_instance_already_holds(tmp_path: Path) ->
     close(a, b)
 
 
+def test_shared_blocks_branch_off_where_the_instance_diverged(tmp_path: Path) -> None:
+    a, b = pair(tmp_path)
+    store(a, T)
+    store(b, T[:6] + [77, 78, 79])  # b diverges inside block 1
+    assert a.disk is not None
+    a.disk.flush()
+    hit = fetch(b, T)
+    assert hit.matched == 12 and hit.shared_tokens == 6
+    assert fetch(b, T[:6] + [77, 78, 79, 80]).matched == 9  # b's own branch is intact
+    close(a, b)
+
+
 def test_a_spill_on_one_instance_is_a_hit_on_the_other(tmp_path: Path) -> None:
     a, b = pair(tmp_path)
     store(a, T)

@@ -337,6 +337,8 @@ class EngineWorker:
                     self._wake.clear()  # anything posted since is picked up by the next drain
                     continue
                 self.engine.step()  # a failure fails only the requests it touched
+                for line in self.runtime.take_notices():  # e.g. a shared store gone: one line
+                    log.warning(line)
         finally:
             with self._inbox_lock:
                 self._accepting = False
