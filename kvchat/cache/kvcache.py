@@ -303,11 +303,9 @@ class PagedKVCache:
                         self.manager.free(new)
                         raise
                     self._adopt(new)
-                    path = keep + new
-                    stored = end
+                    path, stored = keep + new, end
                     self._counters = self._counters.plus(stored_tokens=end - m)
-                    if shared_tier.active(self):
-                        shared_tier.write_through(self, tokens[:end], path, m // bs, namespace)
+                    shared_tier.write_through(self, tokens[:end], path, m // bs, namespace)
             if logits is not None:
                 self._remember(tokens[: n if logits_len is None else logits_len], path, stored,
                                logits, namespace)

@@ -80,11 +80,11 @@ def extend(cache: PagedKVCache, tokens: Sequence[int], namespace: str,
 def write_through(cache: PagedKVCache, tokens: Sequence[int], path: Sequence[Block],
                   first: int, namespace: str) -> None:
     """Put the full blocks of `path` (covering `tokens`) from block `first` on in the
-    shared store: the blocks a store just wrote into the pool."""
+    shared store, if there is one: the blocks a store just wrote into the pool."""
     store = cache.disk
     bs = cache.block_size
     n_full = min(len(tokens) // bs, len(path))
-    if store is None or first >= n_full:
+    if store is None or not active(cache) or first >= n_full:
         return
     keys = chain_keys(tokens[: n_full * bs], bs, cache.tree.root_key(namespace)).full
     for i in range(first, n_full):
