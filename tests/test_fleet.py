@@ -1,5 +1,6 @@
-"""A fleet on loopback: two `kvchat serve` instances (tiny model) sharing one block store, behind
-a real sglang-router (cache_aware), and a vllm-router smoke test. Needs the routers (`pip install
+"""A fleet on loopback: two `kvchat serve` instances (tiny model) sharing one block store (a real
+redis-server) behind a real sglang-router (cache_aware), and a vllm-router smoke test on a
+shared folder. Needs the routers (`pip install
 'kvchat[fleet]'`); skipped where they are absent unless $KVCHAT_REQUIRE_FLEET is set (CI)."""
 
 from __future__ import annotations
@@ -47,31 +48,17 @@ def stats(url: str) -> dict[str, Any]:
     return get_json(f"{url}/cache/stats", TOKEN)
 
 
-@pytest.fixture(params=["folder", "redis"])
-def fleet(request: pytest.FixtureRequest, tiny_model_dir: Path,
-          tmp_path: Path) -> Iterator[tuple[list[str], list[Any]]]:
-    """Two instances on one store: a shared folder, or a redis-server the test starts."""
-    with contextlib_store(request.param, tmp_path) as (store, extra):
-        started = [start_instance(tiny_model_dir, tmp_path, name, store, *extra)
-                   for name in ("a", "b")]
+@pytest.fixture
+def fleet(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[list[str], list[Any]]]:
+    """Two instances on one redis-server the test starts (the vllm-router test below shares a
+    folder instead)."""
+    with redis_server(tmp_path) as (store, _):
+        started = [start_instance(tiny_model_dir, tmp_path, name, store) for name in ("a", "b")]
         try:
             yield [u for u, _ in started], [p for _, p in started]
         finally:
             for _, proc in started:
                 stop(proc)
-
-
-def contextlib_store(kind: str, tmp: Path):  # noqa: ANN201
-    @contextlib.contextmanager
-    def folder() -> Iterator[tuple[str, tuple[str, ...]]]:
-        yield str(tmp / "store"), ("--shared-store",)
-
-    @contextlib.contextmanager
-    def redis() -> Iterator[tuple[str, tuple[str, ...]]]:
-        with redis_server(tmp) as (url, _):
-            yield url, ()
-
-    return folder() if kind == "folder" else redis()
 
 
 def test_a_fleet_behind_sglang_router(fleet: tuple[list[str], list[Any]], tmp_path: Path) -> None:
