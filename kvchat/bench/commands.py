@@ -239,7 +239,7 @@ def fleet(
 ) -> None:
     """N kvchat serve instances behind sglang-router on loopback: the fleet's token hit rate
     and throughput with cache_aware vs round_robin routing, with and without a shared block
-    tier, against one instance alone. Needs sglang-router (pip install 'kvchat[fleet]')."""
+    tier, against one instance alone. Needs sglang-router (pip install sglang-router)."""
     from kvchat.bench.fleet import FleetConfig, bench_fleet
     from kvchat.bench.workloads import build_workload
     from kvchat.ui.fleet_view import fleet_table

@@ -98,8 +98,8 @@ def _router(policy: str, workers: Sequence[str], root: Path) -> tuple[str, subpr
     try:
         import sglang_router  # noqa: F401
     except ImportError:
-        raise KvchatError("kvchat bench fleet needs sglang-router: pip install sglang-router "
-                          "(or pip install 'kvchat[fleet]').") from None
+        raise KvchatError("kvchat bench fleet needs sglang-router: pip install "
+                          "sglang-router.") from None
     port = _port()
     args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
             "--port", str(port), "--worker-urls", *workers, "--policy", policy,

@@ -74,7 +74,7 @@ class RedisStore:
             import redis
         except ImportError:
             raise KvchatError("--store redis://... needs the redis package: pip install "
-                              "redis (or pip install 'kvchat[redis]').") from None
+                              "redis.") from None
         self.url, self.layout, self.budget_bytes = url, layout, budget_bytes
         self.retry_s, self.max_pending_bytes = retry_s, max_pending_bytes
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.ConnectionError,
