@@ -108,6 +108,10 @@ def test_a_request_through_vllm_router(tiny_model_dir: Path, tmp_path: Path) -> 
             one = ask(url, SYSTEMS[0], "Hello?", headers={"x-session-id": "s-1"})
             two = ask(url, SYSTEMS[0], "Hello again?", headers={"x-session-id": "s-1"})
             assert one["object"] == "chat.completion" and cached(two) > 0
+            native = httpx.post(f"{url}/generate", json={"prompt": "Hi?"}, timeout=60,
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+            assert native.status_code == 200, native.text
+            assert 1 <= native.json()["completion_tokens"] <= 4
             models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
             assert models.json()["data"][0]["id"] == tiny_model_dir.name
             seen = [stats(u)["sessions"] for u in urls]

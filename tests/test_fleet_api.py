@@ -87,3 +87,13 @@ def test_the_affinity_header_names_the_routed_sessions_counters(url: str) -> Non
     assert "not a name!" not in stats["sessions"]
     tenant = httpx.get(f"{url}/cache/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert list(tenant["sessions"]) == ["carol"]
+
+
+def test_generate_takes_what_vllm_router_adds_while_it_asks_for_nothing(url: str) -> None:
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    body = {"prompt": "Hi?", "stream": False, "return_logprob": False,
+            "return_hidden_states": False}
+    assert httpx.post(f"{url}/generate", json=body, headers=auth, timeout=60).status_code == 200
+    refused = httpx.post(f"{url}/generate", json={**body, "return_logprob": True},
+                         headers=auth, timeout=60)
+    assert refused.status_code == 400
