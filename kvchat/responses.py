@@ -18,6 +18,7 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "completion_tokens": r.completion_tokens,
         "cache_hit_tokens": r.cache_hit_tokens,  # from both tiers
         "disk_hit_tokens": r.disk_hit_tokens,
+        "shared_hit_tokens": r.shared_hit_tokens,  # blocks other instances put in a shared store
         "hit_source": r.hit_source,
         "miss_reason": r.miss_reason,  # why the cached prefix ended there (`kvchat.cache.explain`)
         "miss_label": r.miss_label,  # the same for people: "new", "shared prefix", ...

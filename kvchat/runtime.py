@@ -35,6 +35,8 @@ class RuntimeOptions:
     persist: bool = True  # load and save the cache under sessions_dir/cache
     disk_cache_gb: float = 10.0  # the disk tier's budget; 0: evicted blocks are dropped
     store_dir: Path | None = None  # the disk tier's folder (default: sessions_dir/cache/store)
+    store_url: str | None = None  # redis://host:port/db: the tier on Redis/Valkey instead
+    shared_store: bool = False  # other instances use the store folder too (`shared_tier`)
     chat_template: str | None = None  # --chat-template (None: the model's own, if any)
     compile: bool = False  # --compile: decode steps through torch.compile
 
@@ -117,16 +119,21 @@ class Runtime:
         self.disk = self._open_disk_tier()
 
     def _open_disk_tier(self) -> Any:
-        """The BlockStore evicted blocks spill to (None: no tier), given to the cache."""
+        """The BlockBackend evicted blocks spill to (None: no tier), given to the cache: a
+        BlockStore folder, or a RedisStore."""
         if self.cache is None or not self.options.disk_budget_bytes:
             return None
         from kvchat.cache.block_file import BlockLayout
+        from kvchat.cache.redis_store import RedisStore
         from kvchat.cache.store import BlockStore
         from kvchat.sessions import SessionWriteError
 
+        layout, budget = BlockLayout.of(self.cache.manager), self.options.disk_budget_bytes
         try:
-            store = BlockStore(self.options.store_path, BlockLayout.of(self.cache.manager),
-                               self.options.disk_budget_bytes)
+            store: Any = (RedisStore(self.options.store_url, layout, budget)
+                          if self.options.store_url else
+                          BlockStore(self.options.store_path, layout, budget,
+                                     shared=self.options.shared_store))
         except (OSError, SessionWriteError) as exc:
             self.notice = f"Disk cache tier off: {exc}"
             return None
@@ -183,7 +190,8 @@ class Runtime:
         extra = {"tokenizer_file": tokenizer_file(self.engine.codec.tokenizer),
                  "model_label": self.model_label,
                  **template_fields(self.engine.codec),
-                 "store_dir": str(self.options.store_path.resolve()),
+                 "store_dir": self.options.store_url and self.disk.describe()
+                 or str(self.options.store_path.resolve()),
                  # the pool's size is not in the blocks list; `kvchat inspect` shows occupancy
                  "pool": {"total_blocks": pool.total_blocks,
                           "bytes_per_block": pool.bytes_per_block}}

@@ -69,14 +69,18 @@ def make_tiered_cache(
     block_size: int = 4,
     budget_bytes: int = 1 << 30,
     policy: EvictionPolicy | str | None = "lru",
+    shared: bool = False,
+    namespace_fp: str = "test",
 ) -> PagedKVCache:
-    """A cache whose evicted blocks spill to a BlockStore in `root` (close it: cache.disk)."""
+    """A cache whose evicted blocks spill to a BlockStore in `root` (close it: cache.disk);
+    `shared`: other caches use the same folder (`shared_tier`)."""
     from kvchat.cache.block_file import BlockLayout
     from kvchat.cache.store import BlockStore
 
     cache = make_cache(num_blocks, block_size, policy)
-    store = BlockStore(root, BlockLayout.of(cache.manager), budget_bytes, index_every_s=0.05)
-    cache.use_store(store, {"model": "test"})
+    store = BlockStore(root, BlockLayout.of(cache.manager), budget_bytes, index_every_s=0.05,
+                       shared=shared)
+    cache.use_store(store, {"model": namespace_fp})
     return cache
 
 

@@ -239,7 +239,7 @@ def test_store_off_touches_nothing(store_dir: Path) -> None:
         assert not store.enabled
         assert not store.put(key, tokens, make_kv(key))
         assert store.get(key).status is ReadStatus.MISSING
-        assert not store.contains(key)
+        assert not store.exists(key)
     assert not store_dir.exists()
 
 
@@ -318,7 +318,7 @@ def test_flipped_byte_is_detected_and_quarantined(store: BlockStore, where: str)
     assert got.notice is not None and key[:12] in got.notice and "quarantine" in got.notice
     assert not path.exists()
     assert len(list((store.root / "quarantine").iterdir())) == 1
-    assert store.stats().read_failures == 1 and not store.contains(key)
+    assert store.stats().read_failures == 1 and not store.exists(key)
     assert store.get(key).status is ReadStatus.MISSING  # never served afterwards
     assert store.get(blocks[1][0]).status is ReadStatus.HIT  # the others are unharmed
 
@@ -426,7 +426,7 @@ def test_start_up_reads_the_index_only(store_dir: Path, monkeypatch: pytest.Monk
     with BlockStore(store_dir, LAYOUT, 1 << 20) as store:
         store.flush()  # the reconciliation has run too
         assert store.stats().blocks == 6 and store.take_notices() == []
-        assert all(store.contains(k) for k, _ in blocks)
+        assert all(store.exists(k) for k, _ in blocks)
         assert read_disk_tier(store_dir).blocks == 6
         monkeypatch.undo()
         assert store.get(blocks[3][0]).status is ReadStatus.HIT
@@ -497,7 +497,7 @@ def test_two_stores_on_one_dir_see_each_others_blocks(store_dir: Path) -> None:
         assert b.stats().blocks == 5 and b.get(first[1][0]).status is ReadStatus.HIT
         late = chain(1, offset=700)
         write_blocks(a, late)  # b does not know of it until it looks
-        assert b.stats().blocks == 5 and b.contains(late[0][0]) and b.stats().blocks == 6
+        assert b.stats().blocks == 5 and b.exists(late[0][0]) and b.stats().blocks == 6
         a.close()
     listed = json.loads((store_dir / INDEX).read_text())["entries"]
     assert set(listed) == {k for k, _ in first + second + late}

@@ -168,7 +168,7 @@ def test_the_disk_budget_is_respected(tmp_path: Path) -> None:
     cache.check_integrity()
     for node, _ in cache.tree.nodes():
         for key in node.keys[len(node.blocks):]:
-            assert cache.disk.contains(key)
+            assert cache.disk.exists(key)
     cache.disk.close()
 
 

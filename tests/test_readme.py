@@ -16,7 +16,7 @@ from kvchat.cli import app
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 DOCS = README + (ROOT / "sessions" / "README.md").read_text()
-BENCH = ("ttft", "overhead", "cache", "batch", "multiturn", "policies", "tiers")
+BENCH = ("ttft", "overhead", "cache", "batch", "multiturn", "policies", "tiers", "fleet")
 
 
 def command_lines() -> list[str]:

@@ -121,9 +121,9 @@ def test_generate_returns_the_cold_output_and_the_cache_hit(served: Served) -> N
     assert first.status_code == again.status_code == 200
     a, b = first.json(), again.json()
     assert set(a) == {"text", "prompt_tokens", "completion_tokens", "cache_hit_tokens",
-                      "disk_hit_tokens", "hit_source", "ttft_ms", "total_ms", "finish_reason",
-                      "miss_reason", "miss_label", "diverged_at", "miss_detail",
-                      "draft_tokens", "draft_accepted"}
+                      "disk_hit_tokens", "shared_hit_tokens", "hit_source", "ttft_ms",
+                      "total_ms", "finish_reason", "miss_reason", "miss_label", "diverged_at",
+                      "miss_detail", "draft_tokens", "draft_accepted"}
     cold = served.cold(user("What is 2 plus 2?"))
     assert a["text"] == b["text"] == served.decode(cold)
     assert a["completion_tokens"] == len(cold) and a["finish_reason"] == "length"

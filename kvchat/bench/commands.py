@@ -282,6 +282,37 @@ def multiturn(
 
 
 @bench_app.command()
+def fleet(
+    instances: Annotated[int, typer.Option(min=2, help="kvchat serve instances.")] = 2,
+    kinds: Annotated[str, typer.Option(help="Workload kinds, comma-separated.")] = (
+        "shared-system,multi-turn"),
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at once.")] = 4,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
+    cache_mb: Annotated[float, typer.Option(min=1, help="Each instance's --cache-mb.")] = 512.0,
+    model: Model = None,
+    as_json: Json = False,
+) -> None:
+    """N kvchat serve instances behind sglang-router on loopback: the fleet's token hit rate
+    and throughput with cache_aware vs round_robin routing, with and without a shared block
+    tier, against one instance alone. Needs sglang-router (pip install sglang-router)."""
+    from kvchat.bench.fleet import FleetConfig, bench_fleet
+    from kvchat.bench.workloads import build_workload
+    from kvchat.ui.fleet_view import fleet_table
+
+    names = [k.strip() for k in kinds.split(",") if k.strip()]
+    unknown = [k for k in names if k not in KINDS]
+    if unknown or not names:
+        raise typer.BadParameter(f"--kinds: unknown {', '.join(unknown) or '(none)'}; known: "
+                                 f"{', '.join(KINDS)}")
+    tokenizer = _load(model, None, "cpu").tokenizer  # the prompts, as the servers encode them
+    workloads = {k: [tokenizer.decode(p) for p in build_workload(k, tokenizer)] for k in names}
+    config = FleetConfig(model, instances, concurrency, new_tokens, cache_mb)
+    with _status("bench fleet") as progress:
+        result = bench_fleet(config, workloads, progress)
+    _emit(result.as_dict(), fleet_table(result), as_json)
+
+
+@bench_app.command()
 def policies(
     requests: Annotated[int, typer.Option(min=1, help="Requests replayed.")] = 400,
     pool_fraction: Annotated[

@@ -1,4 +1,4 @@
-"""The cache's side of the disk tier: moving blocks between the pool and the BlockStore.
+"""The cache's side of the disk tier: moving blocks between the pool and its BlockBackend.
 
 A spilled block leaves the pool but keeps its node, tokens and key in the radix tree; a lookup
 (or a store) that reaches it brings it back with `load`. A block the store cannot serve (its
@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvchat.cache.block_backend import ReadStatus
 from kvchat.cache.radix import PrefixMatch
-from kvchat.cache.store import ReadStatus
 
 if TYPE_CHECKING:
+    from kvchat.cache.block_backend import BlockBackend
     from kvchat.cache.blocks import Block, BlockManager
     from kvchat.cache.exact import ExactEntry
     from kvchat.cache.kvcache import PagedKVCache
     from kvchat.cache.radix import DiskBlock, Node, RadixTree
-    from kvchat.cache.store import BlockStore
 
 
 class Loaded(NamedTuple):
@@ -31,12 +31,12 @@ class Loaded(NamedTuple):
     notices: list[str]
 
 
-def spills(store: BlockStore | None) -> bool:
+def spills(store: BlockBackend | None) -> bool:
     """Evicted blocks go to disk (else they are dropped, as without a disk tier)."""
     return store is not None and store.enabled and store.layout.payload_bytes <= store.budget_bytes
 
 
-def spill(store: BlockStore, manager: BlockManager, tree: RadixTree, node: Node) -> Block:
+def spill(store: BlockBackend, manager: BlockManager, tree: RadixTree, node: Node) -> Block:
     """Write the node's last resident block to the store (queued; the writer thread does the
     disk work) and take it out of the tree's resident blocks; the caller frees it."""
     block = node.blocks[-1]
@@ -45,7 +45,7 @@ def spill(store: BlockStore, manager: BlockManager, tree: RadixTree, node: Node)
     return tree.spill_block(node)
 
 
-def load_match(store: BlockStore, manager: BlockManager, tree: RadixTree, match: PrefixMatch,
+def load_match(store: BlockBackend, manager: BlockManager, tree: RadixTree, match: PrefixMatch,
                evict: Callable[[int], int]) -> tuple[PrefixMatch, Loaded]:
     """`match` with its on-disk blocks loaded back into the pool (`evict` makes room), or as
     much of it as could be: a block the store cannot serve is pruned with everything below
@@ -70,7 +70,7 @@ def load_match(store: BlockStore, manager: BlockManager, tree: RadixTree, match:
     return PrefixMatch(min(matched, match.matched), blocks, None, False), got
 
 
-def load(store: BlockStore, manager: BlockManager, tree: RadixTree,
+def load(store: BlockBackend, manager: BlockManager, tree: RadixTree,
          disk: Sequence[DiskBlock]) -> Loaded:
     """Read `disk`'s blocks into free pool blocks, in order, and reattach them to their nodes;
     stops when the pool has no free block left. The caller makes room first."""
@@ -96,7 +96,7 @@ def load(store: BlockStore, manager: BlockManager, tree: RadixTree,
     return Loaded(out, False, notices)
 
 
-def persist(store: BlockStore, manager: BlockManager, tree: RadixTree,
+def persist(store: BlockBackend, manager: BlockManager, tree: RadixTree,
             bury: Callable[[Node, int], None] = lambda node, first: None) -> None:
     """Make the store hold every block of the tree, then wait until it is on disk: resident
     blocks not stored yet are written (a stored one costs a dict lookup); on-disk blocks
@@ -105,14 +105,14 @@ def persist(store: BlockStore, manager: BlockManager, tree: RadixTree,
     for node, _ in tree.nodes():
         for i, block in enumerate(node.blocks):
             # listed blocks cost no stat here: a spill re-checks (put) before dropping one
-            if not store.contains(node.keys[i]):
+            if not store.exists(node.keys[i]):
                 store.put(node.keys[i], block.token_ids, manager.block_tensors(block.block_id))
     store.flush()  # written, and the store back within its budget: what is gone is gone
     prune: list[tuple[Node, int]] = []
     stack = [c for root in tree.roots.values() for c in root.child_list()]
     while stack:  # top-down: nothing below a pruned block is visited
         node = stack.pop()
-        gone = next((i for i in range(len(node.keys)) if not store.contains(node.keys[i])), None)
+        gone = next((i for i in range(len(node.keys)) if not store.exists(node.keys[i])), None)
         if gone is None or gone < len(node.blocks):  # a resident block can be written again
             stack.extend(node.child_list())
         else:

@@ -8,7 +8,8 @@ them when its request ends. Blocks the tree owns carry no reference.
 
 With a disk tier (a BlockStore, `use_store`), eviction spills a block to disk instead of
 dropping it: the tree keeps its node, tokens and key, and a lookup that reaches it loads it back
-(a disk hit, HitSource.DISK). Without one, evicted blocks leave the tree as before.
+(a disk hit, HitSource.DISK). Without one, evicted blocks leave the tree as before. A store
+other instances share also serves blocks this tree never held (`shared_tier`: HitSource.SHARED).
 
 Every lookup, peek and store names a namespace ("" by default): entries stored in one are never
 a hit in another, so callers that must not learn of each other's prompts (a server's tenants)
@@ -24,20 +25,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from kvchat.cache import disk_tier
+from kvchat.cache import disk_tier, shared_tier
 from kvchat.cache.block_keys import root_key
 from kvchat.cache.blocks import KV, Block, BlockManager, fill_span
 from kvchat.cache.drafts import continuation
 from kvchat.cache.eviction import EvictionPolicy, leaf_first, make_policy
 from kvchat.cache.exact import ExactIndex
 from kvchat.cache.explain import Explanation, Tombstones, explain
-from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinError, PinTable
+from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinTable, pin_prefix
 from kvchat.cache.radix import Node, PrefixMatch, RadixTree
 from kvchat.cache.stats import CacheStats, Counters, SessionCounters
 from kvchat.config import CacheConfig
 
 if TYPE_CHECKING:
-    from kvchat.cache.store import BlockStore
+    from kvchat.cache.block_backend import BlockBackend
 
 
 class CacheIntegrityError(AssertionError):
@@ -48,6 +49,7 @@ class HitSource(StrEnum):
     EXACT = "exact"
     RADIX = "radix"
     DISK = "disk"  # part of the hit was loaded back from the disk tier
+    SHARED = "shared"  # part of it came from blocks other instances put in a shared store
     MISS = "miss"
 
 
@@ -62,6 +64,7 @@ class Lookup(NamedTuple):
     prompt_tokens: int
     disk_tokens: int = 0  # of `matched`, tokens whose blocks were loaded from the disk tier
     why: Explanation | None = None  # where the cached prefix ended, and why (`explain`)
+    shared_tokens: int = 0  # of `matched`, tokens from blocks other instances stored (shared)
 
 
 class StoreResult(NamedTuple):
@@ -97,7 +100,7 @@ class PagedKVCache:
         self.exact = ExactIndex(max_exact_entries)
         self._sessions: dict[str, SessionCounters] = {}  # updated in place: one per session
         self._counters = Counters(sessions=self._sessions)
-        self.disk: BlockStore | None = None
+        self.disk: BlockBackend | None = None
         # exact entries saved by an earlier process: (namespace, tokens) -> their logits' loader
         self.saved_exact: dict[tuple[str, tuple[int, ...]], Callable[[], Any]] = {}
         self._root_key: Callable[[str], str] | None = None
@@ -105,7 +108,7 @@ class PagedKVCache:
         self.pins = PinTable(manager.num_blocks, max_pinned)
         self.tombstones = Tombstones()  # evicted blocks, for `explain`
 
-    def use_store(self, store: BlockStore | None, fingerprint: Mapping[str, Any]) -> None:
+    def use_store(self, store: BlockBackend | None, fingerprint: Mapping[str, Any]) -> None:
         """Spill evicted blocks to `store` and load them back on a hit. Block keys chain from
         `fingerprint` (what must match for K/V to be reusable) and the namespace, so tenants
         never share a block. Call it while the cache is empty."""
@@ -160,7 +163,7 @@ class PagedKVCache:
         least the last token to compute, since its logits are needed to sample."""
         n = len(tokens)
         entry = self.exact.get(tokens, namespace) if n else None
-        disk = 0
+        disk = shared = 0
         if entry is None and (namespace, tuple(tokens)) in self.saved_exact:
             entry, disk = disk_tier.revive_exact(self, tokens, namespace)
         if entry is not None and entry.logits is not None:
@@ -170,16 +173,21 @@ class PagedKVCache:
             found = self.tree.find_prefix(tokens, namespace)
             resident = found.resident(self.block_size)
             match = self.load(found)
-            # the walk explains the miss from what was served: when loading cut the match, the
-            # tree is walked again (a block lost on disk is pruned now), and what it still
-            # holds on disk past the match had no room in the pool (POOL_FULL)
-            cut = match.matched < found.matched
+            own = match.matched
+            cut = own < found.matched  # a block lost on disk: the tree was pruned
+            if not cut and shared_tier.active(self):
+                match, shared = shared_tier.extend(self, tokens, namespace, match)
+            # the walk explains the miss from what was served: when loading cut the match or the
+            # shared tier extended it, the tree is walked again; what it still holds on disk
+            # past the match had no room in the pool (POOL_FULL)
+            again = cut or match.matched > own
             why = explain(self.tree, tokens, namespace, self.tombstones,
-                          match=None if cut else found, served=match.matched)
+                          match=None if again else found, served=match.matched)
             matched = min(match.matched, max(n - 1, 0))
             blocks = match.blocks[: _ceil_div(matched, self.block_size)]
-            disk = max(matched - resident, 0)
-            source = HitSource.DISK if disk else HitSource.RADIX if matched else HitSource.MISS
+            disk, shared = max(min(matched, own) - resident, 0), max(matched - own, 0)
+            source = (HitSource.SHARED if shared else HitSource.DISK if disk
+                      else HitSource.RADIX if matched else HitSource.MISS)
             logits = None
         for block in blocks:
             self.policy.on_access(block)
@@ -187,12 +195,13 @@ class PagedKVCache:
         self._counters = self._counters.plus(
             lookup_tokens=n, hit_tokens=matched, hit_count=int(matched > 0),
             miss_count=int(matched == 0), exact_hits=int(source is HitSource.EXACT),
-            disk_hit_tokens=disk, disk_hits=int(disk > 0),
+            disk_hit_tokens=disk, disk_hits=int(disk > 0), shared_hit_tokens=shared,
+            shared_hits=int(shared > 0),
         )
         if sid is not None:
             before = self._sessions.get(sid, SessionCounters())
             self._sessions[sid] = before.after_lookup(matched, n)
-        return Lookup(matched, tuple(blocks), source, logits, n, disk, why)
+        return Lookup(matched, tuple(blocks), source, logits, n, disk, why, shared)
 
     def peek(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Cached prefix length, in the pool or on disk, without touching stats, timestamps,
@@ -298,9 +307,9 @@ class PagedKVCache:
                         self.manager.free(new)
                         raise
                     self._adopt(new)
-                    path = keep + new
-                    stored = end
+                    path, stored = keep + new, end
                     self._counters = self._counters.plus(stored_tokens=end - m)
+                    shared_tier.write_through(self, tokens[:end], path, m // bs, namespace)
             if logits is not None:
                 self._remember(tokens[: n if logits_len is None else logits_len], path, stored,
                                logits, namespace)
@@ -381,18 +390,8 @@ class PagedKVCache:
     # ---- pins and explanations ------------------------------------------------------------
 
     def pin(self, tokens: Sequence[int], namespace: str = "", label: str = "prefix") -> Pin:
-        """Keep the blocks of the cached prefix `tokens` in the pool: eviction skips them and
-        they never spill. Loads them from disk first if needed. Raises PinError when `tokens`
-        are not all cached, or the pin would pass the cap."""
-        if not tokens:
-            raise PinError("nothing to pin: the prefix is empty")
-        match = self.load(self.tree.find_prefix(tokens, namespace))
-        if match.matched < len(tokens) or match.disk:
-            raise PinError(f"only {match.matched} of the {len(tokens)} tokens to pin are in "
-                           "the cache; run a request with them first")
-        blocks = match.blocks[: _ceil_div(len(tokens), self.block_size)]
-        return self.pins.add(Pin(namespace, tuple(tokens), label,
-                                 tuple(b.block_id for b in blocks)))
+        """Keep the blocks of the cached prefix `tokens` in the pool (`pins.pin_prefix`)."""
+        return pin_prefix(self, tokens, namespace, label)
 
     def unpin(self, pin_id: str) -> Pin | None:
         """End a pin (`Pin.pin_id`); its blocks become evictable again. None if unknown."""

@@ -14,7 +14,10 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvchat.cache.kvcache import PagedKVCache
 
 DEFAULT_MAX_PINNED = 0.5  # of the pool's blocks
 
@@ -116,3 +119,18 @@ def saved_pins(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, tuple[int, 
     """(namespace, tokens, label) of the pins a snapshot kept (see `Pin.to_json`)."""
     return [(str(r.get("namespace", "")), tuple(int(t) for t in r["tokens"]),
              str(r.get("label", "prefix"))) for r in rows]
+
+
+def pin_prefix(cache: PagedKVCache, tokens: Sequence[int], namespace: str, label: str) -> Pin:
+    """Keep the blocks of the cached prefix `tokens` in the pool: eviction skips them and they
+    never spill. Loads them from disk first if needed. Raises PinError when `tokens` are not all
+    cached, or the pin would pass the cap."""
+    if not tokens:
+        raise PinError("nothing to pin: the prefix is empty")
+    match = cache.load(cache.tree.find_prefix(tokens, namespace))
+    if match.matched < len(tokens) or match.disk:
+        raise PinError(f"only {match.matched} of the {len(tokens)} tokens to pin are in "
+                       "the cache; run a request with them first")
+    blocks = match.blocks[: -(-len(tokens) // cache.block_size)]
+    return cache.pins.add(Pin(namespace, tuple(tokens), label,
+                              tuple(b.block_id for b in blocks)))

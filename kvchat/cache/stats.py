@@ -103,6 +103,8 @@ class Counters:
     disk_loads: int = 0  # blocks read back from disk
     disk_failures: int = 0  # blocks on disk that could not be served (pruned)
     spilled_blocks: int = 0  # evicted blocks written to disk instead of dropped
+    shared_hits: int = 0  # lookups whose hit was (partly) other instances' blocks
+    shared_hit_tokens: int = 0  # of hit_tokens, those from a shared store (`shared_tier`)
     sessions: Mapping[str, SessionCounters] = field(default_factory=dict)
 
     @property
@@ -150,7 +152,7 @@ class CacheStats(Counters):
 
     @property
     def memory_hit_tokens(self) -> int:
-        return self.hit_tokens - self.disk_hit_tokens
+        return self.hit_tokens - self.disk_hit_tokens - self.shared_hit_tokens
 
     @property
     def counters(self) -> Counters:

@@ -33,11 +33,10 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvchat.cache.block_backend import ReadResult, ReadStatus, StoreStats
 from kvchat.cache.block_file import BlockFileError, BlockKV, BlockLayout, read_block_bytes
 from kvchat.cache.block_keys import is_key
 from kvchat.cache.store_index import (
@@ -60,39 +59,6 @@ __all__ = ["BlockLayout", "BlockStore", "DiskTier", "ReadResult", "ReadStatus", 
            "read_disk_tier"]
 
 
-class ReadStatus(StrEnum):
-    HIT = "hit"
-    MISSING = "missing"  # no such block, or its file vanished or could not be opened
-    CORRUPT = "corrupt"  # the file failed its checks: quarantined, never served
-
-
-class ReadResult(NamedTuple):
-    """A `get`: on a hit, the block's tokens and per-layer (K, V), each (H, block_size, D) on the
-    CPU in the store's dtype, positions from len(tokens) on zero. `notice` is one line for the
-    user when something went wrong beyond a plain miss."""
-
-    kv: BlockKV | None
-    status: ReadStatus
-    tokens: tuple[int, ...] = ()
-    notice: str | None = None
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    blocks: int
-    bytes: int
-    budget_bytes: int
-    writes: int = 0  # files this store wrote
-    reads: int = 0  # hits served (from a file or from the write queue)
-    read_failures: int = 0  # files that failed their checks
-    write_failures: int = 0
-    evictions: int = 0  # files deleted to stay under the budget
-    pending: int = 0  # blocks queued, not yet on disk
-
-    def to_json(self) -> dict[str, int]:
-        return asdict(self)
-
-
 class _Pending(NamedTuple):
     key: str
     tokens: tuple[int, ...]
@@ -106,10 +72,12 @@ class BlockStore:
     dropped, gets miss, and the dir is never touched."""
 
     def __init__(self, root: Path, layout: BlockLayout, budget_bytes: int, *,
-                 max_pending_bytes: int = 256 << 20, index_every_s: float = 5.0) -> None:
+                 max_pending_bytes: int = 256 << 20, index_every_s: float = 5.0,
+                 shared: bool = False) -> None:
         if budget_bytes < 0:
             raise ValueError("budget_bytes must be >= 0")
         self.root = Path(root)
+        self.shared = shared  # other instances write this folder too (`block_backend`)
         self.layout = layout
         self.budget_bytes = budget_bytes
         self.max_pending_bytes = max_pending_bytes
@@ -154,12 +122,13 @@ class BlockStore:
     # ---- the caller's side -------------------------------------------------------------------
 
     def put(self, key: str, tokens: Sequence[int],
-            kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+            kv: Sequence[tuple[torch.Tensor, torch.Tensor]], wait: bool = True) -> bool:
         """Queue one block for writing: `tokens` (1..block_size) and per layer (K, V), each
         (H, block_size, D) or (1, H, block_size, D), e.g. `BlockManager.block_tensors`. Copies
         the tensors before returning. Returns whether a write was queued: False when the store is
         off, the block is already stored or queued (then it only counts as used), or it alone
-        exceeds the budget. Waits only when max_pending_bytes are already queued."""
+        exceeds the budget. Waits only when max_pending_bytes are already queued (without
+        `wait`, the block is dropped instead)."""
         from kvchat.cache.block_file import copy_block_kv
 
         if not is_key(key):
@@ -183,6 +152,8 @@ class BlockStore:
                         copy_block_kv(kv, self.layout, len(tokens)), self.layout.payload_bytes)
         with self._cond:
             while self._queue and self._pending_bytes + item.nbytes > self.max_pending_bytes:
+                if not wait:
+                    return False
                 self._cond.wait()
             if self._index.touch(key) or key in self._pending:  # queued meanwhile
                 return False
@@ -192,7 +163,13 @@ class BlockStore:
             self._cond.notify_all()
         return True
 
-    def contains(self, key: str) -> bool:
+    def describe(self) -> str:
+        return str(self.root)
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        return next((i for i, key in enumerate(keys) if not self.exists(key)), len(keys))
+
+    def exists(self, key: str) -> bool:
         """The block is queued, listed, or has a file (which is then listed). A listed block
         whose file another process deleted still reads as present until a `get` misses it."""
         if not self.enabled or not is_key(key):

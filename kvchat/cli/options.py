@@ -98,9 +98,17 @@ DiskCacheGbOption = Annotated[
                  "runs. 0 turns it off (evicted blocks are dropped, nothing is saved).", min=0),
 ]
 StoreOption = Annotated[
-    Path | None,
-    typer.Option("--store", help="Folder of the disk tier (default: <sessions-dir>/cache/store).",
-                 file_okay=False, show_default=False),
+    str | None,
+    typer.Option("--store", help="Where the disk tier keeps blocks: a folder (default: "
+                 "<sessions-dir>/cache/store), or redis://HOST:PORT/DB (Redis or Valkey, shared "
+                 "by every instance that names it; needs the redis package).",
+                 show_default=False),
+]
+SharedStoreOption = Annotated[
+    bool,
+    typer.Option("--shared-store", help="Other kvchat instances use the --store folder too (a "
+                 "shared file system): write every computed block to it at once and look there "
+                 "for blocks this instance never computed. Always on for redis://."),
 ]
 MaxTokensOption = Annotated[
     int, typer.Option("--max-tokens", help="Most tokens to generate per reply.", min=1)
@@ -133,6 +141,7 @@ _SESSIONS_FAMILY = (
     _option("sessions_dir", SessionsDirOption, Path("sessions")),
     _option("disk_cache_gb", DiskCacheGbOption, 10.0),
     _option("store", StoreOption, None),
+    _option("shared_store", SharedStoreOption, False),
 )
 
 
@@ -160,11 +169,13 @@ def _runtime_options(
     prefill_chunk: int,
     sessions_dir: Path = Path("sessions"),
     disk_cache_gb: float = 10.0,
-    store: Path | None = None,
+    store: str | None = None,
+    shared_store: bool = False,
     persist: bool,
 ) -> RuntimeOptions:
     """The one place these options become a RuntimeOptions. A bad value (an unknown policy, a
     zero budget) raises a KvchatError naming the option, before anything is loaded."""
+    from kvchat.cache.redis_store import is_store_url
     from kvchat.config import CacheConfig
     from kvchat.runtime import RuntimeOptions
 
@@ -172,8 +183,11 @@ def _runtime_options(
                         max_pinned=max_pinned)
     return RuntimeOptions(model=model, dtype=dtype, device=device, cache=cache,
                           prefill_chunk=prefill_chunk, sessions_dir=sessions_dir,
-                          persist=persist, disk_cache_gb=disk_cache_gb, store_dir=store,
-                          chat_template=chat_template, compile=compile)
+                          persist=persist, disk_cache_gb=disk_cache_gb,
+                          store_dir=None if store is None or is_store_url(store) else Path(store),
+                          store_url=store if store is not None and is_store_url(store) else None,
+                          shared_store=shared_store, chat_template=chat_template,
+                          compile=compile)
 
 
 def _option_family(

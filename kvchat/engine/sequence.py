@@ -47,7 +47,7 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens (EOS included when the model emitted it)
     prompt_tokens: int
     cache_hit_tokens: int
-    hit_source: str  # exact | radix | disk | miss | off
+    hit_source: str  # exact | radix | disk | shared | miss | off
     computed_tokens: int  # prompt tokens this request ran through the model
     prefill_ms: float
     ttft_ms: float
@@ -57,6 +57,7 @@ class GenerationResult:
     stored_tokens: int  # tokens of prompt + reply now cached
     step_logits: list[torch.Tensor] | None = None
     disk_hit_tokens: int = 0  # of cache_hit_tokens, those loaded back from the disk tier
+    shared_hit_tokens: int = 0  # of cache_hit_tokens, blocks other instances put in the store
     miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.cache.explain`) | off
     diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
     miss_detail: str = ""  # one line for people, as the caller may see it (`describe`)
@@ -232,6 +233,7 @@ class Sequence:
             stored_tokens=stored,
             step_logits=self.step_logits,
             disk_hit_tokens=self.lookup.disk_tokens if self.lookup is not None else 0,
+            shared_hit_tokens=self.lookup.shared_tokens if self.lookup is not None else 0,
             draft_tokens=self.draft_tokens,
             draft_accepted=self.draft_accepted,
             decode_forwards=self.decode_forwards,

@@ -15,6 +15,7 @@ from kvchat.server import (
     cache_api,
     completions,
     explain_api,
+    fleet_api,
     metrics,
     moves_api,
     native,
@@ -64,6 +65,6 @@ def create_app(
                                    Preparer(worker.engine, max_tokens), gate)
     add_error_handlers(app)
     for api in (native, openai, completions, cache_api, explain_api, pins_api, sessions_api,
-                moves_api, metrics):
+                moves_api, metrics, fleet_api):
         app.include_router(api.router)
     return app

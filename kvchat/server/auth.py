@@ -35,7 +35,9 @@ from kvchat.server.errors import ApiError, error_response
 
 SECRET_FILE = ".server-secret"
 TENANTS_DIR = "tenants"  # sessions/tenants/<tenant id>/: an API key's sessions
-_OPEN_PATHS = {"/healthz"}
+# liveness, and what routers probe without credentials (`fleet_api`)
+_OPEN_PATHS = {"/healthz", "/health", "/server_info", "/get_server_info", "/model_info",
+               "/get_model_info", "/get_load"}
 _HEX_LEN = 32  # of a namespace: 128 bits of the HMAC, as unguessable as the whole of it
 
 
@@ -147,8 +149,18 @@ class Tenant:
 ADMIN = Tenant("", "")
 
 
+SECRET_ENV = "KVCHAT_SERVER_SECRET"  # the same secret on every instance of a fleet
+
+
 def load_secret(sessions_dir: Path) -> bytes:
-    """The server secret in the sessions dir, created (0600, in a 0700 folder) the first time."""
+    """The server secret: $KVCHAT_SERVER_SECRET when set (a fleet's instances share one), else
+    the one in the sessions dir, created (0600, in a 0700 folder) the first time."""
+    shared = os.environ.get(SECRET_ENV, "").strip()
+    if shared:
+        if len(shared) < 32:
+            raise AuthError(f"${SECRET_ENV} is too short: give at least 32 characters, e.g. "
+                            "from `openssl rand -hex 32`.")
+        return shared.encode()
     path = private_dir(Path(sessions_dir)) / SECRET_FILE
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)

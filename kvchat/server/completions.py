@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 
 from kvchat.responses import openai_finish_reason, text_completion, usage
 from kvchat.server.auth import Caller
+from kvchat.server.fleet_api import affinity
 from kvchat.server.openai import extension
 from kvchat.server.schemas import CompletionBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result
@@ -44,7 +45,8 @@ async def completions(body: CompletionBody, request: Request, state: State,
     top_p, seed, stop, stream (text_completion events, then `data: [DONE]`); the reply carries
     kvchat's own fields under "kvchat" (and a stream's usage chunk, with include_usage)."""
     namespace = state.gate.namespace(tenant, body.cache_salt)
-    handle = await state.start(state.preparer.completion, body, tenant, namespace)
+    handle = await state.start(state.preparer.completion, body, tenant, namespace,
+                               affinity=affinity(request))
     completion_id = f"cmpl-kvchat-{next(state.completion_ids)}"
     name = state.worker.info.model_id
     if not body.stream:

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from kvchat.server import vllm_names
 from kvchat.server.auth import Caller, Tenant
 from kvchat.server.state import State
 from kvchat.server.worker import EngineWorker, TenantCounters
@@ -54,6 +55,7 @@ def admin_metrics(stats: dict[str, Any], worker: EngineWorker) -> Iterator[Metri
     yield _counter("kvchat:draft_accepted_tokens", "Drafted tokens verification kept.",
                    server.get("draft_accepted", 0))
     yield from worker.ttft.collect()
+    yield from vllm_names.from_stats(stats)
 
 
 def tenant_metrics(own: TenantCounters) -> Iterator[Metric]:
@@ -63,6 +65,8 @@ def tenant_metrics(own: TenantCounters) -> Iterator[Metric]:
     yield _counter("kvchat:prefix_cache_hits", "Prompt tokens of your requests the prefix "
                    "cache served.", own.hit_tokens)
     yield from _requests(own.requests, own.completed, own.cancelled, own.errors)
+    yield from vllm_names.by_tier(own.prompt_tokens, own.hit_tokens, own.disk_hit_tokens,
+                                  own.shared_hit_tokens)
 
 
 def _requests(requests: int, completed: int, cancelled: int, errors: int) -> Iterator[Metric]:
@@ -87,7 +91,7 @@ class _Snapshot:
 
 def exposition(metrics: Iterable[Metric]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(metrics))
+    registry.register(_Snapshot(vllm_names.with_vllm_names(metrics)))
     return bytes(generate_latest(registry))
 
 

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from kvchat.engine.sequence import GenerationResult
 from kvchat.responses import chat_completion, openai_finish_reason
 from kvchat.server.auth import Caller
+from kvchat.server.fleet_api import affinity
 from kvchat.server.pinning import PinJob
 from kvchat.server.pins_api import pin_job
 from kvchat.server.schemas import ChatCompletionBody
@@ -81,7 +82,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request, state: St
     namespace = state.gate.namespace(tenant, body.cache_salt)
     job = pin_job(state, body.pin, tenant, namespace)
     handle = await state.start(partial(_prepare, state, job), body, tenant, namespace,
-                               job.after if job is not None else None)
+                               job.after if job is not None else None, affinity(request))
     completion_id = f"chatcmpl-kvchat-{next(state.completion_ids)}"
     name = state.worker.info.model_id
     if not body.stream:

@@ -76,6 +76,9 @@ class GenerateBody(SamplingBody):
     session: str | None = None
     create_session: bool = False
     pin: PinOption = None
+    # what vllm-router adds to every /generate it forwards: accepted while they ask for nothing
+    return_logprob: Literal[False] = False
+    return_hidden_states: Literal[False] = False
 
     _valid_name = field_validator("session")(_session_name)
 

@@ -36,17 +36,18 @@ class ServerState:
     pin_owners: dict[str, set[str]] = field(default_factory=dict)
 
     async def start(self, prepare: Callable[[B], PreparedTurn], body: B, tenant: Tenant,
-                    namespace: str, after: Callable[[GenerationResult], None] | None = None
-                    ) -> Handle:
+                    namespace: str, after: Callable[[GenerationResult], None] | None = None,
+                    affinity: str | None = None) -> Handle:
         """Prepare the request in a worker thread and hand it to the engine, cached in
         `namespace`, explained as `tenant` may see that namespace (`Tenant.sees`) and counted
-        for `tenant`; any failure becomes the HTTP error the client sees. `after` runs on the
-        engine thread once the result is stored (see `Handle`)."""
+        for `tenant` (and, without a session, under the router's `affinity` key: `fleet_api`);
+        any failure becomes the HTTP error the client sees. `after` runs on the engine thread
+        once the result is stored (see `Handle`)."""
         try:
             turn = await run_in_threadpool(prepare, body)
             request = replace(turn.request(namespace), visibility=tenant.sees(namespace))
-            if request.sid is not None:
-                request = replace(request, sid=tenant.sid(request.sid))
+            if request.sid is not None or affinity is not None:
+                request = replace(request, sid=tenant.sid(request.sid or str(affinity)))
             handle = Handle(turn, self.sessions.of(tenant).store, request, tenant.id, after)
             self.worker.submit(handle)
         except Exception as exc:

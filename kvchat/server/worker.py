@@ -154,6 +154,8 @@ class TenantCounters:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     stored_tokens: int = 0  # tokens its requests added to the cache
+    disk_hit_tokens: int = 0  # of hit_tokens, from blocks on disk / in the shared store
+    shared_hit_tokens: int = 0
 
     def plus(self, **deltas: int) -> TenantCounters:
         return replace(self, **{name: getattr(self, name) + n for name, n in deltas.items()})
@@ -164,7 +166,8 @@ class TenantCounters:
         return self.plus(
             lookups=1, hits=int(hit > 0), exact_hits=int(result.hit_source == "exact"),
             prompt_tokens=result.prompt_tokens, hit_tokens=hit,
-            stored_tokens=max(result.stored_tokens - hit, 0))
+            stored_tokens=max(result.stored_tokens - hit, 0),
+            disk_hit_tokens=result.disk_hit_tokens, shared_hit_tokens=result.shared_hit_tokens)
 
 
 @dataclass(frozen=True)
@@ -321,7 +324,7 @@ class EngineWorker:
             return None
         st = store.stats()
         return {"blocks": st.blocks, "bytes": st.bytes, "budget_bytes": st.budget_bytes,
-                "path": str(self.runtime.options.store_path)}
+                "path": store.describe()}
 
     def tree(self) -> Future[CacheTree]:
         def read() -> CacheTree:
@@ -351,6 +354,8 @@ class EngineWorker:
                     self._wake.clear()  # anything posted since is picked up by the next drain
                     continue
                 self.engine.step()  # a failure fails only the requests it touched
+                for line in self.runtime.take_notices():  # e.g. a shared store gone: one line
+                    log.warning(line)
         finally:
             with self._inbox_lock:
                 self._accepting = False
