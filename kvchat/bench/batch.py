@@ -15,9 +15,10 @@ max_new_tokens everywhere. Runners, each timed in-process without the model load
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,17 @@ def run_plain_generate(model: Any, tokenizer: Any, prompts: Prompts, new: int) -
                      sum(len(p) for p in prompts), note="one request at a time")
 
 
+@contextlib.contextmanager
+def _attention(model: Any, name: str) -> Iterator[None]:
+    """The model's attention implementation set to `name` for a while, then back."""
+    before = str(model.config._attn_implementation)
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 def run_generate_batch(
     model: Any, prompts: Prompts, new: int, page_size: int = PAGE_SIZE,
     max_batch_tokens: int = MAX_BATCH_TOKENS,
@@ -77,12 +89,13 @@ def run_generate_batch(
                                    pad_token_id=model.generation_config.eos_token_id)
         cb_cfg = ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=max_batch_tokens,
                                           allow_block_sharing=True)
-        # generate_batch refuses inference-mode tensors: run it outside, as its docs do
-        t = time.perf_counter()
-        with torch.no_grad():
+        # generate_batch refuses inference-mode tensors: run it outside, as its docs do; and it
+        # takes only transformers' own attention kernels (kvchat's runner registers its own)
+        with torch.no_grad(), _attention(model, "sdpa"):
+            t = time.perf_counter()
             res = model.generate_batch(inputs=prompts, generation_config=gen_cfg,
                                        continuous_batching_config=cb_cfg, progress_bar=False)
-        seconds = time.perf_counter() - t
+            seconds = time.perf_counter() - t
     except Exception as exc:  # report, don't crash the other runners
         return Contender(name, None, note=f"could not run: {type(exc).__name__}: {exc}")
     outs = sorted(res.values(), key=lambda o: _request_index(o.request_id))
@@ -144,7 +157,24 @@ def run_kvchat(
     computed = sum(r.computed_tokens for r in results if r)
     hits = sum(r.cache_hit_tokens for r in results if r)
     return Contender("kvchat", seconds, outputs, computed, hits,
-                     f"batch_size={how}, block_size={block_size}, fresh cache")
+                     f"batch_size={how}, block_size={block_size}, fresh cache"
+                     + _drafts_note([r for r in results if r is not None]))
+
+
+def _drafts_note(results: Sequence[Any]) -> str:
+    """What drafts from the cache did: reply tokens drafted, and the exact repeats' decode
+    forwards against the tokens they decoded (the first token of each is the stored logits')."""
+    drafted = sum(r.draft_accepted for r in results)
+    if not drafted:
+        return ""
+    repeats = [r for r in results if r.hit_source == "exact" and r.draft_accepted]
+    tokens = sum(len(r.token_ids) - 1 for r in repeats)
+    forwards = sum(r.decode_forwards for r in repeats)
+    note = f"; {drafted:,} reply tokens drafted from the cache"
+    if forwards:
+        note += (f", exact repeats decoded {tokens:,} tokens in {forwards:,} forwards "
+                 f"({tokens / forwards:.1f} per forward)")
+    return note
 
 
 def warm_up(model: Any, tokenizer: Any) -> None:
