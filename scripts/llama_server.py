@@ -9,6 +9,8 @@ at once. Standard library only: CI runs it before (or while) kvchat's venv is ma
 
     python scripts/llama_server.py            # build if absent, print the binary's path
     python scripts/llama_server.py --where    # print where it goes, build nothing
+    python scripts/llama_server.py --bench    # llama-bench too, beside it (`kvchat bench
+                                              # decode --llama-cpp <the bin folder's parent>`)
 
 Exit codes: 0 built or found, 3 no cmake or compiler (the tests then skip, saying so), 1 the
 download or the build failed (the log's tail is printed).
@@ -101,8 +103,10 @@ def sdist(work: Path, log: Path) -> Path:
     return found[0]
 
 
-def build(root: Path | None = None, jobs: int | None = None) -> Path:
-    """Build into the cache dir (atomically: a killed build leaves nothing half-made)."""
+def build(root: Path | None = None, jobs: int | None = None,
+          targets: tuple[str, ...] = ("llama-server",)) -> Path:
+    """Build `targets` into the cache dir (atomically: a killed build leaves nothing
+    half-made)."""
     target = binary(root)
     dest = install_dir(root)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -120,10 +124,11 @@ def build(root: Path | None = None, jobs: int | None = None) -> Path:
         tree, out = src / "vendor" / "llama.cpp", work / "B"
         _run(["cmake", "-S", str(tree), "-B", str(out), *CMAKE_FLAGS], log)
         _run(["cmake", "--build", str(out), "-j", str(jobs or os.cpu_count() or 2),
-              "--target", "llama-server"], log)
+              "--target", *targets], log)
         staged = work / "install" / "bin"
         staged.mkdir(parents=True)
-        shutil.copy2(out / "bin" / "llama-server", staged / "llama-server")
+        for name in targets:
+            shutil.copy2(out / "bin" / name, staged / name)
         for lib in (out / "bin").glob("*.so*"):  # none when linked statically
             shutil.copy2(lib, staged / lib.name, follow_symlinks=True)
         if dest.exists():
@@ -138,9 +143,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--where", action="store_true", help="print the path; build nothing")
     parser.add_argument("-j", "--jobs", type=int, default=None, help="parallel build jobs")
+    parser.add_argument("--bench", action="store_true", help="build llama-bench too")
     args = parser.parse_args()
     target = binary()
-    if args.where or runs(target):
+    targets = ("llama-server", "llama-bench") if args.bench else ("llama-server",)
+    have = all((target.parent / name).is_file() for name in targets)
+    if args.where or (runs(target) and have):
         print(target)
         return 0
     why = missing_tools()
@@ -149,7 +157,7 @@ def main() -> int:
         return NO_TOOLS
     print(f"building llama-server from {PACKAGE}=={VERSION} into {install_dir()} "
           "(about 9 minutes on 2 cores) ...", file=sys.stderr, flush=True)
-    print(build(jobs=args.jobs))
+    print(build(jobs=args.jobs, targets=targets))
     return 0
 
 
