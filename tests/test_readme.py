@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from kvchat.cli import app
@@ -19,13 +20,17 @@ DOCS = README + (ROOT / "sessions" / "README.md").read_text()
 BENCH = ("ttft", "overhead", "cache", "batch", "multiturn", "policies", "tiers", "fleet")
 
 
+COMMANDS = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+
+
 def command_lines() -> list[str]:
-    """`kvchat ...` in inline code and at the start of code-block lines."""
+    """`kvchat ...` in inline code, and `kvchat <command> ...` at the start of code-block
+    lines (a line of printed output that starts with "kvchat", a bench verdict, is not one)."""
     found = re.findall(r"`(kvchat [^`]+)`", DOCS)
     for block in re.findall(r"```\w*\n(.*?)```", DOCS, re.S):
         for line in block.splitlines():
             line = line.strip().removeprefix("$ ")
-            if line.startswith("kvchat "):
+            if line.startswith("kvchat ") and line.split()[1] in COMMANDS:
                 found.append(line.split("  #")[0].rstrip(" \\"))
     return found
 
