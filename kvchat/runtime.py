@@ -152,13 +152,13 @@ class Runtime:
 
     @classmethod
     def open(cls, options: RuntimeOptions) -> Runtime:
-        from kvchat.models import load_model
+        from kvchat.models.loading import load_model
 
         loaded = load_model(options.model, dtype=options.dtype, device=options.device)
         engine = Engine.create(loaded.model, loaded.tokenizer, options.cache,
                                batch_size=options.batch_size, prefill_chunk=options.prefill_chunk)
         if options.chat_template is not None:
-            from kvchat.chat_template import resolve
+            from kvchat.models.chat_template import resolve
 
             # the tokenizer is left as it is: the fingerprint (and the cache) stay the model's
             engine.codec.use_template(resolve(options.chat_template, loaded.tokenizer))

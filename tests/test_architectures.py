@@ -13,9 +13,9 @@ from conftest import TINY_INIT_STD, TINY_SEED, build_tiny_tokenizer
 from typer.testing import CliRunner
 
 from kvchat import cli
-from kvchat.architectures import check_pageable, kv_heads, layer_kinds
 from kvchat.errors import UnpageableArchitecture
-from kvchat.models import describe_model, load_model
+from kvchat.models.architectures import check_pageable, kv_heads, layer_kinds
+from kvchat.models.loading import describe_model, load_model
 
 WIDE = {"COLUMNS": "200"}
 PROMPT = "Name three colours of the sea."

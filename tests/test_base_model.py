@@ -12,9 +12,9 @@ import pytest
 from conftest import CHAT_TEMPLATE
 from typer.testing import CliRunner
 
-from kvchat.chat_template import TRANSCRIPT_STOPS, transcript
 from kvchat.cli import app
 from kvchat.config import CacheConfig
+from kvchat.models.chat_template import TRANSCRIPT_STOPS, transcript
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.server import create_app, serving
 
@@ -63,7 +63,7 @@ def test_chat_with_a_base_model_continues_its_plain_text_history(tiny_base_model
 
 def test_a_plain_text_history_is_extended_token_for_token(tiny_base_model_dir):
     from kvchat.engine.codec import ChatCodec
-    from kvchat.models import load_model
+    from kvchat.models.loading import load_model
     from kvchat.sessions import Session
     from kvchat.turns import next_prompt
 
@@ -166,7 +166,7 @@ def test_a_chat_template_given_at_start_serves_chat_completions(base_server, tmp
 
 
 def test_plain_text_turns_stop_where_the_model_writes_the_users_next_line():
-    from kvchat.chat_template import single_prompt
+    from kvchat.models.chat_template import single_prompt
 
     assert single_prompt([{"role": "user", "content": "x"}]) == "x"
     assert transcript([{"role": "user", "content": "Hi"}, {"role": "assistant",
@@ -186,7 +186,7 @@ def test_a_bad_chat_template_option_is_a_clean_error(tiny_base_model_dir, tmp_pa
 
 
 def test_chat_template_names_and_files(tmp_path, tiny_tokenizer):
-    from kvchat.chat_template import CHATML, resolve
+    from kvchat.models.chat_template import CHATML, resolve
 
     assert resolve("plain", tiny_tokenizer) is None  # the plain-text format, template or not
     assert resolve("chatml", tiny_tokenizer) == CHATML

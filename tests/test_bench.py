@@ -197,7 +197,7 @@ def test_ideal_hits_counts_the_best_earlier_prefix():
 
 
 def test_batch_bench_compares_with_generate_and_the_ideal():
-    from kvchat.bench_results import BatchBench, Contender
+    from kvchat.bench.results import BatchBench, Contender
 
     ref = Contender("model.generate", 8.0, ((1, 2), (3, 4), (5,)), 30)
     kv = Contender("kvchat", 2.0, ((1, 2), (3, 9), (5,)), 10, 15)
@@ -214,7 +214,7 @@ def test_batch_bench_compares_with_generate_and_the_ideal():
 def test_batch_table_lists_each_runners_settings_once():
     from rich.console import Console
 
-    from kvchat.bench_results import BatchBench, BatchSuite, Contender
+    from kvchat.bench.results import BatchBench, BatchSuite, Contender
     from kvchat.ui.bench_view import batch_table
 
     def kind(name: str, size: int) -> BatchBench:

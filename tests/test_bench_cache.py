@@ -11,8 +11,7 @@ import torch
 from rich.console import Console
 
 from kvchat.bench.cache import bench_bandwidth, bench_tree, run_cache_bench
-from kvchat.bench.timing import measure, timed
-from kvchat.bench_results import (
+from kvchat.bench.results import (
     BandwidthResult,
     CacheBenchResult,
     PolicyRow,
@@ -20,6 +19,7 @@ from kvchat.bench_results import (
     as_json,
     format_seconds,
 )
+from kvchat.bench.timing import measure, timed
 from kvchat.ui.bench_view import render_cache_bench
 
 
@@ -184,6 +184,8 @@ def test_as_json_writes_each_timing_in_the_unit_asked_for() -> None:
 
 
 def test_the_bench_views_import_no_bench() -> None:
+    """The views render typed results (kvchat.bench.results, torch-free) and import none of
+    the code that measures."""
     import ast
 
     import kvchat.ui.bench_view as view
@@ -192,5 +194,10 @@ def test_the_bench_views_import_no_bench() -> None:
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                  for a in node.names}
-    assert not [m for m in imported if m and (m == "kvchat.bench" or
-                                             m.startswith("kvchat.bench."))]
+    assert "kvchat.bench.results" in imported
+    assert not [m for m in imported if m and m != "kvchat.bench.results" and (
+        m == "kvchat.bench" or m.startswith("kvchat.bench."))]
+    results = ast.parse(open(view.__file__.replace("ui/bench_view.py", "bench/results.py"),
+                             encoding="utf-8").read())
+    assert not [node for node in ast.walk(results) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith(("kvchat.bench", "torch"))]

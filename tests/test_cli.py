@@ -13,8 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 import kvchat
-from kvchat import cli, gguf, models
+from kvchat import cli
 from kvchat.cli import models as cli_models
+from kvchat.models import gguf
+from kvchat.models import loading as models
 
 ROOT = Path(__file__).resolve().parent.parent
 # Wide enough that Rich never wraps a table row or an error message.

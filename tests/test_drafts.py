@@ -11,7 +11,7 @@ from kvchat.cache.radix import RadixTree
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Request
-from kvchat.precision import QUANTIZED
+from kvchat.models.precision import QUANTIZED
 from tests.test_engine import at_precision, prompt
 
 

@@ -14,8 +14,8 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Finished, Request, TextDelta
 from kvchat.engine.verify import compare, verify_prompt
 from kvchat.errors import KvchatError
-from kvchat.precision import QUANTIZED
-from kvchat.quant import quantize_model
+from kvchat.models.precision import QUANTIZED
+from kvchat.models.quant import quantize_model
 
 ATOL = 1e-4
 BLOCK = 4

@@ -12,7 +12,7 @@ from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 from kvchat.config import CacheConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.verify import verify_prompt
-from kvchat.models import load_model
+from kvchat.models.loading import load_model
 
 
 def q4_k_m(name: str) -> str:

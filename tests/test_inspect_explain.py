@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from kvchat import cli
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.scheduler import common_prefix
-from kvchat.explain_prompt import PromptSpec, SnapshotTokenizer, prompt_ids
+from kvchat.inspect.explain import PromptSpec, SnapshotTokenizer, prompt_ids
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.snapshots import read_snapshot_meta
 from kvchat.turns import prepare_turn
@@ -292,7 +292,7 @@ RICH_TEMPLATE = """{{ bos_token }}
 def test_render_chat_matches_transformers_on_a_template_with_blocks(tiny_tokenizer, system):
     """Whitespace control (trim_blocks, lstrip_blocks), loop controls, tojson without HTML
     escaping and the special tokens as variables, as apply_chat_template renders them."""
-    from kvchat.explain_prompt import ExplainError, render_chat
+    from kvchat.inspect.explain import ExplainError, render_chat
 
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": "  hi\n"}, {"role": "assistant", "content": "yo"},

@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import CHAT_TEMPLATE, build_tiny_config
 
-from kvchat import gguf, models
 from kvchat.errors import (
     EmbeddedModelMissing,
     HubUnreachable,
@@ -24,8 +23,10 @@ from kvchat.errors import (
     ModelPathNotFound,
     NotACausalLM,
 )
-from kvchat.gguf import SOURCE_RECORD, converted_dir_for
-from kvchat.models import (
+from kvchat.models import gguf
+from kvchat.models import loading as models
+from kvchat.models.gguf import SOURCE_RECORD, converted_dir_for
+from kvchat.models.loading import (
     EMBEDDED_FILE,
     describe_model,
     ensure_converted,
@@ -34,7 +35,7 @@ from kvchat.models import (
     model_facts,
     resolve_model,
 )
-from kvchat.precision import dtype_name, resolve_device
+from kvchat.models.precision import dtype_name, resolve_device
 
 MISSING_HUB_ID = "kvchat-tests/no-such-model"
 
@@ -505,7 +506,7 @@ def test_a_gguf_transformers_cannot_read_is_one_paragraph(tmp_path):
 def test_the_sliding_window_is_read_per_layer_kind():
     from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
 
-    from kvchat.architectures import sliding_window
+    from kvchat.models.architectures import sliding_window
 
     gemma = Gemma3TextConfig(num_hidden_layers=6, sliding_window=512)
     assert sliding_window(gemma) == {"sliding_window": 512, "sliding_layers": 5}  # 5 of 6 slide

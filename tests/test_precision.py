@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelOptionError
-from kvchat.models import describe_model, load_model
-from kvchat.precision import (
+from kvchat.models.loading import describe_model, load_model
+from kvchat.models.precision import (
     gguf_precision_class,
     gguf_tensor_types,
     resolve_precision,
 )
-from kvchat.quant import (
+from kvchat.models.quant import (
     Int4Linear,
     Int8Linear,
     precision_of,

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from kvchat.bench.llama_cpp import LlamaCpp, serve_requests
-from kvchat.bench.workloads import KINDS, Prompts, build_workload, ideal_hits, ideal_prefill
-from kvchat.bench_results import (
+from kvchat.bench.results import (
     GENERATE,
     LLAMA_SERVER,
     LLAMA_SERVER_8,
@@ -34,6 +33,7 @@ from kvchat.bench_results import (
     BatchSuite,
     Contender,
 )
+from kvchat.bench.workloads import KINDS, Prompts, build_workload, ideal_hits, ideal_prefill
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.autobatch import choose_batch_size
 from kvchat.engine.engine import Engine

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from kvchat.bench.timing import measure, timed
-from kvchat.bench_results import (
+from kvchat.bench.results import (
     BandwidthResult,
     CacheBenchResult,
     LookupTiming,
     Timing,
     TreeRow,
 )
+from kvchat.bench.timing import measure, timed
 from kvchat.cache.blocks import KV, BlockManager
 from kvchat.cache.kvcache import PagedKVCache
 

@@ -52,7 +52,7 @@ def _status(title: str) -> Iterator[Callable[[str], None]]:
 
 
 def _load(model: str | None, dtype: str | None, device: str) -> Any:
-    from kvchat.models import load_model
+    from kvchat.models.loading import load_model
 
     return load_model(model, dtype=dtype, device=device)
 
@@ -236,8 +236,8 @@ def decode(
     on the same GGUF in the same sitting."""
     from kvchat.bench.decode import bench_decode
     from kvchat.bench.llama_cpp import LlamaCpp
-    from kvchat.models import resolve_model
-    from kvchat.precision import canonical
+    from kvchat.models.loading import resolve_model
+    from kvchat.models.precision import canonical
     from kvchat.ui.decode_view import decode_table
 
     names = [canonical(p) for p in precisions.split(",") if p.strip()]

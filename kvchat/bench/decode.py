@@ -21,7 +21,7 @@ from typing import Any
 
 from kvchat.bench.engine import random_prompt
 from kvchat.bench.llama_cpp import LlamaCpp, serve_requests
-from kvchat.bench_results import DecodeResult, LlamaCppDecode, PrecisionDecode, RowsRate, Timing
+from kvchat.bench.results import DecodeResult, LlamaCppDecode, PrecisionDecode, RowsRate, Timing
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Request
@@ -76,7 +76,7 @@ def bench_decode(
     new_tokens: int, prefill_tokens: int, trials: int, llama: LlamaCpp | None, gguf: Path | None,
     progress: Progress | None = None, compile_too: bool = False,
 ) -> DecodeResult:
-    """`load(precision)` gives a loaded model (kvchat.models.LoadedModel) at that precision;
+    """`load(precision)` gives a loaded model (kvchat.models.loading.LoadedModel) at that precision;
     `compile_too` adds, per precision, the same figures with decode steps compiled
     (`ModelRunner.compile_decode`), measured after the eager ones."""
     say = progress or (lambda _: None)

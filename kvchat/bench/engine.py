@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from kvchat.bench.results import Timing, as_json
 from kvchat.bench.timing import measure, timed
-from kvchat.bench_results import Timing, as_json
 from kvchat.cache.stats import ratio
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine

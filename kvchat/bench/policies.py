@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvchat.bench_results import PolicyRow
+from kvchat.bench.results import PolicyRow
 from kvchat.cache.blocks import BlockManager
 from kvchat.cache.kvcache import PagedKVCache
 from kvchat.config import POLICY_NAMES, CacheConfig, SamplingParams

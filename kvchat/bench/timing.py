@@ -1,7 +1,7 @@
 """How the benches time things: one `measure` for every figure, and `timed` for one run of a
 device operation.
 
-Every figure is a `Timing` in seconds (kvchat.bench_results); `format_seconds` there prints one.
+Every figure is a `Timing` in seconds (kvchat.bench.results); `format_seconds` there prints one.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
-from kvchat.bench_results import Timing
+from kvchat.bench.results import Timing
 
 T = TypeVar("T")
 

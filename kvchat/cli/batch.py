@@ -255,7 +255,7 @@ def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tok
                        ui: Console) -> str:
     """Set the engine's batch size; returns how it was chosen, for the summary."""
     from kvchat.engine.autobatch import choose_batch_size
-    from kvchat.gguf import cache_dir
+    from kvchat.models.gguf import cache_dir
     from kvchat.runtime import fingerprint
 
     engine = runtime.engine
@@ -297,7 +297,7 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
         if runtime.notice:
             ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
         if not runtime.engine.codec.has_template:
-            from kvchat.chat_template import NO_TEMPLATE
+            from kvchat.models.chat_template import NO_TEMPLATE
 
             ui.print(f"[yellow]{escape(runtime.model_label)} {escape(NO_TEMPLATE)}[/yellow]",
                      soft_wrap=True)

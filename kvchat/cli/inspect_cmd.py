@@ -16,7 +16,7 @@ from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
     from kvchat.client import Attachment
-    from kvchat.explain_prompt import PromptSpec
+    from kvchat.inspect.explain import PromptSpec
 
 
 ExplainOption = Annotated[
@@ -164,7 +164,7 @@ def _explain_spec(text: str | None, file: Path | None, system: str | None, raw: 
     shows the cache instead."""
     if text is None and file is None and system is None and not raw:
         return None
-    from kvchat.explain_prompt import PromptSpec
+    from kvchat.inspect.explain import PromptSpec
 
     if (text is None) == (file is None):
         raise KvchatError("--system and --raw go with one of --explain TEXT or --explain-file "
@@ -180,7 +180,7 @@ def _explain(sessions_dir: Path, specs: list[tuple[int | None, PromptSpec]],
              as_json: bool) -> None:
     """Why each prompt would miss, from index.json alone (no model, no torch); one panel (or
     JSON line, with its "line") per line of a JSONL file."""
-    from kvchat.explain_prompt import explain_snapshot
+    from kvchat.inspect.explain import explain_snapshot
     from kvchat.sessions import cache_dir
     from kvchat.snapshots import INDEX, read_snapshot_meta
     from kvchat.ui.explain_view import explain_panel

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvchat.client.engines import EngineInfo
     from kvchat.client.ledger import Ledger
     from kvchat.client.openai_http import OpenAIClient
-    from kvchat.explain_prompt import PromptSpec
+    from kvchat.inspect.explain import PromptSpec
 
 Specs = list[tuple[int | None, "PromptSpec"]]
 
@@ -47,7 +47,7 @@ def explain_on_server(server: Attachment, sessions_dir: Path, specs: Specs,
 def _explain_live(server: Attachment, specs: Specs, as_json: bool) -> None:
     from kvchat.cache.explain import Explanation, MissReason
     from kvchat.client import Client
-    from kvchat.explain_prompt import PromptExplanation
+    from kvchat.inspect.explain import PromptExplanation
     from kvchat.ui.explain_view import explain_panel
 
     with Client(server.url, server.token) as client:

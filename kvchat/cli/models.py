@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 from rich import box
 from rich.table import Table
 
-from kvchat.models import ModelReport, describe_model
+from kvchat.models.loading import ModelReport, describe_model
 
 
 @app.command()

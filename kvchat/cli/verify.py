@@ -109,7 +109,7 @@ def verify(
     rows = []
     console = stdout()
     if not engine.codec.has_template:
-        from kvchat.chat_template import NO_TEMPLATE
+        from kvchat.models.chat_template import NO_TEMPLATE
 
         console.print(f"[yellow]{escape(options.model or 'The model')} {escape(NO_TEMPLATE)}"
                       "[/yellow]", soft_wrap=True)

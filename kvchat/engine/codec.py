@@ -1,7 +1,7 @@
 """Text <-> token ids for one model: chat templating, encoding, decoding, end-of-sequence ids.
 
 A model without a chat template (a base model) gets kvchat's plain-text format instead
-(`kvchat.chat_template`): a single prompt as it is, a conversation as "User: ..." paragraphs.
+(`kvchat.models.chat_template`): a single prompt as it is, a conversation as "User: ..." paragraphs.
 Text that is not valid Unicode never reaches the tokenizer (`kvchat.text_input`): the front
 ends refuse it where it enters, and `encode` refuses it again rather than crash in the
 tokenizer.
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-from kvchat.chat_template import TRANSCRIPT_STOPS, own_template, single_prompt, transcript
 from kvchat.errors import KvchatError
+from kvchat.models.chat_template import TRANSCRIPT_STOPS, own_template, single_prompt, transcript
 from kvchat.text_input import check_text
 
 

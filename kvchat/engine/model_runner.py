@@ -23,7 +23,7 @@ from kvchat.engine.past import (
     reserved_past,
     wrap_past,
 )
-from kvchat.quant import precision_of
+from kvchat.models.quant import precision_of
 
 
 class Prefilled(NamedTuple):

@@ -13,8 +13,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvchat.architectures import kv_heads
 from kvchat.cache.blocks import KV
+from kvchat.models.architectures import kv_heads
 
 
 def _full_cache(config: Any) -> DynamicCache:

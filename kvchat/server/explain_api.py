@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from kvchat.cache.explain import Explanation
-from kvchat.explain_prompt import PromptExplanation, PromptSpec, explanation_detail
+from kvchat.inspect.explain import PromptExplanation, PromptSpec, explanation_detail
 from kvchat.server.auth import Caller
 from kvchat.server.errors import api_error
 from kvchat.server.schemas import Message

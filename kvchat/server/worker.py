@@ -203,7 +203,7 @@ def _outcome(handle: Handle, event: Finished) -> str:
 def model_id(runtime: Runtime) -> str:
     """The name /v1 endpoints report: the --model value (a path's last part), or the embedded
     model's name."""
-    from kvchat.models import EMBEDDED_NAME
+    from kvchat.models.loading import EMBEDDED_NAME
 
     spec = runtime.options.model
     if spec is None:

@@ -1,7 +1,7 @@
 """Rich tables (and optional matplotlib plots) for `kvchat bench` results: pure functions of the
 typed results the benches return. Every time is printed by `format_seconds`.
 
-The results are kvchat.bench_results types, or, for the engine benches, anything with the fields
+The results are kvchat.bench.results types, or, for the engine benches, anything with the fields
 of the Protocols below: a view never imports a bench.
 """
 
@@ -16,7 +16,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvchat.bench_results import (
+from kvchat.bench.results import (
     GENERATE,
     PREFILL_TARGET,
     BatchBench,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvchat.errors import KvchatError
 
-# the banner's line for a model without a chat template (`kvchat.chat_template`)
+# the banner's line for a model without a chat template (`kvchat.models.chat_template`)
 PLAIN_LINE = ("template none: plain text, 'User:' / 'Assistant:' paragraphs "
               "(--chat-template sets one)")
 

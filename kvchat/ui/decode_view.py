@@ -1,5 +1,5 @@
 """`kvchat bench decode`'s table: decode at each precision next to llama.cpp on the same file.
-A pure function of the typed result (kvchat.bench_results.DecodeResult)."""
+A pure function of the typed result (kvchat.bench.results.DecodeResult)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvchat.bench_results import DecodeResult, Timing
+from kvchat.bench.results import DecodeResult, Timing
 
 TARGET = 1.5  # one-stream ms/token at most 1.5x llama.cpp's on the same GGUF
 

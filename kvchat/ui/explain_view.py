@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvchat.cache.explain import MissReason
-from kvchat.explain_prompt import PromptExplanation
+from kvchat.inspect.explain import PromptExplanation
 from kvchat.ui.views import bar, pct, printable
 
 _STYLE = {MissReason.HIT: "green", MissReason.COLD: "cyan", MissReason.EVICTED: "yellow",

@@ -7,9 +7,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvchat.errors import HubUnreachable, KvchatError, ModelError, ModelPathNotFound
+from kvchat.models.embedded import EMBEDDED_NAME
 
 if TYPE_CHECKING:
-    from kvchat.models import ModelSource
+    from kvchat.models.loading import ModelSource
 
 
 @contextlib.contextmanager
@@ -43,8 +44,6 @@ def load_errors(source: ModelSource) -> Iterator[None]:
 
 
 def _hub_message(repo_id: str, detail: str) -> str:
-    from kvchat.models import EMBEDDED_NAME
-
     return (
         f"Could not fetch {repo_id!r} from the Hugging Face Hub: the hub is unreachable from "
         f"here, or no such model exists ({detail}). There is no local file or folder by that "

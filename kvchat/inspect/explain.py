@@ -196,8 +196,8 @@ def prompt_ids(meta: Mapping[str, Any], spec: PromptSpec, tok: SnapshotTokenizer
         return tok.encode(spec.raw)
     template = meta.get("chat_template")
     if template is None and isinstance(meta.get("plain_start"), str):
-        # a model without a chat template: chat's plain-text format (`kvchat.chat_template`)
-        from kvchat.chat_template import transcript
+        # a model without a chat template: chat's plain-text format (`kvchat.models.chat_template`)
+        from kvchat.models.chat_template import transcript
 
         return tok.encode(meta["plain_start"] + transcript(spec.messages, True))
     if not isinstance(template, str) or not template:

@@ -3,7 +3,8 @@
 `--dtype` names it; left unset, a GGUF keeps the precision class of its weights (Q4_* -> int4,
 Q5-Q8 -> int8, F16 / BF16 / F32 -> that float) and any other model keeps float32 on CPU,
 bfloat16 on a GPU. Quantized precisions compute in bfloat16 (activations and K/V) over packed
-weights (`kvchat.quant`). Torch-free: `kvchat models` and the tests of resolution read it cheaply.
+weights (`kvchat.models.quant`). Torch-free: `kvchat models` and the tests of resolution read it
+cheaply.
 """
 
 from __future__ import annotations

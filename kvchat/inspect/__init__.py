@@ -1,0 +1,1 @@
+"""`kvchat inspect` without torch: a prompt explained against a saved snapshot (`explain`)."""
