@@ -191,11 +191,15 @@ class LocalReply:
         self.handle.close()
 
     def finish(self) -> TurnDone | TurnFailed:
-        result, error = self.handle.result, self.handle.error
-        if result is None or error is not None:  # it failed before it ran, or while it did
-            self.turn.abort()  # what it computed is cached; the session is as it was
-            return TurnFailed(str(error or "The reply could not be generated."))
-        turn = self.turn.commit(result)
+        from kvchat.engine.sequence import Finished
+        from kvchat.turns import finish
+
+        # a failure aborts the turn: what it computed is cached; the session is as it was.
+        # The REPL saves the session after the turn (and says so when it cannot).
+        done = finish(self.turn, Finished(self.handle.result, self.handle.error))
+        result, turn = done.result, done.turn
+        if result is None:
+            return TurnFailed(str(done.error or "The reply could not be generated."))
         assert turn is not None
         return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
                         result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens,
@@ -238,17 +242,17 @@ class LocalBackend(CacheViews):
 
     def start(self, session: Session, text: str, params: SamplingParams) -> Reply:
         from kvchat.engine.engine import PromptTooLongError
-        from kvchat.turns import prepare_turn
+        from kvchat.turns import prepare_turn, refused
 
         engine = self.rt.engine
         turn = prepare_turn(engine.codec, [{"role": "user", "content": text}], params, session)
         try:
             handle = engine.submit(turn.request())
         except PromptTooLongError as error:
-            turn.abort()
+            refused(turn, error)
             raise KvchatError(f"{error} Start over with /reset or /new.") from None
-        except KvchatError:
-            turn.abort()
+        except KvchatError as error:
+            refused(turn, error)
             raise
         return LocalReply(handle, turn)
 
@@ -278,7 +282,7 @@ class LocalBackend(CacheViews):
 
     def pin(self, session: Session, what: str) -> PinInfo:
         from kvchat.cache.pins import PinError
-        from kvchat.turns import conversation, system_prefix
+        from kvchat.turns import system_tokens
 
         cache = self.rt.cache
         if not session.tokens:
@@ -286,7 +290,7 @@ class LocalBackend(CacheViews):
         if what == "all":
             tokens, label = session.tokens[: cache.peek(session.tokens)], f"{session.name} (all)"
         else:
-            tokens = system_prefix(self.rt.engine.codec, conversation(session), session.tokens)
+            tokens = system_tokens(self.rt.engine.codec, session.system, session.tokens)
             label = "system prompt"
         try:
             pin = cache.pin(tokens, label=label)
