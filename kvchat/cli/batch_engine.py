@@ -1,5 +1,5 @@
 """`kvchat batch --connect URL` on an engine other than kvchat serve (see
-`kvchat.client.engine_batch`): its options, and the run under the sessions dir's lock (session
+`kvchat.batch.remote_engine`): its options, and the run under the sessions dir's lock (session
 lines continue this dir's sessions; the record of sent prompts is written here)."""
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def run_on_engine(client: OpenAIClient, engine: EngineInfo, plan: Any, sessions_
                   run_plan: Any) -> tuple[Any, bool]:
     """The plan's lines through the engine; `flags` (--fail-fast, --pin-system), `how`
     (--order, --concurrency), `run_plan` the command's row-writing loop."""
+    from kvchat.batch.remote_engine import EngineRun
     from kvchat.client import ServerGone
-    from kvchat.client.engine_batch import EngineRun
     from kvchat.client.ledger import Ledger
     from kvchat.sessions import SessionStore, sessions_lock
 
