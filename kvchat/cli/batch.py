@@ -265,7 +265,6 @@ def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tok
     """Set the engine's batch size; returns how it was chosen, for the summary."""
     from kvchat.engine.autobatch import choose_batch_size
     from kvchat.models.gguf import cache_dir
-    from kvchat.runtime import fingerprint
 
     engine = runtime.engine
     if fixed is not None:
@@ -274,7 +273,7 @@ def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tok
     longest = max((len(engine.codec.encode_chat(i.messages)) + (i.max_tokens or max_tokens)
                    for i in plan.to_run), default=1)
     pool = runtime.cache.stats().pool.capacity_tokens or 0
-    facts = fingerprint(engine, runtime.model_label)
+    facts = runtime.fingerprint
     key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
           f"{torch_threads()}"
     choice = choose_batch_size(engine.runner, key, cache_dir() / "batch-size.json", pool,

@@ -32,7 +32,7 @@ from kvchat.engine.codec import ChatCodec
 from kvchat.engine.engine import Engine, RequestCancelled, RequestHandle
 from kvchat.engine.sequence import Event, Finished, GenerationResult, Request, TextDelta
 from kvchat.errors import KvchatError
-from kvchat.runtime import Runtime, fingerprint, tokenizer_file
+from kvchat.runtime import Runtime, tokenizer_file
 from kvchat.sessions import SessionStore, cache_dir
 from kvchat.snapshots import INDEX
 from kvchat.turns import PreparedTurn, finish, refused
@@ -226,7 +226,7 @@ class EngineWorker:
                               "requests that finished.", buckets=TTFT_BUCKETS_S, registry=None)
         self.tenants: dict[str, TenantCounters] = {}  # engine thread only
         self.info = ModelInfo(runtime.model_label, model_id(runtime), str(self.engine.device),
-                              fingerprint(self.engine, runtime.model_label),
+                              runtime.fingerprint,
                               self.engine.runner.precision_label)
         self.saved_to: Path | None = None
         self._inbox: deque[Callable[[], None]] = deque()
