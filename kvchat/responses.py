@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvchat.engine.result import GenerationResult  # torch-free: an attached batch loads no engine
+
+if TYPE_CHECKING:
+    from kvchat.sessions import Turn
 
 
 def result_fields(r: GenerationResult) -> dict[str, Any]:
@@ -49,6 +52,19 @@ def result_from_fields(doc: Mapping[str, Any]) -> GenerationResult:
         miss_detail=doc["miss_detail"], miss_label=doc["miss_label"],
         draft_tokens=doc["draft_tokens"], draft_accepted=doc["draft_accepted"],
         reported_completion_tokens=int(doc["completion_tokens"]))
+
+
+def result_from_turn(turn: Turn, decode_tokens_per_s: float = 0.0) -> GenerationResult:
+    """The result as a session's record of the turn holds it: what the chat shows of a reply
+    another engine reported (or a server's turn whose last event never came). Nothing in the
+    record says why the cached prefix ended where it did: those fields are empty."""
+    return GenerationResult(
+        text="", token_ids=[], prompt_tokens=turn.prompt_tokens,
+        cache_hit_tokens=turn.hit_tokens, hit_source=turn.source,
+        computed_tokens=turn.prompt_tokens - turn.hit_tokens, prefill_ms=turn.prefill_ms,
+        ttft_ms=turn.ttft_ms, decode_tokens_per_s=decode_tokens_per_s, total_ms=0.0,
+        finish_reason=turn.finish_reason, stored_tokens=0, miss_reason="", miss_label="",
+        reported_completion_tokens=turn.completion_tokens)
 
 
 def openai_finish_reason(reason: str) -> str:

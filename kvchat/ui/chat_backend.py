@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
     from kvchat.engine.engine import RequestHandle
+    from kvchat.engine.result import GenerationResult
     from kvchat.runtime import Runtime
     from kvchat.sessions import Session, SessionStore, Turn
     from kvchat.turns import PreparedTurn
@@ -32,20 +33,12 @@ if TYPE_CHECKING:
 
 class TurnDone(NamedTuple):
     """A reply that ran (finished, or stopped and kept): the turn as the session recorded it,
-    and the timings the panels show."""
+    and the result the panels show (`views.turn_view`): the engine's own in this process, read
+    back from a server's reply (`kvchat.client.chat`), or from the turn's record for an
+    engine that reports less (`responses.result_from_turn`)."""
 
     turn: Turn
-    ttft_ms: float
-    prefill_ms: float
-    computed_tokens: int  # prompt tokens the model had to prefill
-    decode_tokens_per_s: float
-    hit_source: str
-    disk_hit_tokens: int = 0  # of the turn's hit tokens, those loaded back from disk
-    miss_detail: str = ""  # why the cached prefix ended where it did (`kvchat.cache.explain`)
-    miss_reason: str = ""
-    miss_label: str = ""  # the reason as people read it (`Explanation.label`)
-    draft_tokens: int = 0  # reply tokens the cache proposed as drafts
-    draft_accepted: int = 0  # of those, the ones verification kept
+    result: GenerationResult
 
 
 class PinInfo(NamedTuple):
@@ -201,10 +194,7 @@ class LocalReply:
         if result is None:
             return TurnFailed(str(done.error or "The reply could not be generated."))
         assert turn is not None
-        return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
-                        result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens,
-                        result.miss_detail, result.miss_reason, result.miss_label,
-                        result.draft_tokens, result.draft_accepted)
+        return TurnDone(turn, result)
 
 
 class LocalBackend(CacheViews):
