@@ -59,7 +59,7 @@ def test_an_exact_entry_outlives_its_blocks_spilling_to_disk(tmp_path: Path) -> 
     hit = fetch(cache, A)  # the same prompt again: exact, the path loaded back
     assert hit.source is HitSource.EXACT and hit.matched == len(A)
     assert hit.logits is not None and torch.equal(hit.logits, logits)
-    assert len(cache.exact) == 1 and not cache.saved_exact
+    assert len(cache.exact) == 1 and not cache.exact.saved()
     # saved while parked, its logits go beside the index like a live entry's
     cache.evict(8)
     assert list(exact_logits(cache).values())[0] is logits

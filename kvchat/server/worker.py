@@ -34,7 +34,7 @@ from kvchat.engine.sequence import Event, Finished, GenerationResult, Request, T
 from kvchat.errors import KvchatError
 from kvchat.runtime import Runtime, fingerprint, tokenizer_file
 from kvchat.sessions import SessionStore, cache_dir
-from kvchat.snapshots import INDEX
+from kvchat.snapshots import TREE_INDEX as INDEX
 from kvchat.turns import PreparedTurn
 from kvchat.ui import cache_view as cv
 
