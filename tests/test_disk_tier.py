@@ -23,9 +23,9 @@ from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import GenerationResult, Request
 from kvchat.engine.verify import compare
+from kvchat.inspect import documents as cv
 from kvchat.responses import result_fields
 from kvchat.runtime import Runtime, RuntimeOptions
-from kvchat.ui import cache_view as cv
 from kvchat.ui import views
 
 BS = 4
@@ -328,7 +328,7 @@ from pathlib import Path
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.sequence import Request
 from kvchat.runtime import Runtime, RuntimeOptions
-from kvchat.ui import cache_view as cv
+from kvchat.inspect import documents as cv
 from kvchat.ui import views
 root, model = Path(sys.argv[1]), sys.argv[2]
 cfg = CacheConfig(4, num_blocks=16)

@@ -17,8 +17,8 @@ from kvchat.cache.kvcache import PagedKVCache
 from kvchat.cache.stats import CacheStats
 from kvchat.cli import inspect_cmd
 from kvchat.config import CacheConfig
+from kvchat.inspect import documents as cv
 from kvchat.snapshots import save_snapshot
-from kvchat.ui import cache_view as cv
 
 WIDE = {"COLUMNS": "200"}
 

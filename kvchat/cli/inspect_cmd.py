@@ -113,9 +113,9 @@ def inspect_snapshot(
 def _inspect_saved(sessions_dir: Path, as_json: bool, depth: int | None,
                    session: str | None) -> None:
     """The snapshot saved in the sessions dir, read without the model."""
+    from kvchat.inspect import documents as cv
     from kvchat.sessions import cache_dir
     from kvchat.snapshots import TREE_INDEX, read_snapshot_meta
-    from kvchat.ui import cache_view as cv
     from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
 
     index = cache_dir(sessions_dir) / TREE_INDEX
