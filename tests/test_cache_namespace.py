@@ -25,7 +25,7 @@ LONGER = [*PROMPT, 40, 41, 42]
 
 def put(cache: PagedKVCache, tokens: list[int], namespace: str, skip: int = 0,
         sid: str | None = None, logits: torch.Tensor | None = None) -> StoreResult:
-    res = cache.store(tokens, ref_kv(tokens, skip), skip, logits=logits, sid=sid,
+    res = cache.write_kv(tokens, ref_kv(tokens, skip), skip, logits=logits, sid=sid,
                       namespace=namespace)
     cache.check_integrity()
     return res

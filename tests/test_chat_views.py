@@ -209,7 +209,7 @@ def test_adapters_agree_between_a_live_cache_and_its_snapshot_meta():
     for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7, 8], [9])):
         tokens = shared + tail
         kv = [(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))]
-        cache.store(tokens, kv, 0, sid=f"s{i}")
+        cache.write_kv(tokens, kv, 0, sid=f"s{i}")
     held = cache.lookup(shared + [1, 2, 3], sid="s0")
     reading = cv.nodes_from_cache(cache)
     assert [n.max_ref for n in cv.walk(reading)] == [1, 1, 0, 0]  # the lookup holds a path

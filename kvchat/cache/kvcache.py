@@ -1,9 +1,9 @@
-"""PagedKVCache: the facade the engine talks to (lookup, gather, store, release, stats).
+"""PagedKVCache: the facade the engine talks to (lookup, gather, write_kv, release, stats).
 
 Lookup is two-layer: the exact index first (whole prompt, with its last logits: no forward pass
-needed), then the radix tree (longest cached prefix, token-granular). Store evicts leaf blocks
+needed), then the radix tree (longest cached prefix, token-granular). write_kv evicts leaf blocks
 through the policy when the pool is short, writes the new K/V, and registers the sequence in both
-layers. Blocks a lookup (or a store with hold=True) hands out are acquired; the caller releases
+layers. Blocks a lookup (or a write_kv with hold=True) hands out are acquired; the caller releases
 them when its request ends. Blocks the tree owns carry no reference.
 
 With a disk tier (a BlockStore, `use_store`), eviction spills a block to disk instead of
@@ -82,7 +82,7 @@ class Lookup(NamedTuple):
 class StoreResult(NamedTuple):
     """What a store cached. `blocks` cover positions [0, stored). They are acquired for the
     caller only when it passed hold=True (then it releases them); otherwise they are the
-    tree's, valid until the next call that mutates the cache (store, evict, clear, reset)."""
+    tree's, valid until the next call that mutates the cache (write_kv, evict, clear, reset)."""
 
     stored: int  # leading tokens of the sequence now cached
     new_tokens: int  # of which this call wrote
@@ -240,7 +240,7 @@ class PagedKVCache:
         return self.manager.gather([b.block_id for b in blocks], n_tokens)
 
     def release(self, blocks: Sequence[Block]) -> None:
-        """Give back blocks a lookup, or a store with hold=True, acquired for the caller."""
+        """Give back blocks a lookup, or a write_kv with hold=True, acquired for the caller."""
         for block in blocks:
             block.release()
 
@@ -248,9 +248,9 @@ class PagedKVCache:
         for block, score in zip(blocks, scores, strict=True):
             self.policy.record_attention(block, score)
 
-    # ---- store -------------------------------------------------------------------------------
+    # ---- write_kv ----------------------------------------------------------------------------
 
-    def store(
+    def write_kv(
         self,
         tokens: Sequence[int],
         kv_per_layer: Sequence[KV],
