@@ -30,7 +30,7 @@ from kvchat.ui.chat_backend import (
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
-    from kvchat.ui.cache_view import NodeView
+    from kvchat.inspect.documents import NodeView
 
 UNAVAILABLE = {
     "clear-cache": "the cache is the server's, shared with its other clients (restart the "

@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
     from kvchat.engine.engine import RequestHandle
+    from kvchat.inspect.documents import NodeView
     from kvchat.runtime import Runtime
     from kvchat.sessions import Session, SessionStore, Turn
     from kvchat.turns import PreparedTurn
-    from kvchat.ui.cache_view import NodeView
     from kvchat.ui.views import TurnView
 
 
@@ -256,7 +256,7 @@ class LocalBackend(CacheViews):
         return self.rt.cache.stats()
 
     def nodes(self) -> Sequence[NodeView]:
-        from kvchat.ui.cache_view import nodes_from_cache
+        from kvchat.inspect.documents import nodes_from_cache
 
         return nodes_from_cache(self.rt.cache)
 
