@@ -1,6 +1,7 @@
-"""The cache's index in a sessions dir: `cache/index.json` (the radix tree with each node's
-tokens and block keys, counters, fingerprint; readable without torch). The K/V live in the disk
-tier (`kvchat.cache.store`, `cache/store/` by default). Saves are atomic and private like every
+"""The cache's index in a sessions dir: `cache/index.json`, the snapshot's tree index (the radix
+tree with each node's tokens and block keys, counters, fingerprint; its schema and reader are
+`kvchat.cache.tree_index`'s, readable without torch). The K/V live in the disk tier
+(`kvchat.cache.store`, `cache/store/` by default). Saves are atomic and private like every
 file of a sessions dir; an index that does not match, parse or fit is set aside with a notice,
 never deleted."""
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvchat.cache import tree_index
+from kvchat.cache.tree_index import TREE_INDEX, SnapshotMismatch, read_tree, walk_records
 from kvchat.sessions import (
     atomic_write,
     cache_dir,
@@ -21,7 +24,6 @@ from kvchat.sessions import (
     private_dir,
 )
 
-INDEX = "index.json"
 EXACT = "exact"  # beside the index: one file per exact entry's logits row
 
 
@@ -38,19 +40,13 @@ class SnapshotInfo:
 
     @property
     def cached_tokens(self) -> int:
-        if "blocks" in self.meta:  # version 1
-            return sum(len(b["tokens"]) for b in self.meta["blocks"])
-        stack, total = list(self.meta.get("tree", [])), 0
-        while stack:
-            rec = stack.pop()
-            total += len(rec.get("tokens", []))
-            stack.extend(rec.get("children", []))
-        return total
+        """Tokens the saved tree holds. Raises ValueError if it is damaged."""
+        return sum(len(rec.tokens) for rec in walk_records(read_tree(self.meta)))
 
 
 def read_snapshot_meta(root: Path) -> SnapshotInfo | None:
     """index.json of the snapshot, or None if there is none. Raises ValueError if it is damaged."""
-    path = cache_dir(root) / INDEX
+    path = cache_dir(root) / TREE_INDEX
     if not path.exists():
         return None
     meta = json.loads(path.read_text())
@@ -84,16 +80,14 @@ def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
     """Persist the cache: its blocks into the disk tier (only those not stored yet: a save
     costs the turn's new blocks), then index.json, the tree with block keys, atomically. A
     failed write raises SessionWriteError and leaves the previous index as it was."""
-    from kvchat.cache.tree_index import exact_logits, export_index
-
     folder = private_dir(cache_dir(private_dir(Path(root))))
-    meta = export_index(cache)
+    meta = tree_index.export_index(cache)
     listed = {rec["logits"] for rec in meta.get("exact", [])}
-    _save_exact(folder / EXACT, exact_logits(cache), listed)
+    _save_exact(folder / EXACT, tree_index.exact_logits(cache), listed)
     meta.update(extra)
     meta.update(fingerprint=fingerprint, snapshot_id=uuid.uuid4().hex[:12], saved_at=time.time())
-    atomic_write(folder / INDEX, json.dumps(meta).encode(), "the cache index")
-    return folder / INDEX
+    atomic_write(folder / TREE_INDEX, json.dumps(meta).encode(), "the cache index")
+    return folder / TREE_INDEX
 
 
 def _save_exact(folder: Path, logits: dict[str, Any], keep: set[str]) -> None:
@@ -137,8 +131,6 @@ def load_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any]) -> Snapsh
     """Rebuild the cache's tree from index.json, every block on disk (loaded when first hit),
     when its fingerprint matches. An index that does not match, parse or fit, and a version 1
     snapshot (one K/V file), are set aside with a one-line notice; never a crash."""
-    from kvchat.cache.tree_index import SnapshotMismatch, import_index
-
     try:
         info = read_snapshot_meta(root)
     except (OSError, ValueError) as exc:
@@ -160,7 +152,7 @@ def load_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any]) -> Snapsh
                                    f"{', '.join(differ)}; set aside in {where}.")
     try:
         loader = _exact_loader(cache_dir(root) / EXACT, cache.manager.devices[-1])
-        import_index(cache, info.meta, loader)
+        tree_index.import_index(cache, info.meta, loader)
     except SnapshotMismatch as exc:
         where = set_aside_snapshot(root)
         return SnapshotLoad(False, f"Cache snapshot not loaded ({exc}); set aside in {where}.")

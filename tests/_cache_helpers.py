@@ -96,7 +96,7 @@ def store(
     """Store `tokens` with reference K/V for [skip, n) (the result's blocks held for the caller
     only with hold=True); check integrity."""
     kv = ref_kv(tokens, skip)
-    res = cache.store(tokens, kv, skip, logits=logits, logits_len=logits_len, sid=sid, hold=hold)
+    res = cache.write_kv(tokens, kv, skip, logits=logits, logits_len=logits_len, sid=sid, hold=hold)
     cache.check_integrity()
     return res
 

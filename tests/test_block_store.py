@@ -21,7 +21,7 @@ import torch
 from kvchat.cache.block_file import BlockLayout
 from kvchat.cache.block_keys import block_keys, chain_keys, next_key, root_key
 from kvchat.cache.store import BlockStore, ReadStatus, read_disk_tier
-from kvchat.cache.store_index import INDEX, block_path
+from kvchat.cache.store_index import BLOCK_INDEX, block_path
 
 BS = 4
 FP = {"model": "tiny", "config": "abc", "tokenizer": "def", "dtype": "float32", "block_size": BS}
@@ -295,7 +295,7 @@ def test_a_failed_write_is_a_notice_not_a_crash(store: BlockStore,
 def test_an_empty_store_writes_an_empty_index(store_dir: Path) -> None:
     with BlockStore(store_dir, LAYOUT, 1 << 20):
         pass
-    assert json.loads((store_dir / INDEX).read_text())["entries"] == {}
+    assert json.loads((store_dir / BLOCK_INDEX).read_text())["entries"] == {}
     assert read_disk_tier(store_dir).to_json() == {"blocks": 0, "bytes": 0,
                                                    "budget_bytes": 1 << 20}
 
@@ -438,7 +438,7 @@ def test_index_is_rebuilt_from_the_files(store_dir: Path, damage: str) -> None:
     with BlockStore(store_dir, LAYOUT, 1 << 20) as store:
         write_blocks(store, blocks)
         size = file_size(store)
-    index = store_dir / INDEX
+    index = store_dir / BLOCK_INDEX
     if damage == "missing":
         index.unlink()
     else:
@@ -468,7 +468,7 @@ def test_index_entries_without_files_are_dropped_and_unlisted_files_adopted(
                                         "file; dropped from it."]
         assert store.stats().blocks == 3
         assert store.get(blocks[3][0]).status is ReadStatus.HIT
-    listed = json.loads((store_dir / INDEX).read_text())["entries"]
+    listed = json.loads((store_dir / BLOCK_INDEX).read_text())["entries"]
     assert set(listed) == {k for k, _ in blocks[1:]}
 
 
@@ -499,7 +499,7 @@ def test_two_stores_on_one_dir_see_each_others_blocks(store_dir: Path) -> None:
         write_blocks(a, late)  # b does not know of it until it looks
         assert b.stats().blocks == 5 and b.exists(late[0][0]) and b.stats().blocks == 6
         a.close()
-    listed = json.loads((store_dir / INDEX).read_text())["entries"]
+    listed = json.loads((store_dir / BLOCK_INDEX).read_text())["entries"]
     assert set(listed) == {k for k, _ in first + second + late}
 
 
@@ -567,7 +567,8 @@ def test_two_processes_writing_the_same_blocks(store_dir: Path) -> None:
             got = store.get(key)
             assert got.status is ReadStatus.HIT and got.tokens == tuple(tokens)
             assert_same(got.kv, make_kv(key))
-    assert set(json.loads((store_dir / INDEX).read_text())["entries"]) == {k for k, _ in blocks}
+    listed = json.loads((store_dir / BLOCK_INDEX).read_text())["entries"]
+    assert set(listed) == {k for k, _ in blocks}
 
 
 def test_sigkill_during_write_behind_leaves_a_consistent_store(store_dir: Path) -> None:
@@ -594,5 +595,5 @@ def test_sigkill_during_write_behind_leaves_a_consistent_store(store_dir: Path) 
             assert got.tokens == tuple(blocks[key])
             assert_same(got.kv, make_kv(key))
     live.unlink()
-    listed = json.loads((store_dir / INDEX).read_text())["entries"]
+    listed = json.loads((store_dir / BLOCK_INDEX).read_text())["entries"]
     assert set(listed) == on_disk

@@ -152,7 +152,7 @@ def test_store_with_skip_tokens_writes_only_the_tail() -> None:
     b = [*a, *seq(40, 6)]
     hit = cache.lookup(b)
     assert hit.matched == 10
-    res = cache.store(b, ref_kv(b, hit.matched), hit.matched, hold=True)
+    res = cache.write_kv(b, ref_kv(b, hit.matched), hit.matched, hold=True)
     cache.check_integrity()
     assert (res.stored, res.new_tokens, res.complete, res.evicted) == (16, 6, True, 0)
     assert len(res.blocks) == 4 and all(blk.ref_count == 2 for blk in res.blocks[:3])
@@ -166,14 +166,14 @@ def test_store_with_skip_tokens_writes_only_the_tail() -> None:
 def test_store_checks_the_kv_length() -> None:
     cache = make_cache()
     with pytest.raises(ValueError, match="covers 3 positions, expected 4"):
-        cache.store(seq(0, 6), ref_kv(seq(0, 6), 3), 2)
+        cache.write_kv(seq(0, 6), ref_kv(seq(0, 6), 3), 2)
     cache.check_integrity()
 
 
 def test_store_of_a_cached_sequence_writes_nothing_and_hands_back_its_blocks() -> None:
     cache = make_cache()
     first = store(cache, seq(0, 10))
-    again = cache.store(seq(0, 10), ref_kv(seq(0, 10), 10), 10, hold=True)
+    again = cache.write_kv(seq(0, 10), ref_kv(seq(0, 10), 10), 10, hold=True)
     cache.check_integrity()
     assert (again.stored, again.new_tokens, again.complete) == (10, 0, True)
     assert [b.block_id for b in again.blocks] == [b.block_id for b in first.blocks]
@@ -184,13 +184,13 @@ def test_store_of_a_cached_sequence_writes_nothing_and_hands_back_its_blocks() -
 
 def test_store_takes_no_reference_unless_asked_to_hold() -> None:
     cache = make_cache(num_blocks=4)
-    res = cache.store(seq(0, 8), ref_kv(seq(0, 8)), 0)
+    res = cache.write_kv(seq(0, 8), ref_kv(seq(0, 8)), 0)
     cache.check_integrity()
     assert res.stored == 8 and all(b.ref_count == 0 for b in res.blocks)
     # the blocks are the tree's: the next mutation may evict them
     assert cache.evict(4) == 2
     cache.check_integrity()
-    held = cache.store(seq(0, 8), ref_kv(seq(0, 8)), 0, hold=True)
+    held = cache.write_kv(seq(0, 8), ref_kv(seq(0, 8)), 0, hold=True)
     assert all(b.ref_count == 1 for b in held.blocks)
     assert cache.evict(4) == 0  # held blocks are never evicted
     cache.release(held.blocks)
@@ -205,7 +205,7 @@ def test_store_when_the_prefix_it_skips_is_gone_stores_nothing() -> None:
     cache.release(hit.blocks)
     cache.evict(10)
     tokens = [*seq(0, 8), 1, 2]
-    res = cache.store(tokens, ref_kv(tokens, hit.matched), hit.matched)
+    res = cache.write_kv(tokens, ref_kv(tokens, hit.matched), hit.matched)
     cache.check_integrity()
     assert (res.stored, res.new_tokens, res.complete, res.blocks) == (0, 0, False, ())
 
@@ -269,7 +269,7 @@ def test_47_shared_tokens_with_block_size_64_hit_47() -> None:
     hit = cache.lookup(b)
     assert (hit.matched, hit.source) == (47, HitSource.RADIX)
     assert_hit_correct(cache, hit, b)
-    res = cache.store(b, ref_kv(b, 47), 47)
+    res = cache.write_kv(b, ref_kv(b, 47), 47)
     cache.check_integrity()
     assert (res.stored, res.new_tokens) == (100, 53)
     assert res.blocks[0] is not hit.blocks[0]  # the shared 47 were copied into b's own block
@@ -566,7 +566,7 @@ def test_an_interrupted_store_gives_its_new_blocks_back(
 
     monkeypatch.setattr(target, where, interrupted)
     with pytest.raises(KeyboardInterrupt):
-        cache.store(seq(0, 14), ref_kv(seq(0, 14), 6), 6)
+        cache.write_kv(seq(0, 14), ref_kv(seq(0, 14), 6), 6)
     monkeypatch.undo()
     cache.check_integrity()
     assert cache.manager.num_free == 6 and cache.peek(seq(0, 14)) == 6

@@ -16,7 +16,7 @@ from _cache_helpers import assert_hit_correct, make_cache, make_tiered_cache, re
 from kvchat.cache.kvcache import CacheIntegrityError, HitSource, Lookup, PagedKVCache, StoreResult
 from kvchat.cache.radix import RadixTree
 from kvchat.cache.tree_index import export_index, import_index
-from kvchat.ui import cache_view as cv
+from kvchat.inspect import documents as cv
 
 BS = 4
 PROMPT = list(range(10))
@@ -25,7 +25,7 @@ LONGER = [*PROMPT, 40, 41, 42]
 
 def put(cache: PagedKVCache, tokens: list[int], namespace: str, skip: int = 0,
         sid: str | None = None, logits: torch.Tensor | None = None) -> StoreResult:
-    res = cache.store(tokens, ref_kv(tokens, skip), skip, logits=logits, sid=sid,
+    res = cache.write_kv(tokens, ref_kv(tokens, skip), skip, logits=logits, sid=sid,
                       namespace=namespace)
     cache.check_integrity()
     return res

@@ -43,7 +43,7 @@ def cache_store(tree: RadixTree, pool: Pool, tokens: Sequence[int]) -> list[Bloc
         base = m // bs * bs
         blocks = match.blocks[: base // bs] + pool.new(-(-(n - base) // bs))
     tree.insert(tokens, blocks)
-    tree.check()
+    tree.check_integrity()
     return blocks
 
 
@@ -160,7 +160,7 @@ def test_inserting_a_cached_prefix_changes_nothing() -> None:
     tree, pool = RadixTree(4), Pool(4)
     a = cache_store(tree, pool, list(range(10)))
     tree.insert(list(range(5)), a[:2])
-    tree.check()
+    tree.check_integrity()
     assert shape(tree) == [(1, 0, 10, 3)]
     assert a[1].token_ids == [4, 5, 6, 7]
 
@@ -184,7 +184,7 @@ def test_insert_records_owners() -> None:
     m = tree.find_prefix([0, 1, 5])
     tree.insert([0, 1, 5], pool.new(1), owner="carol")
     tree.insert([0, 1, 2], m.blocks, owner="dave")  # ends inside [0, 4): dave reads it
-    tree.check()
+    tree.check_integrity()
     roots = sorted((sorted(n.owners), n.tokens) for n, d in tree.nodes() if d == 1)
     assert roots == [(["alice", "bob", "dave"], [0, 1, 2, 3]), (["carol"], [0, 1, 5])]
 
@@ -221,10 +221,10 @@ def test_pop_block_trims_and_removes_the_leaf_and_merges_the_parent() -> None:
     b = cache_store(tree, pool, list(range(8)) + [40, 41, 42, 43, 44])
     leaf_b = next(n for n in tree.leaves() if n.tokens[0] == 40)
     assert tree.pop_block(leaf_b) is b[3]
-    tree.check()
+    tree.check_integrity()
     assert leaf_b.tokens == [40, 41, 42, 43]
     assert tree.pop_block(leaf_b) is b[2]
-    tree.check()
+    tree.check_integrity()
     # [0, 8) was left with one child: merged back into a single edge
     assert shape(tree) == [(1, 0, 12, 3)]
     assert tree.find_prefix(list(range(12))).matched == 12
@@ -238,10 +238,10 @@ def test_pop_block_of_an_only_child_makes_the_parent_a_leaf() -> None:
     cache_store(tree, pool, list(range(4)) + [9, 9])
     leaf = next(n for n in tree.leaves() if n.tokens[0] == 9)
     tree.pop_block(leaf)
-    tree.check()
+    tree.check_integrity()
     leaf = next(n for n in tree.leaves())
     tree.pop_block(leaf)  # the other branch: [0, 4) is now a leaf
-    tree.check()
+    tree.check_integrity()
     assert shape(tree) == [(1, 0, 4, 1)]
     assert [n.tokens for n in tree.leaves()] == [[0, 1, 2, 3]]
 
@@ -264,7 +264,7 @@ def test_spilled_blocks_stay_matched_on_disk_and_truncate_drops_them() -> None:
     leaf_b = tree.find_prefix(list(range(4)) + [7]).node
     assert leaf_b is not None
     assert tree.spill_block(leaf_b) is b[1]
-    tree.check()
+    tree.check_integrity()
     match = tree.find_prefix(list(range(4)) + [7, 7, 7, 9])
     assert match.matched == 7 and ids(match.blocks) == [a[0].block_id]
     assert [(d.node, d.nth) for d in match.disk] == [(leaf_b, 0)]
@@ -273,11 +273,11 @@ def test_spilled_blocks_stay_matched_on_disk_and_truncate_drops_them() -> None:
         tree.spill_block(tree.find_prefix(list(range(4))).node)  # a resident child below
     fresh = pool.new(1)[0]
     tree.attach_block(leaf_b, fresh)
-    tree.check()
+    tree.check_integrity()
     assert fresh.token_ids == [7, 7, 7] and not tree.find_prefix([0, 1, 2, 3, 7]).disk
     tree.spill_block(leaf_b)
     assert tree.drop_disk() == 1
-    tree.check()
+    tree.check_integrity()
     assert shape(tree) == [(1, 0, 10, 3)]
 
 
@@ -289,14 +289,14 @@ def test_check_catches_a_resident_block_below_one_on_disk() -> None:
     assert upper is not None
     upper.blocks.pop()
     with pytest.raises(AssertionError, match="resident below on-disk"):
-        tree.check()
+        tree.check_integrity()
 
 
 def test_clear_empties_the_tree() -> None:
     tree, pool = RadixTree(4), Pool(4)
     cache_store(tree, pool, list(range(10)))
     tree.clear()
-    tree.check()
+    tree.check_integrity()
     assert list(tree.nodes()) == [] and tree.find_prefix(list(range(10))).matched == 0
 
 
@@ -314,7 +314,7 @@ def test_check_catches_block_tokens_disagreeing_with_the_edge() -> None:
     tree, a, _ = _two_branch_tree()
     a[2].token_ids[1] = 999
     with pytest.raises(AssertionError, match="disagree"):
-        tree.check()
+        tree.check_integrity()
 
 
 def test_check_catches_a_block_in_two_nodes() -> None:
@@ -322,7 +322,7 @@ def test_check_catches_a_block_in_two_nodes() -> None:
     leaf_b = next(n for n in tree.leaves() if n.blocks[0] is b[2])
     leaf_b.blocks[0] = a[2]
     with pytest.raises(AssertionError):
-        tree.check()
+        tree.check_integrity()
 
 
 def test_check_catches_a_mid_block_start() -> None:
@@ -330,21 +330,21 @@ def test_check_catches_a_mid_block_start() -> None:
     leaf = next(iter(tree.leaves()))
     leaf.start += 1
     with pytest.raises(AssertionError, match="mid-block"):
-        tree.check()
+        tree.check_integrity()
 
 
 def test_check_catches_a_stale_leaf_set() -> None:
     tree, _, _ = _two_branch_tree()
     tree._leaves.pop()
     with pytest.raises(AssertionError, match="leaf set"):
-        tree.check()
+        tree.check_integrity()
 
 
 def test_check_catches_a_wrong_first_block_flag() -> None:
     tree, a, _ = _two_branch_tree()
     a[1].is_first_block = True
     with pytest.raises(AssertionError, match="first-block"):
-        tree.check()
+        tree.check_integrity()
 
 
 def test_check_catches_missing_blocks() -> None:
@@ -352,7 +352,7 @@ def test_check_catches_missing_blocks() -> None:
     leaf = next(iter(tree.leaves()))
     leaf.keys.pop()
     with pytest.raises(AssertionError, match="cover"):
-        tree.check()
+        tree.check_integrity()
 
 
 # ---- cost --------------------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def test_check_catches_siblings_out_of_order() -> None:
     cache_store(tree, pool, [1, 2, 5, 5])
     tree.root.children[1].reverse()
     with pytest.raises(AssertionError, match="order"):
-        tree.check()
+        tree.check_integrity()
 
 
 # ---- properties ------------------------------------------------------------------------------

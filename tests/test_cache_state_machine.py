@@ -104,7 +104,7 @@ class CacheMachine(RuleBasedStateMachine):
             logits_len = data.draw(st.integers(max(skip, 1), n), label="logits_len")
             logits = logits_for(tokens[:logits_len])
         hold = data.draw(st.booleans(), label="hold")
-        res = self.cache.store(tokens, ref_kv(tokens, skip), skip, logits, logits_len, hold=hold,
+        res = self.cache.write_kv(tokens, ref_kv(tokens, skip), skip, logits, logits_len, hold=hold,
                                namespace=namespace)
         self.cache.check_integrity()
         if not hold:  # blocks are the tree's: a store takes no reference unless asked

@@ -11,9 +11,10 @@ import pytest
 from rich.console import Console
 
 from kvchat.cache.stats import CacheStats, PoolStats, SessionCounters
-from kvchat.ui import cache_view as cv
+from kvchat.inspect import documents as cv
+from kvchat.inspect import previews as pv
+from kvchat.inspect.documents import ExactView, NodeView
 from kvchat.ui import inspect_view, views
-from kvchat.ui.cache_view import ExactView, NodeView
 from kvchat.ui.views import TurnView
 
 
@@ -138,13 +139,13 @@ def test_turn_panels_fit_80_columns_and_modes():
 
 
 def test_previews_escape_control_characters_and_truncate():
-    assert cv.preview("a\nb\r\nc\td\x1b") == "a⏎b⏎c·d·"
-    assert cv.preview("x" * 30) == "x" * 23 + "…"
-    assert cv.tail_preview(list(range(40)), letters, 10) == "…fghijklmn"
-    assert cv.ids_preview([1, 22, 333]) == "1 22 333"
+    assert pv.preview("a\nb\r\nc\td\x1b") == "a⏎b⏎c·d·"
+    assert pv.preview("x" * 30) == "x" * 23 + "…"
+    assert pv.tail_preview(list(range(40)), letters, 10) == "…fghijklmn"
+    assert pv.ids_preview([1, 22, 333]) == "1 22 333"
     # a long edge shows where it starts and where it ends
-    assert cv.edge_preview(list(range(40)), letters) == "abcdefghijk…cdefghijklmn"
-    assert cv.edge_preview(list(range(5)), letters) == "abcde"
+    assert pv.edge_preview(list(range(40)), letters) == "abcdefghijk…cdefghijklmn"
+    assert pv.edge_preview(list(range(5)), letters) == "abcde"
 
 
 def test_printable_shows_terminal_controls_instead_of_running_them():
@@ -208,7 +209,7 @@ def test_adapters_agree_between_a_live_cache_and_its_snapshot_meta():
     for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7, 8], [9])):
         tokens = shared + tail
         kv = [(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))]
-        cache.store(tokens, kv, 0, sid=f"s{i}")
+        cache.write_kv(tokens, kv, 0, sid=f"s{i}")
     held = cache.lookup(shared + [1, 2, 3], sid="s0")
     reading = cv.nodes_from_cache(cache)
     assert [n.max_ref for n in cv.walk(reading)] == [1, 1, 0, 0]  # the lookup holds a path
@@ -253,11 +254,11 @@ def test_exact_table_lists_newest_first_and_counts_the_rest():
 
 def test_previews_skip_what_a_sequence_shares_with_its_closest_sibling():
     a, b, c = (1, 2, 3, 4, 5), (1, 2, 3, 9), (7, 8)
-    assert cv.distinct_offsets([a, b, c]) == [3, 3, 0]
-    assert cv.distinct_offsets([a, a[:2]]) == [2, 2]
-    assert cv.distinct_offsets([]) == []
-    assert cv.distinct_preview(a, 3, letters) == "ef"
-    assert cv.distinct_preview(a[:2], 2, letters) == "bc"  # a prefix of a sibling: its end
+    assert pv.distinct_offsets([a, b, c]) == [3, 3, 0]
+    assert pv.distinct_offsets([a, a[:2]]) == [2, 2]
+    assert pv.distinct_offsets([]) == []
+    assert pv.distinct_preview(a, 3, letters) == "ef"
+    assert pv.distinct_preview(a[:2], 2, letters) == "bc"  # a prefix of a sibling: its end
     siblings = (NodeView(4, a, 2, 0, ()), NodeView(4, b, 1, 0, ()))
     tree = render(views.tree_view(siblings, letters))
     assert '5 tok · 2 blk · ref 0 "ef"' in tree and '4 tok · 1 blk · ref 0 "j"' in tree

@@ -23,9 +23,9 @@ from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import GenerationResult, Request
 from kvchat.engine.verify import compare
+from kvchat.inspect import documents as cv
 from kvchat.responses import result_fields
 from kvchat.runtime import Runtime, RuntimeOptions
-from kvchat.ui import cache_view as cv
 from kvchat.ui import views
 
 BS = 4
@@ -59,7 +59,7 @@ def test_an_exact_entry_outlives_its_blocks_spilling_to_disk(tmp_path: Path) -> 
     hit = fetch(cache, A)  # the same prompt again: exact, the path loaded back
     assert hit.source is HitSource.EXACT and hit.matched == len(A)
     assert hit.logits is not None and torch.equal(hit.logits, logits)
-    assert len(cache.exact) == 1 and not cache.saved_exact
+    assert len(cache.exact) == 1 and not cache.exact.saved()
     # saved while parked, its logits go beside the index like a live entry's
     cache.evict(8)
     assert list(exact_logits(cache).values())[0] is logits
@@ -328,7 +328,7 @@ from pathlib import Path
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.sequence import Request
 from kvchat.runtime import Runtime, RuntimeOptions
-from kvchat.ui import cache_view as cv
+from kvchat.inspect import documents as cv
 from kvchat.ui import views
 root, model = Path(sys.argv[1]), sys.argv[2]
 cfg = CacheConfig(4, num_blocks=16)

@@ -8,8 +8,9 @@ import time
 
 from _cache_helpers import make_cache, store
 
-from kvchat.cache.explain import MissReason, Tombstones, explain
+from kvchat.cache.explain import MissReason, explain
 from kvchat.cache.radix import RadixTree
+from kvchat.cache.tombstones import Tombstones
 from kvchat.cache.tree_index import tree_from_records, tree_records
 from kvchat.cache.visibility import Visibility, preview
 

@@ -17,8 +17,8 @@ from kvchat.cache.kvcache import PagedKVCache
 from kvchat.cache.stats import CacheStats
 from kvchat.cli import inspect_cmd
 from kvchat.config import CacheConfig
+from kvchat.inspect import documents as cv
 from kvchat.snapshots import save_snapshot
-from kvchat.ui import cache_view as cv
 
 WIDE = {"COLUMNS": "200"}
 
@@ -55,7 +55,7 @@ def saved(tiny_model_dir, tiny_tokenizer, tmp_path_factory) -> tuple[Path, Paged
         hit = cache.lookup(prompt, sid=sid)
         tokens = prompt + reply(answer)  # the next turn extends this history
         zeros = torch.zeros(1, 1, len(tokens) - hit.matched, 2)
-        cache.store(tokens, [(zeros, zeros)], hit.matched, logits=torch.zeros(8),
+        cache.write_kv(tokens, [(zeros, zeros)], hit.matched, logits=torch.zeros(8),
                     logits_len=len(prompt), sid=sid)
         cache.release(hit.blocks)
         cache.check_integrity()

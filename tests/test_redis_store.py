@@ -119,7 +119,7 @@ def test_a_slow_store_times_out_instead_of_holding_the_lookup(tmp_path: Path) ->
 def test_two_instances_on_one_redis_share_blocks_and_tenants_stay_apart(tmp_path: Path) -> None:
     with redis_server(tmp_path) as (url, _):
         a, b = tiered(url), tiered(url)
-        a.store(list(range(1, 15)), ref_kv(list(range(1, 15))), 0, namespace="t1")
+        a.write_kv(list(range(1, 15)), ref_kv(list(range(1, 15))), 0, namespace="t1")
         store(a, list(range(1, 15)))
         assert a.disk is not None
         a.disk.flush()

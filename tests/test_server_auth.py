@@ -24,10 +24,10 @@ from typer.testing import CliRunner
 
 from kvchat.cli import app as cli_app
 from kvchat.config import CacheConfig
+from kvchat.inspect import documents as cv
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.server import Auth, AuthError, create_app, serving, startup_auth
 from kvchat.server.auth import SECRET_FILE, TENANTS_DIR, Tenant
-from kvchat.ui import cache_view as cv
 
 ADMIN, KEY_A, KEY_B = "admin-token", "key-a", "key-b"
 PROMPT = "What is the capital of France?"

@@ -86,7 +86,7 @@ def test_a_spill_on_one_instance_is_a_hit_on_the_other(tmp_path: Path) -> None:
 def test_tenants_and_models_never_share_blocks(tmp_path: Path) -> None:
     a, b = pair(tmp_path)
     other_model = make_tiered_cache(tmp_path, block_size=BS, shared=True, namespace_fp="other")
-    a.store(T, ref_kv(T), 0, namespace="tenant-1")
+    a.write_kv(T, ref_kv(T), 0, namespace="tenant-1")
     assert a.disk is not None
     a.disk.flush()
     assert b.lookup(T, namespace="tenant-2").matched == 0

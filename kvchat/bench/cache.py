@@ -67,7 +67,7 @@ class _Filler:
         if self._zeros.shape[2] < n:
             self._zeros = torch.zeros(1, 1, n, 1)
         kv = [(self._zeros[:, :, :n], self._zeros[:, :, :n])]
-        self.cache.store(tokens, kv, 0)
+        self.cache.write_kv(tokens, kv, 0)
         return self.cache.manager.num_blocks - self.cache.manager.num_free
 
     def fill(
@@ -141,7 +141,7 @@ def _tree_row(
 
     def store() -> float:
         seq = filler.tokens(prompt_tokens)
-        res = timed(lambda: cache.store(seq, kv, 0))
+        res = timed(lambda: cache.write_kv(seq, kv, 0))
         cache.evict(prompt_blocks)  # back to `size`: the oldest blocks go, not the new ones
         return res.seconds
 
@@ -256,11 +256,11 @@ def bench_bandwidth(
 
     def store() -> float:
         cache.clear()
-        return timed(lambda: cache.store(seq, kv, 0), dev).seconds
+        return timed(lambda: cache.write_kv(seq, kv, 0), dev).seconds
 
     store_t = measure(store, trials)
     cache.clear()
-    res = cache.store(seq, kv, 0, hold=True)  # held while gather reads them
+    res = cache.write_kv(seq, kv, 0, hold=True)  # held while gather reads them
     blocks = res.blocks
 
     gather_t = measure(lambda: timed(lambda: cache.gather(blocks, tokens), dev).seconds, trials)

@@ -71,7 +71,7 @@ def simulate(
         total += len(seq)
         tail = len(seq) - look.matched
         kv = [(torch.zeros(1, 1, tail, 1), torch.zeros(1, 1, tail, 1))]
-        res = cache.store(seq, kv, look.matched, logits=torch.zeros(1))
+        res = cache.write_kv(seq, kv, look.matched, logits=torch.zeros(1))
         if policy == "h2o" and res.blocks:
             cache.record_attention(res.blocks, _synthetic_mass(len(res.blocks)))
         cache.release(look.blocks)

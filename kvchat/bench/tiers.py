@@ -93,7 +93,7 @@ def _fill(rt: Runtime, tokens: int) -> list[int]:
     last: list[int] = []
     for i in range(max(1, tokens // CHUNK)):
         last = random_prompt(rt.engine, CHUNK, seed=1000 + i)
-        cache.store(last, [(zeros, zeros)] * cache.manager.n_layers, 0)
+        cache.write_kv(last, [(zeros, zeros)] * cache.manager.n_layers, 0)
     rt.save()
     return last
 

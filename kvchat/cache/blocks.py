@@ -274,7 +274,7 @@ def fill_span(
 ) -> None:
     """Write positions [m, end) of a stored sequence (span = (base, m, end), base the start of
     m's block) into the held leaf's last block and/or the new blocks; a branch that diverges
-    mid-block first copies the shared head of that block (see `PagedKVCache.store`)."""
+    mid-block first copies the shared head of that block (see `PagedKVCache.write_kv`)."""
     base, m, end = span
     targets = [held[-1], *new] if extend else new
     if not extend and m > base:

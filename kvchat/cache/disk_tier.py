@@ -9,7 +9,7 @@ so it is never served and never asked for again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvchat.cache.block_backend import ReadStatus
 from kvchat.cache.radix import PrefixMatch
@@ -17,8 +17,6 @@ from kvchat.cache.radix import PrefixMatch
 if TYPE_CHECKING:
     from kvchat.cache.block_backend import BlockBackend
     from kvchat.cache.blocks import Block, BlockManager
-    from kvchat.cache.exact import ExactEntry
-    from kvchat.cache.kvcache import PagedKVCache
     from kvchat.cache.radix import DiskBlock, Node, RadixTree
 
 
@@ -123,50 +121,3 @@ def persist(store: BlockBackend, manager: BlockManager, tree: RadixTree,
         if parent is not None and node in parent.children.get(node.tokens[0], ()):
             bury(node, gone)
             tree.truncate(node, gone)
-
-
-class HeldLogits:
-    """The loader of a parked exact entry: its logits row, still in memory."""
-
-    def __init__(self, row: Any) -> None:
-        self.row = row
-
-    def __call__(self) -> Any:
-        return self.row
-
-
-def park_exact(cache: PagedKVCache, gone: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
-    """Exact entries whose block just spilled wait in `saved_exact`, logits in memory, so the
-    prompt is still an exact hit once its path loads back; at most the index's capacity of
-    them, the oldest dropped first."""
-    for namespace, tokens, logits in gone:
-        if logits is not None:
-            cache.saved_exact.pop((namespace, tokens), None)
-            cache.saved_exact[(namespace, tokens)] = HeldLogits(logits)
-    held = [k for k, loader in cache.saved_exact.items() if isinstance(loader, HeldLogits)]
-    for key in held[: max(len(held) - cache.exact.max_entries, 0)]:
-        del cache.saved_exact[key]
-
-
-def held_logits(cache: PagedKVCache) -> dict[tuple[str, tuple[int, ...]], Any]:
-    """The parked entries' logits rows, for a save to write beside the index."""
-    return {k: loader.row for k, loader in cache.saved_exact.items()
-            if isinstance(loader, HeldLogits)}
-
-
-def revive_exact(cache: PagedKVCache, tokens: Sequence[int],
-                 namespace: str) -> tuple[ExactEntry | None, int]:
-    """An exact entry an earlier process saved, made live again on its first hit: its path
-    loaded from disk, its logits read. Returns the entry (None when its blocks or logits cannot
-    all be had: the prompt is then a radix hit at most) and the tokens loaded from disk."""
-    loader = cache.saved_exact.pop((namespace, tuple(tokens)), None)
-    logits = loader() if loader is not None else None
-    if logits is None:  # read first: a failed read leaves the path to the radix lookup
-        return None, 0
-    match = cache.tree.find_prefix(tokens, namespace)
-    resident = match.resident(bs := cache.block_size)
-    match = cache.load(match)
-    if match.matched < len(tokens):
-        return None, max(len(match.blocks) * bs - resident, 0)
-    cache.exact.put(tokens, match.blocks[: -(-len(tokens) // bs)], logits, namespace)
-    return cache.exact.get(tokens, namespace), len(tokens) - resident

@@ -4,12 +4,17 @@ position's logits. A prompt cached in one namespace is unknown in every other.
 With stored logits an exact repeat samples its first token without any forward pass. Entries die
 with any of their blocks (`drop_block`) and the index keeps at most `max_entries` (oldest out
 first), because each logits row is vocabulary-sized.
+
+Entries whose blocks are not in the pool wait as saved entries, each with a loader of its
+logits: those an earlier process saved (read from its file on first hit) and those parked when
+a block spilled to the disk tier (`park`: the row stays in memory). The cache makes one live
+again when its prompt is looked up and its path loads back (`take_saved`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +44,16 @@ class _HashedKey(tuple[int, ...]):
 NamespacedKey = tuple[str, Key]
 
 
+class HeldLogits:
+    """The loader of a parked exact entry: its logits row, still in memory."""
+
+    def __init__(self, row: Any) -> None:
+        self.row = row
+
+    def __call__(self) -> Any:
+        return self.row
+
+
 @dataclass
 class ExactEntry:
     blocks: list[Block]  # covering positions [0, len(key))
@@ -51,6 +66,8 @@ class ExactIndex:
         self.max_entries = max_entries
         self._entries: OrderedDict[NamespacedKey, ExactEntry] = OrderedDict()
         self._by_block: dict[int, set[NamespacedKey]] = {}
+        # (namespace, tokens) -> a loader of its logits (None when they cannot be read)
+        self._saved: dict[NamespacedKey, Callable[[], Any]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -107,8 +124,44 @@ class ExactIndex:
                     del self._by_block[block.block_id]
 
     def clear(self) -> None:
+        """Forget every entry, saved ones too."""
         self._entries.clear()
         self._by_block.clear()
+        self._saved.clear()
+
+    # ---- saved entries (their blocks out of the pool) --------------------------------------
+
+    def save(self, tokens: Sequence[int], namespace: str, loader: Callable[[], Any]) -> None:
+        """An entry an earlier process saved: `loader` reads its logits on first hit."""
+        self._saved[(namespace, tuple(tokens))] = loader
+
+    def park(self, gone: Sequence[tuple[str, Key, Any]]) -> None:
+        """Entries whose block just spilled (`take_block`) wait with their logits in memory,
+        so the prompt is still an exact hit once its path loads back; at most `max_entries`
+        of them, the oldest dropped first."""
+        for namespace, tokens, logits in gone:
+            if logits is not None:
+                self._saved.pop((namespace, tokens), None)
+                self._saved[(namespace, tokens)] = HeldLogits(logits)
+        held = [k for k, loader in self._saved.items() if isinstance(loader, HeldLogits)]
+        for key in held[: max(len(held) - self.max_entries, 0)]:
+            del self._saved[key]
+
+    def is_saved(self, tokens: Sequence[int], namespace: str = "") -> bool:
+        return (namespace, tuple(tokens)) in self._saved
+
+    def take_saved(self, tokens: Sequence[int], namespace: str = "") -> Callable[[], Any] | None:
+        """The saved entry's loader, no longer saved (None if there is none)."""
+        return self._saved.pop((namespace, tuple(tokens)), None)
+
+    def saved(self) -> list[tuple[str, Key]]:
+        """(namespace, tokens) of the saved entries, oldest first."""
+        return list(self._saved)
+
+    def held_rows(self) -> dict[tuple[str, Key], Any]:
+        """The parked entries' logits rows, for a save to write beside the index."""
+        return {k: loader.row for k, loader in self._saved.items()
+                if isinstance(loader, HeldLogits)}
 
     def items(self) -> Iterator[tuple[Key, ExactEntry]]:
         """(tokens, entry) per entry, oldest first; the entry names its namespace."""

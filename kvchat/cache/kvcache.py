@@ -1,9 +1,9 @@
-"""PagedKVCache: the facade the engine talks to (lookup, gather, store, release, stats).
+"""PagedKVCache: the facade the engine talks to (lookup, gather, write_kv, release, stats).
 
 Lookup is two-layer: the exact index first (whole prompt, with its last logits: no forward pass
-needed), then the radix tree (longest cached prefix, token-granular). Store evicts leaf blocks
+needed), then the radix tree (longest cached prefix, token-granular). write_kv evicts leaf blocks
 through the policy when the pool is short, writes the new K/V, and registers the sequence in both
-layers. Blocks a lookup (or a store with hold=True) hands out are acquired; the caller releases
+layers. Blocks a lookup (or a write_kv with hold=True) hands out are acquired; the caller releases
 them when its request ends. Blocks the tree owns carry no reference.
 
 With a disk tier (a BlockStore, `use_store`), eviction spills a block to disk instead of
@@ -18,6 +18,7 @@ share the pool but no blocks. Eviction ranks all namespaces' blocks together.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
@@ -30,11 +31,22 @@ from kvchat.cache.block_keys import root_key
 from kvchat.cache.blocks import KV, Block, BlockManager, fill_span
 from kvchat.cache.drafts import continuation
 from kvchat.cache.eviction import EvictionPolicy, leaf_first, make_policy
-from kvchat.cache.exact import ExactIndex
-from kvchat.cache.explain import Explanation, Tombstones, explain
-from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinTable, pin_prefix
+from kvchat.cache.exact import ExactEntry, ExactIndex
+from kvchat.cache.explain import Explanation, explain
+from kvchat.cache.integrity import check_cache
+from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinError, PinTable, pin_prefix
 from kvchat.cache.radix import Node, PrefixMatch, RadixTree
+from kvchat.cache.state import (
+    CacheState,
+    SavedExact,
+    SavedPin,
+    SnapshotMismatch,
+    exact_name,
+    graft,
+    records_of,
+)
 from kvchat.cache.stats import CacheStats, Counters, SessionCounters
+from kvchat.cache.tombstones import Tombstones
 from kvchat.config import CacheConfig
 
 if TYPE_CHECKING:
@@ -70,7 +82,7 @@ class Lookup(NamedTuple):
 class StoreResult(NamedTuple):
     """What a store cached. `blocks` cover positions [0, stored). They are acquired for the
     caller only when it passed hold=True (then it releases them); otherwise they are the
-    tree's, valid until the next call that mutates the cache (store, evict, clear, reset)."""
+    tree's, valid until the next call that mutates the cache (write_kv, evict, clear, reset)."""
 
     stored: int  # leading tokens of the sequence now cached
     new_tokens: int  # of which this call wrote
@@ -101,8 +113,6 @@ class PagedKVCache:
         self._sessions: dict[str, SessionCounters] = {}  # updated in place: one per session
         self._counters = Counters(sessions=self._sessions)
         self.disk: BlockBackend | None = None
-        # exact entries saved by an earlier process: (namespace, tokens) -> their logits' loader
-        self.saved_exact: dict[tuple[str, tuple[int, ...]], Callable[[], Any]] = {}
         self._root_key: Callable[[str], str] | None = None
         self._notices: list[str] = []
         self.pins = PinTable(manager.num_blocks, max_pinned)
@@ -164,8 +174,8 @@ class PagedKVCache:
         n = len(tokens)
         entry = self.exact.get(tokens, namespace) if n else None
         disk = shared = 0
-        if entry is None and (namespace, tuple(tokens)) in self.saved_exact:
-            entry, disk = disk_tier.revive_exact(self, tokens, namespace)
+        if entry is None and self.exact.is_saved(tokens, namespace):
+            entry, disk = self._revive_exact(tokens, namespace)
         if entry is not None and entry.logits is not None:
             matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
             why = explain(self.tree, tokens, exact=True)
@@ -230,7 +240,7 @@ class PagedKVCache:
         return self.manager.gather([b.block_id for b in blocks], n_tokens)
 
     def release(self, blocks: Sequence[Block]) -> None:
-        """Give back blocks a lookup, or a store with hold=True, acquired for the caller."""
+        """Give back blocks a lookup, or a write_kv with hold=True, acquired for the caller."""
         for block in blocks:
             block.release()
 
@@ -238,9 +248,9 @@ class PagedKVCache:
         for block, score in zip(blocks, scores, strict=True):
             self.policy.record_attention(block, score)
 
-    # ---- store -------------------------------------------------------------------------------
+    # ---- write_kv ----------------------------------------------------------------------------
 
-    def store(
+    def write_kv(
         self,
         tokens: Sequence[int],
         kv_per_layer: Sequence[KV],
@@ -359,7 +369,7 @@ class PagedKVCache:
             victim = node.blocks[-1]
             gone = self.exact.take_block(victim)
             if to_disk and self.disk is not None:
-                disk_tier.park_exact(self, gone)  # exact again once the path loads back
+                self.exact.park(gone)  # exact again once the path loads back
                 disk_tier.spill(self.disk, self.manager, tree, node)
             else:
                 self.tombstones.record_node_block(tree, node, len(node.blocks) - 1, why)
@@ -378,7 +388,6 @@ class PagedKVCache:
         """Drop everything no request is using (first blocks and pins too); returns blocks
         freed."""
         self.exact.clear()
-        self.saved_exact.clear()
         self.pins.clear()
         for node, _ in list(self.tree.nodes()):  # what is only on disk goes too
             if node.on_disk and (node.parent is None or not node.parent.on_disk):
@@ -424,25 +433,120 @@ class PagedKVCache:
         callers still hold are freed too, so only call it when no request is running."""
         self.tree = self.new_tree()
         self.exact.clear()
-        self.saved_exact.clear()
         self.pins.clear()
         self.tombstones = Tombstones(self.tombstones.capacity)
         self._sessions = {}
         self._counters = Counters(sessions=self._sessions)
         self.manager.reset()
 
-    def restore(self, tree: RadixTree, counters: Counters) -> None:
-        """Adopt a tree rebuilt from the index file (its blocks on disk, or already imported
-        into this cache's manager) and the counters saved with it."""
-        self.tree = tree
-        self._sessions = dict(counters.sessions)
-        self._counters = replace(counters, sessions=self._sessions)
+    def persist(self) -> None:
+        """Make the disk tier (if any) hold every block of the tree, on disk when this returns;
+        blocks it evicted to stay in budget leave the tree, remembered as tombstones ("disk
+        budget"). A CacheState exported after it names only blocks the tier can serve."""
+        if self.disk is not None and self.disk.enabled:
+            tree = self.tree
+            disk_tier.persist(self.disk, self.manager, tree, lambda node, first:
+                              self.tombstones.record_subtree(tree, node, first, "disk budget"))
+
+    def export(self) -> CacheState:
+        """This cache's state as plain data: the tree's records (tokens, block keys, owners,
+        pins), counters, the policy's state, pins, tombstones and the exact entries worth
+        saving. No K/V: `persist` first, so the disk tier holds every block the records name."""
+        mgr, stats = self.manager, self.stats()
+        return CacheState(
+            block_size=self.block_size,
+            shape=(mgr.n_layers, mgr.n_kv_heads, mgr.head_dim),
+            policy=self.policy.name,
+            policy_state=self.policy.state(),
+            tree=records_of(self.tree, self.pins.block_ids),
+            counters=replace(self._counters, sessions=dict(self._sessions)),
+            pins=tuple(SavedPin(p.namespace, tuple(p.tokens), p.label) for p in self.pins),
+            tombstones=self.tombstones.rows(),
+            exact=self._exact_to_save(),
+            resident_blocks=mgr.num_blocks - mgr.num_free,
+            disk_tokens=stats.disk_tokens,
+        )
+
+    def _exact_to_save(self) -> tuple[SavedExact, ...]:
+        """The exact entries to save, oldest first, at most the index's capacity: the live
+        ones, and those saved earlier that no prompt has hit since (their logits file stays as
+        it is) while the tree still holds their tokens, so a file run again gets exact hits."""
+        bs, tree, exact = self.block_size, self.tree, self.exact
+        live = [(e.namespace, tokens, len(e.blocks)) for tokens, e in exact.items()
+                if e.logits is not None]
+        saved = [(ns, tokens, _ceil_div(len(tokens), bs)) for ns, tokens in exact.saved()
+                 if not exact.has(tokens, ns)
+                 and tree.find_prefix(tokens, ns).matched == len(tokens)]
+        kept = (saved + live)[-exact.max_entries:] if exact.max_entries else []
+        return tuple(SavedExact(ns, tuple(tokens), n_blocks, exact_name(tree, ns, tokens))
+                     for ns, tokens, n_blocks in kept)
+
+    def exact_rows(self) -> dict[tuple[str, tuple[int, ...]], Any]:
+        """Logits rows of the live exact entries and of those parked while their blocks are
+        on disk, by (namespace, tokens): what a save writes beside the index."""
+        rows = self.exact.held_rows()
+        rows.update({(e.namespace, tuple(t)): e.logits for t, e in self.exact.items()
+                     if e.logits is not None})
+        return rows
+
+    def restore(self, state: CacheState,
+                logits: Callable[[str], Any] = lambda name: None) -> None:
+        """Rebuild an exported state in this empty cache, every block on disk (loaded on its
+        first hit); exact entries wait until first hit, when `logits(name)` reads theirs. Pins
+        are made again (a pin that no longer fits is dropped with a notice). Raises
+        SnapshotMismatch if the state does not fit or hold together, leaving the cache empty."""
+        try:
+            mgr = self.manager
+            if state.block_size != self.block_size:
+                raise SnapshotMismatch("block size differs")
+            if tuple(state.shape) != (mgr.n_layers, mgr.n_kv_heads, mgr.head_dim):
+                raise SnapshotMismatch("K/V shape differs")
+            if mgr.num_free != mgr.num_blocks:
+                raise SnapshotMismatch("the cache is not empty")
+            self.tree = graft(self.new_tree(), state.tree)
+            self._sessions = dict(state.counters.sessions)
+            self._counters = replace(state.counters, sessions=self._sessions)
+            self.policy.restore(state.policy_state)
+            self.tombstones = Tombstones(self.tombstones.capacity)
+            for key, prev, tokens, when, policy in state.tombstones:
+                self.tombstones.record(key, prev, tokens, policy, when)
+            for e in state.exact:
+                self.exact.save(e.tokens, e.namespace, functools.partial(logits, e.logits))
+            self.check_integrity()
+        except SnapshotMismatch:
+            self.reset()
+            raise
+        except (ValueError, AssertionError) as exc:
+            self.reset()
+            raise SnapshotMismatch(f"the index is damaged ({type(exc).__name__}: {exc})"
+                                   ) from exc
+        for pin in state.pins:
+            try:
+                self.pin(pin.tokens, pin.namespace, pin.label)
+            except PinError as exc:
+                self.notice(f"A saved pin ({pin.label}, {len(pin.tokens)} tokens) was dropped: "
+                            f"{exc}")
 
     def check_integrity(self) -> None:
         """Raise CacheIntegrityError if pool, tree and exact index disagree."""
-        from kvchat.cache.integrity import check_cache
-
         try:
-            check_cache(self)
+            check_cache(self.manager, self.tree, self.exact, self.pins, self.disk is not None)
         except AssertionError as exc:
             raise CacheIntegrityError(str(exc)) from exc
+
+    def _revive_exact(self, tokens: Sequence[int],
+                      namespace: str) -> tuple[ExactEntry | None, int]:
+        """A saved exact entry made live again on its first hit: its path loaded from disk, its
+        logits read. Returns the entry (None when its blocks or logits cannot all be had: the
+        prompt is then a radix hit at most) and the tokens loaded from disk."""
+        loader = self.exact.take_saved(tokens, namespace)
+        row = loader() if loader is not None else None
+        if row is None:  # read first: a failed read leaves the path to the radix lookup
+            return None, 0
+        match = self.tree.find_prefix(tokens, namespace)
+        resident = match.resident(bs := self.block_size)
+        match = self.load(match)
+        if match.matched < len(tokens):
+            return None, max(len(match.blocks) * bs - resident, 0)
+        self.exact.put(tokens, match.blocks[: _ceil_div(len(tokens), bs)], row, namespace)
+        return self.exact.get(tokens, namespace), len(tokens) - resident

@@ -1,6 +1,6 @@
 """Radix tree (compressed prefix trie) over token ids, mapping prefixes to pool blocks.
 
-Invariants (checked by `check`):
+Invariants (checked by `check_integrity`):
 - every node starts at a block-aligned position; it has one key per block of its edge
   (`block_keys`: chained over the namespace and every token through the block); its resident
   blocks (in the pool) are a prefix of those, the rest are on disk, in the BlockStore;
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator, Sequence
+from itertools import pairwise
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -441,8 +442,47 @@ class RadixTree:
     def num_tokens(self) -> int:
         return sum(len(node.tokens) for node, _ in self.nodes())
 
-    def check(self) -> None:
-        """Raise AssertionError if a structural invariant is broken."""
-        from kvchat.cache.integrity import check_tree
-
-        check_tree(self)
+    def check_integrity(self) -> None:
+        """Raise AssertionError if a structural invariant (the module docstring's) is broken."""
+        bs = self.block_size
+        seen: set[int] = set()
+        leaves = set()
+        for node, _ in self.nodes():
+            assert node.tokens, "empty non-root node"
+            assert node.start % bs == 0, f"node starts mid-block at {node.start}"
+            assert node.parent is not None
+            assert node.namespace == node.parent.namespace, "node outside its parent's namespace"
+            expected_start = node.parent.end if not node.parent.is_root else 0
+            assert node.start == expected_start, "child does not start where its parent ends"
+            assert len(node.keys) == -(-len(node.tokens) // bs), "keys do not cover the edge"
+            assert len(node.blocks) <= len(node.keys), "more blocks than keys"
+            if node.on_disk:
+                assert not any(c.blocks for c in node.child_list()), "resident below on-disk"
+            joined: list[int] = []
+            for i, block in enumerate(node.blocks):
+                assert block.block_id not in seen, f"block {block.block_id} in two nodes"
+                seen.add(block.block_id)
+                assert block.ref_count >= 0
+                assert block.is_first_block == (node.start == 0 and i == 0), "first-block flag"
+                joined.extend(block.token_ids)
+            assert joined == node.tokens[: len(joined)], "block tokens disagree with the edge"
+            if len(node.blocks) == len(node.keys):
+                assert len(joined) == len(node.tokens), "resident blocks do not cover the edge"
+            else:
+                assert len(joined) == len(node.blocks) * bs, "a partial block before disk"
+            if node.children:
+                assert node.end % bs == 0, "inner node ends mid-block"
+                for key, group in node.children.items():
+                    assert group and all(c.tokens[0] == key for c in group)
+                    assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
+            else:
+                leaves.add(node)
+        assert "" in self.roots, "namespace \"\" has no root"
+        for namespace, root in self.roots.items():
+            assert root.is_root and root.namespace == namespace, "root of another namespace"
+            assert not root.tokens and not root.blocks, "a root holds tokens"
+            assert root.children or not namespace, f"empty namespace {namespace!r} kept"
+            for key, group in root.children.items():
+                assert group and all(c.tokens[0] == key for c in group)
+                assert all(a.tokens < b.tokens for a, b in pairwise(group)), "order"
+        assert leaves == set(self.leaves()), "leaf set out of date"

@@ -71,7 +71,7 @@ def extend(cache: PagedKVCache, tokens: Sequence[int], namespace: str,
          torch.cat([block[layer][1] for block in read], dim=1)[None].to(devices[layer]))
         for layer in range(len(devices))
     ]  # per layer (1, H, len(read) * bs, D)
-    cache.store(tokens[:end], kv, first * bs, namespace=namespace)
+    cache.write_kv(tokens[:end], kv, first * bs, namespace=namespace)
     again = cache.tree.find_prefix(tokens, namespace)
     gained = max(min(again.matched, end) - match.matched, 0)
     return (again, gained) if gained else (match, 0)

@@ -40,7 +40,7 @@ from kvchat.cache.block_backend import ReadResult, ReadStatus, StoreStats
 from kvchat.cache.block_file import BlockFileError, BlockKV, BlockLayout, read_block_bytes
 from kvchat.cache.block_keys import is_key
 from kvchat.cache.store_index import (
-    INDEX,
+    BLOCK_INDEX,
     DiskTier,
     StoreIndex,
     block_path,
@@ -101,8 +101,8 @@ class BlockStore:
             return
         private_dir(self.root, "the disk cache folder")
         loaded = read_index(self.root)
-        if loaded is None and (self.root / INDEX).exists():
-            self._notices.append(f"Disk cache index {self.root / INDEX} was unreadable; "
+        if loaded is None and (self.root / BLOCK_INDEX).exists():
+            self._notices.append(f"Disk cache index {self.root / BLOCK_INDEX} was unreadable; "
                                  "it is rebuilt from the block files.")
         self._index = StoreIndex.of(loaded[0] if loaded else {})
         self._index.dirty = loaded is None  # written at the first save, even when empty
@@ -415,7 +415,8 @@ class BlockStore:
                 self._index.dirty = False
                 doc = self._index.document(self.budget_bytes)
             try:
-                atomic_write(self.root / INDEX, json.dumps(doc).encode(), "the disk cache index")
+                atomic_write(self.root / BLOCK_INDEX, json.dumps(doc).encode(),
+                             "the disk cache index")
             except WriteError as exc:
                 with self._cond:
                     self._index.dirty = True

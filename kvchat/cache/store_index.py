@@ -1,4 +1,5 @@
-"""The disk tier's index: which block files a store holds, their sizes, and when each was last used.
+"""The disk tier's block index: which block files a store holds, their sizes, and when each was
+last used (not the snapshot's tree index, `kvchat.cache.tree_index`, also named index.json).
 
 index.json is a summary of the store's block folders that spares start-up a stat per file:
     {"version": 1, "budget_bytes": N, "entries": {key: [file bytes, last used (epoch seconds)]}}
@@ -22,8 +23,8 @@ from typing import Any
 
 from kvchat.cache.block_keys import is_key
 
-INDEX_VERSION = 1
-INDEX = "index.json"
+BLOCK_INDEX_VERSION = 1
+BLOCK_INDEX = "index.json"
 SUFFIX = ".kvb"
 # Temp files of interrupted writes: `.<name>.<pid>-<thread>.tmp`, block files' and atomic_write's.
 _TEMP_RE = re.compile(r"\..+\.(\d+)-\d+\.tmp")
@@ -50,8 +51,8 @@ class DiskTier:
 def read_index(root: Path) -> tuple[dict[str, Entry], int] | None:
     """(entries, budget) from a store's index.json; None when it is missing or damaged."""
     try:
-        data = json.loads((Path(root) / INDEX).read_text())
-        if data["version"] != INDEX_VERSION:
+        data = json.loads((Path(root) / BLOCK_INDEX).read_text())
+        if data["version"] != BLOCK_INDEX_VERSION:
             return None
         entries = {str(k): (int(v[0]), float(v[1])) for k, v in data["entries"].items()
                    if is_key(str(k))}
@@ -131,7 +132,7 @@ class StoreIndex:
             self.dirty = True
 
     def document(self, budget_bytes: int) -> dict[str, Any]:
-        return {"version": INDEX_VERSION, "budget_bytes": budget_bytes,
+        return {"version": BLOCK_INDEX_VERSION, "budget_bytes": budget_bytes,
                 "entries": {k: list(v) for k, v in self.entries.items()}}
 
 

@@ -1,174 +1,231 @@
-"""The tiered cache's state as plain data: an index of the tree, its K/V in the disk tier.
+"""The snapshot's tree index: `cache/index.json` of a sessions dir, the one owner of its schema.
 
-`export_index` first makes the disk tier hold every block of the tree (`disk_tier.persist`),
-then returns JSON-ready meta: the tree with each node's tokens and block keys, counters and the
-policy's state; no K/V, which lives in the BlockStore. `import_index` rebuilds that tree in an
-empty cache with every block on disk: no pool allocation and no block file read, so start-up
-time does not grow with the cache; blocks load on their first hit. Exact entries are not kept:
-their blocks are on disk after a restart, and the radix tree serves those prompts.
+A CacheState (`kvchat.cache.state`) as JSON, written by `export_index` and read back by
+`read_state` / `import_index`; `kvchat inspect`, the server and `kvchat.snapshots` read its tree
+with `read_tree`, so the records are parsed in one place. No K/V: those live in the disk tier
+(whose own `index.json`, the block index, is `kvchat.cache.store_index`'s). Torch-free.
+
+    {"version": 2, "block_size": N, "shape": [layers, kv heads, head dim],
+     "policy": name, "policy_state": {...}, "counters": {...},
+     "tree": [record, ...], "pins": [{"id", "namespace", "tokens", "label"}, ...],
+     "tombstones": [[key, key before, tokens, when, policy], ...],
+     "exact": [{"tokens", "namespace", "blocks", "logits"}, ...],
+     "resident_blocks": N, "disk_tokens": N, ... what the snapshot adds (fingerprint, ...)}
+    record: {"start", "tokens", "keys", "owners", "children": [record, ...]}, plus
+            "namespace" on the roots' children and "pinned": true on nodes holding a pin's block
+
+A version 1 index (`blocks`: the K/V of every used block in one file, records naming them by
+id) is still read by `read_tree`, for `kvchat inspect`; a cache never loads one.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvchat.cache import disk_tier
-from kvchat.cache.explain import Tombstones
-from kvchat.cache.pins import PinError, saved_pins
-from kvchat.cache.radix import Node, RadixTree
+from kvchat.cache.pins import pin_id
+from kvchat.cache.radix import RadixTree
+from kvchat.cache.state import (
+    CacheState,
+    SavedExact,
+    SavedPin,
+    SnapshotMismatch,
+    TreeRecord,
+    build_bottom_up,
+    exact_name,
+    graft,
+    records_of,
+)
 from kvchat.cache.stats import Counters
+from kvchat.cache.tombstones import Tombstone
 
 if TYPE_CHECKING:
     from kvchat.cache.kvcache import PagedKVCache
 
-class SnapshotMismatch(ValueError):
-    """Saved cache state does not fit this cache (shape, size, version or keys)."""
+__all__ = ["TREE_INDEX", "TREE_INDEX_VERSION", "SnapshotFormatError", "SnapshotMismatch",
+           "exact_logits", "export_index", "import_index", "read_state", "read_tree",
+           "state_document", "tree_from_records", "tree_records", "walk_records"]
+
+TREE_INDEX = "index.json"  # in a sessions dir's cache/ folder
+TREE_INDEX_VERSION = 2  # version 1 (`snapshot`) held the K/V of every used block in one file
 
 
-INDEX_VERSION = 2  # version 1 (`snapshot`) held the K/V of every used block in one file
+class SnapshotFormatError(ValueError):
+    """index.json parsed as JSON but does not describe a cache."""
 
+
+def _damaged(exc: Exception) -> SnapshotFormatError:
+    return SnapshotFormatError(
+        f"index.json does not describe a cache ({type(exc).__name__}: {exc})")
+
+
+# ---- reading -------------------------------------------------------------------------------
+
+
+def parse_records(records: Sequence[Mapping[str, Any]],
+                  v1_blocks: Sequence[Sequence[int]] | None = None) -> tuple[TreeRecord, ...]:
+    """Tree records as TreeRecords; only the top ones name their namespace, their descendants
+    share it. `v1_blocks` (the tokens of a version 1 index's blocks) resolves records that
+    name blocks by id. Raises KeyError, TypeError, ... on a record of another shape."""
+    namespace_of: dict[int, str] = {}
+    stack = [(rec, str(rec.get("namespace", ""))) for rec in records]
+    while stack:
+        rec, namespace = stack.pop()
+        namespace_of[id(rec)] = namespace
+        stack.extend((child, namespace) for child in rec["children"])
+
+    def make(rec: Mapping[str, Any], kids: tuple[TreeRecord, ...]) -> TreeRecord:
+        if "tokens" in rec or v1_blocks is None:
+            tokens, keys = tuple(int(t) for t in rec["tokens"]), tuple(str(k) for k in rec["keys"])
+            n_blocks = len(keys)
+        else:
+            ids = [int(i) for i in rec["blocks"]]
+            tokens, keys, n_blocks = tuple(t for i in ids for t in v1_blocks[i]), (), len(ids)
+        return TreeRecord(int(rec["start"]), tokens, keys, n_blocks,
+                          tuple(sorted(str(o) for o in rec.get("owners", []))),
+                          namespace_of[id(rec)], bool(rec.get("pinned", False)), kids)
+
+    return build_bottom_up(list(records), lambda r: list(r["children"]), make)
+
+
+def read_tree(meta: Mapping[str, Any]) -> tuple[TreeRecord, ...]:
+    """The saved radix tree of an index (version 2, or 1). Raises SnapshotFormatError (a
+    ValueError) when it does not have the shape `export_index` writes."""
+    try:
+        v1 = [[int(t) for t in b["tokens"]] for b in meta["blocks"]] if "blocks" in meta else None
+        return parse_records(meta["tree"], v1)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise _damaged(exc) from exc
+
+
+def walk_records(records: Iterable[TreeRecord]) -> Iterator[TreeRecord]:
+    """Every record, depth first."""
+    stack = list(reversed(list(records)))
+    while stack:
+        rec = stack.pop()
+        yield rec
+        stack.extend(reversed(rec.children))
+
+
+def read_state(meta: Mapping[str, Any]) -> CacheState:
+    """The CacheState an index holds. Raises SnapshotMismatch for another version, and
+    SnapshotFormatError (a ValueError) when it is damaged."""
+    if meta.get("version") != TREE_INDEX_VERSION:
+        raise SnapshotMismatch(f"index version {meta.get('version')} is not "
+                               f"{TREE_INDEX_VERSION}")
+    tree = read_tree(meta)
+    try:
+        n_layers, n_kv_heads, head_dim = (int(x) for x in meta["shape"])
+        tombstones: list[Tombstone] = [
+            (str(key), str(prev), tuple(int(t) for t in tokens), float(when), str(policy))
+            for key, prev, tokens, when, policy in meta.get("tombstones", [])]
+        return CacheState(
+            block_size=int(meta["block_size"]),
+            shape=(n_layers, n_kv_heads, head_dim),
+            policy=str(meta.get("policy", "")),
+            policy_state=dict(meta.get("policy_state") or {}),
+            tree=tree,
+            counters=Counters.counters_from_json(meta["counters"]),
+            pins=tuple(SavedPin(str(r.get("namespace", "")), tuple(int(t) for t in r["tokens"]),
+                                str(r.get("label", "prefix")))
+                       for r in meta.get("pins", [])),
+            tombstones=tuple(tombstones),
+            exact=tuple(SavedExact(str(r.get("namespace", "")),
+                                   tuple(int(t) for t in r["tokens"]),
+                                   int(r.get("blocks", 0)), str(r["logits"]))
+                        for r in meta.get("exact", [])),
+            resident_blocks=int(meta.get("resident_blocks", 0)),
+            disk_tokens=int(meta.get("disk_tokens", 0)),
+        )
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise _damaged(exc) from exc
+
+
+def tree_from_records(tree: RadixTree, records: Sequence[Mapping[str, Any]]) -> RadixTree:
+    """Fill the empty `tree` with the JSON records' nodes, every block on disk (`state.graft`).
+    Raises ValueError when the records do not describe a valid tree."""
+    try:
+        parsed = parse_records(records)
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a radix tree ({type(exc).__name__}: {exc})") from exc
+    return graft(tree, parsed)
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def records_json(records: Sequence[TreeRecord]) -> list[dict[str, Any]]:
+    """TreeRecords as the index's nested JSON records (see the module docstring)."""
+    top: list[dict[str, Any]] = []
+    stack: list[tuple[TreeRecord, list[dict[str, Any]], bool]] = [
+        (r, top, True) for r in reversed(records)]
+    while stack:  # no recursion: a long chain of branch points must not hit the limit
+        rec, siblings, is_top = stack.pop()
+        out: dict[str, Any] = {"start": rec.start, "tokens": list(rec.tokens),
+                               "keys": list(rec.keys), "owners": list(rec.owners),
+                               "children": []}
+        if is_top:
+            out["namespace"] = rec.namespace
+        if rec.pinned:
+            out["pinned"] = True
+        siblings.append(out)
+        stack.extend((c, out["children"], False) for c in reversed(rec.children))
+    return top
 
 
 def tree_records(tree: RadixTree, pinned: frozenset[int] = frozenset()
                  ) -> list[dict[str, Any]]:
-    """The roots' children as nested records {"start", "tokens", "keys", "owners",
-    "children"}; the roots' children also name their "namespace", and nodes holding a block
-    in `pinned` say "pinned": true."""
-    top: list[dict[str, Any]] = []
-    tops = [c for root in tree.roots.values() for c in root.child_list()]
-    stack = [(c, top) for c in reversed(tops)]
-    while stack:  # no recursion: a long chain of branch points must not hit the limit
-        node, siblings = stack.pop()
-        rec: dict[str, Any] = {"start": node.start, "tokens": list(node.tokens),
-                               "keys": list(node.keys), "owners": sorted(node.owners),
-                               "children": []}
-        if node.parent is not None and node.parent.is_root:
-            rec["namespace"] = node.namespace
-        if any(b.block_id in pinned for b in node.blocks):
-            rec["pinned"] = True
-        siblings.append(rec)
-        stack.extend((c, rec["children"]) for c in reversed(node.child_list()))
-    return top
+    """A live tree's nodes as the index's JSON records (nodes holding a block in `pinned`
+    say "pinned": true)."""
+    return records_json(records_of(tree, pinned))
 
 
-def tree_from_records(tree: RadixTree, records: Sequence[Mapping[str, Any]]) -> RadixTree:
-    """Fill the empty `tree` with the records' nodes, every block on disk. Keys are recomputed
-    from the tokens: records made under another fingerprint or namespace do not match. Raises
-    ValueError when the records do not describe a valid tree."""
-    try:
-        stack: list[tuple[Mapping[str, Any], Node | None, str]] = [
-            (rec, None, str(rec.get("namespace", ""))) for rec in reversed(records)]
-        while stack:
-            rec, parent, namespace = stack.pop()
-            node = tree.graft(parent, namespace, [int(t) for t in rec["tokens"]])
-            if int(rec["start"]) != node.start:
-                raise AssertionError("a node does not start where its parent ends")
-            if [str(k) for k in rec["keys"]] != node.keys:
-                raise AssertionError("block keys do not match this model or namespace")
-            node.owners = {str(o) for o in rec.get("owners", [])}
-            stack.extend((c, node, namespace) for c in reversed(list(rec["children"])))
-        tree.check()
-    except (KeyError, IndexError, TypeError, AssertionError) as exc:
-        raise ValueError(f"not a radix tree ({type(exc).__name__}: {exc})") from exc
-    return tree
+def state_document(state: CacheState) -> dict[str, Any]:
+    """A CacheState as the index's JSON document (the snapshot adds its own keys to it)."""
+    return {
+        "version": TREE_INDEX_VERSION,
+        "block_size": state.block_size,
+        "shape": list(state.shape),
+        "policy": state.policy,
+        "policy_state": dict(state.policy_state),
+        "tree": records_json(state.tree),
+        "pins": [{"id": pin_id(p.namespace, p.tokens), "namespace": p.namespace,
+                  "tokens": list(p.tokens), "label": p.label} for p in state.pins],
+        "tombstones": [[k, prev, list(t), w, p] for k, prev, t, w, p in state.tombstones],
+        "counters": state.counters.counters_json(),
+        "resident_blocks": state.resident_blocks,
+        "disk_tokens": state.disk_tokens,
+        "exact": [{"tokens": list(e.tokens), "namespace": e.namespace, "blocks": e.blocks,
+                   "logits": e.logits} for e in state.exact],
+    }
+
+
+# ---- a live cache --------------------------------------------------------------------------
 
 
 def export_index(cache: PagedKVCache) -> dict[str, Any]:
     """Persist the blocks (when the cache has a disk tier) and return the index's meta."""
-    mgr = cache.manager
-    if cache.disk is not None and cache.disk.enabled:
-        disk_tier.persist(cache.disk, mgr, cache.tree, lambda node, first:
-                          cache.tombstones.record_subtree(cache.tree, node, first, "disk budget"))
-    return {
-        "version": INDEX_VERSION,
-        "block_size": cache.block_size,
-        "shape": [mgr.n_layers, mgr.n_kv_heads, mgr.head_dim],
-        "policy": cache.policy.name,
-        "policy_state": cache.policy.state(),
-        "tree": tree_records(cache.tree, cache.pins.block_ids),
-        "pins": cache.pins.to_json(),
-        "tombstones": cache.tombstones.to_json(),
-        "counters": cache.stats().counters_json(),
-        "resident_blocks": mgr.num_blocks - mgr.num_free,  # `kvchat inspect`'s memory tier
-        "disk_tokens": cache.stats().disk_tokens,
-        "exact": exact_records(cache),
-    }
-
-
-def exact_records(cache: PagedKVCache) -> list[dict[str, Any]]:
-    """The exact entries to save, oldest first, at most the index's capacity: the live ones,
-    and those an earlier process saved that no prompt has hit since (their logits file stays
-    as it is) while the tree still holds their tokens, so a file run again gets exact hits."""
-    bs, tree = cache.block_size, cache.tree
-    live = [(e.namespace, tokens, len(e.blocks)) for tokens, e in cache.exact.items()
-            if e.logits is not None]
-    saved = [(namespace, tokens, -(-len(tokens) // bs)) for namespace, tokens in cache.saved_exact
-             if not cache.exact.has(tokens, namespace)
-             and tree.find_prefix(tokens, namespace).matched == len(tokens)]
-    kept = (saved + live)[-cache.exact.max_entries:] if cache.exact.max_entries else []
-    return [{"tokens": list(tokens), "namespace": namespace, "blocks": n_blocks,
-             "logits": exact_name(tree, namespace, tokens)} for namespace, tokens, n_blocks in kept]
-
-
-def exact_name(tree: RadixTree, namespace: str, tokens: Sequence[int]) -> str:
-    """The file name (without extension) of an exact entry's saved logits: it hashes the
-    chain's root key (model fingerprint and namespace) and the prompt, as block keys do."""
-    data = tree.root_key(namespace).encode() + b"\0" + ",".join(map(str, tokens)).encode()
-    return hashlib.sha256(data).hexdigest()[:40]
+    cache.persist()
+    return state_document(cache.export())
 
 
 def exact_logits(cache: PagedKVCache) -> dict[str, Any]:
     """The exact entries' logits rows by file name (`exact_name`), those parked while their
     blocks are on disk too: what a save writes beside the index, once per entry."""
-    rows = {exact_name(cache.tree, ns, t): row
-            for (ns, t), row in disk_tier.held_logits(cache).items()}
-    return rows | {exact_name(cache.tree, e.namespace, t): e.logits
-                   for t, e in cache.exact.items() if e.logits is not None}
+    return {exact_name(cache.tree, ns, t): row for (ns, t), row in cache.exact_rows().items()}
 
 
 def import_index(cache: PagedKVCache, meta: Mapping[str, Any],
                  logits: Callable[[str], Any] = lambda name: None) -> None:
-    """Rebuild the saved tree in an empty cache, every block on disk; exact entries wait in
-    `cache.saved_exact` until first hit, when `logits(name)` reads theirs. Raises
+    """Rebuild the saved tree in an empty cache, every block on disk (`PagedKVCache.restore`);
+    exact entries wait until first hit, when `logits(name)` reads theirs. Raises
     SnapshotMismatch if the index does not fit or hold together, leaving the cache empty."""
     try:
-        if meta.get("version") != INDEX_VERSION:
-            raise SnapshotMismatch(f"index version {meta.get('version')} is not "
-                                   f"{INDEX_VERSION}")
-        mgr = cache.manager
-        if meta["block_size"] != cache.block_size:
-            raise SnapshotMismatch("block size differs")
-        if list(meta["shape"]) != [mgr.n_layers, mgr.n_kv_heads, mgr.head_dim]:
-            raise SnapshotMismatch("K/V shape differs")
-        if mgr.num_free != mgr.num_blocks:
-            raise SnapshotMismatch("the cache is not empty")
-        tree = tree_from_records(cache.new_tree(), meta["tree"])
-        cache.restore(tree, Counters.counters_from_json(meta["counters"]))
-        cache.policy.restore(meta.get("policy_state") or {})
-        cache.tombstones = Tombstones.from_json(meta.get("tombstones", []),
-                                                cache.tombstones.capacity)
-        for rec in meta.get("exact", []):
-            key = (str(rec.get("namespace", "")), tuple(int(t) for t in rec["tokens"]))
-            cache.saved_exact[key] = functools.partial(logits, str(rec["logits"]))
-        cache.check_integrity()
-        _repin(cache, saved_pins(meta.get("pins", [])))
+        state = read_state(meta)
     except SnapshotMismatch:
         cache.reset()
         raise
-    except (KeyError, IndexError, TypeError, ValueError, AssertionError) as exc:
+    except SnapshotFormatError as exc:
         cache.reset()
-        raise SnapshotMismatch(f"the index is damaged ({type(exc).__name__}: {exc})") from exc
-
-
-def _repin(cache: PagedKVCache, pins: Sequence[tuple[str, tuple[int, ...], str]]) -> None:
-    """Pin again what was pinned at the save: its blocks load from disk now, since pinned
-    blocks live in the pool. A pin that no longer fits (a smaller pool, a block lost from
-    disk) is dropped with a notice."""
-    for namespace, tokens, label in pins:
-        try:
-            cache.pin(tokens, namespace, label)
-        except PinError as exc:
-            cache.notice(f"A saved pin ({label}, {len(tokens)} tokens) was dropped: {exc}")
+        raise SnapshotMismatch(f"the index is damaged ({exc})") from exc
+    cache.restore(state, logits)

@@ -113,12 +113,12 @@ def inspect_snapshot(
 def _inspect_saved(sessions_dir: Path, as_json: bool, depth: int | None,
                    session: str | None) -> None:
     """The snapshot saved in the sessions dir, read without the model."""
+    from kvchat.inspect import documents as cv
     from kvchat.sessions import cache_dir
-    from kvchat.snapshots import INDEX, read_snapshot_meta
-    from kvchat.ui import cache_view as cv
+    from kvchat.snapshots import TREE_INDEX, read_snapshot_meta
     from kvchat.ui.inspect_view import SnapshotFacts, inspect_view
 
-    index = cache_dir(sessions_dir) / INDEX
+    index = cache_dir(sessions_dir) / TREE_INDEX
     try:
         info = read_snapshot_meta(sessions_dir)
         if info is None:
@@ -182,10 +182,10 @@ def _explain(sessions_dir: Path, specs: list[tuple[int | None, PromptSpec]],
     JSON line, with its "line") per line of a JSONL file."""
     from kvchat.inspect.explain import explain_snapshot
     from kvchat.sessions import cache_dir
-    from kvchat.snapshots import INDEX, read_snapshot_meta
+    from kvchat.snapshots import TREE_INDEX, read_snapshot_meta
     from kvchat.ui.explain_view import explain_panel
 
-    index = cache_dir(sessions_dir) / INDEX
+    index = cache_dir(sessions_dir) / TREE_INDEX
     try:
         info = read_snapshot_meta(sessions_dir)
         if info is None:

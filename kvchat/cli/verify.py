@@ -43,7 +43,7 @@ def _read_prompt_file(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
     """(label, messages) per line of a request file in `kvchat batch`'s format; verify runs each
     line on its own (a "session" does not chain lines here)."""
     from kvchat.batch import LineError, parse_line
-    from kvchat.ui.cache_view import preview
+    from kvchat.inspect.previews import preview
 
     try:
         lines = path.read_text().splitlines()
@@ -88,8 +88,8 @@ def verify(
     transformers' own `generate` on the same model: per prompt, the first divergent token and
     the largest logit difference. Exit code 1 if any greedy output differs by more than the
     precision's rounding explains (a tie within it is reported, not failed)."""
+    from kvchat.inspect.previews import preview
     from kvchat.text_input import check_text
-    from kvchat.ui.cache_view import preview
     from kvchat.ui.verify_view import verify_summary, verify_table
 
     if prompt is not None and file is not None:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
     from kvchat.engine.result import GenerationResult
-    from kvchat.ui.cache_view import NodeView
+    from kvchat.inspect.documents import NodeView
 
 UNAVAILABLE = {
     "clear-cache": "the cache is the server's, shared with its other clients (restart the "

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.cache.stats import CacheStats
-from kvchat.ui.cache_view import ExactView, NodeView
+from kvchat.inspect.documents import ExactView, NodeView
 
 Decode = Callable[[Sequence[int]], str]
 

@@ -393,7 +393,7 @@ class Engine:
             return
         n = len(seq.prompt_ids)
         logits = seq.prompt_logits
-        res = cache.store(
+        res = cache.write_kv(
             seq.tokens()[: seq.kv_len],
             self.batch.kv_of(seq, seq.matched, seq.kv_len),
             seq.matched,

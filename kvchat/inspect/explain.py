@@ -17,7 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvchat.cache.explain import CONTEXT, Explanation, MissReason, Tombstones, explain
+from kvchat.cache.explain import CONTEXT, Explanation, MissReason, explain
+from kvchat.cache.tombstones import Tombstones
 from kvchat.cache.visibility import Visibility, preview
 from kvchat.errors import KvchatError
 from kvchat.text_input import check_text, decode_utf8, strip_bom

@@ -16,12 +16,12 @@ from starlette.concurrency import run_in_threadpool
 
 from kvchat.cache.stats import CacheStats, Counters, PoolStats
 from kvchat.cache.visibility import Visibility
+from kvchat.inspect import documents as cv
 from kvchat.server.auth import Caller, Tenant
 from kvchat.server.errors import api_error
 from kvchat.server.state import State
 from kvchat.server.worker import CacheTree, EngineWorker, TenantCounters
 from kvchat.sessions import SessionError, validate_name
-from kvchat.ui import cache_view as cv
 
 router = APIRouter()
 

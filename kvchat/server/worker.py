@@ -32,11 +32,11 @@ from kvchat.engine.codec import ChatCodec
 from kvchat.engine.engine import Engine, RequestCancelled, RequestHandle
 from kvchat.engine.sequence import Event, Finished, GenerationResult, Request, TextDelta
 from kvchat.errors import KvchatError
+from kvchat.inspect import documents as cv
 from kvchat.runtime import Runtime, tokenizer_file
 from kvchat.sessions import SessionStore, cache_dir
-from kvchat.snapshots import INDEX
+from kvchat.snapshots import TREE_INDEX as INDEX
 from kvchat.turns import PreparedTurn, finish, refused
-from kvchat.ui import cache_view as cv
 
 __all__ = ["DEFAULT_BATCH_SIZE", "CacheTree", "EngineStopped", "EngineWorker", "Handle",
            "ModelInfo", "RequestCancelled", "ServerCounters", "TenantCounters"]

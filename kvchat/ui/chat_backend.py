@@ -24,10 +24,10 @@ if TYPE_CHECKING:
     from kvchat.config import SamplingParams
     from kvchat.engine.engine import RequestHandle
     from kvchat.engine.result import GenerationResult
+    from kvchat.inspect.documents import NodeView
     from kvchat.runtime import Runtime
     from kvchat.sessions import Session, SessionStore, Turn
     from kvchat.turns import PreparedTurn
-    from kvchat.ui.cache_view import NodeView
     from kvchat.ui.views import TurnView
 
 
@@ -250,7 +250,7 @@ class LocalBackend(CacheViews):
         return self.rt.cache.stats()
 
     def nodes(self) -> Sequence[NodeView]:
-        from kvchat.ui.cache_view import nodes_from_cache
+        from kvchat.inspect.documents import nodes_from_cache
 
         return nodes_from_cache(self.rt.cache)
 

@@ -18,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvchat.errors import KvchatError
+from kvchat.inspect.previews import preview
 from kvchat.sessions import Session, SessionError, validate_name
-from kvchat.ui.cache_view import preview
 
 if TYPE_CHECKING:
     from kvchat.config import SamplingParams

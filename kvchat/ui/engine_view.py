@@ -16,7 +16,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from kvchat.cache.stats import ratio
-from kvchat.ui.cache_view import distinct_offsets, preview
+from kvchat.inspect.previews import distinct_offsets, preview
 from kvchat.ui.views import TurnView, bar, ms, pct, plural
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvchat.cache.stats import CacheStats
-from kvchat.ui.cache_view import Decode, ExactView, NodeView, distinct_offsets, distinct_preview
+from kvchat.inspect.documents import ExactView, NodeView
+from kvchat.inspect.previews import Decode, distinct_offsets, distinct_preview
 from kvchat.ui.views import pool_panel, sessions_counters_table, tree_view
 
 

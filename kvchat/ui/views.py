@@ -1,9 +1,9 @@
 """Rich renderables for kvchat's terminal output: pure functions of plain data.
 
 Everything the chat REPL prints is built here (`kvchat inspect`'s text is in `inspect_view`,
-`kvchat verify`'s tables in `verify_view`), from the
-plain views in `cache_view` and small dataclasses; nothing here touches a model or torch, so each
-view is tested by rendering it to text. Every view fits an 80-column terminal; the per-turn panels
+`kvchat verify`'s tables in `verify_view`), from the plain views in `kvchat.inspect.documents`
+and small dataclasses; nothing here touches a model or torch, so each view is tested by
+rendering it to text. Every view fits an 80-column terminal; the per-turn panels
 come in three sizes (`/panels off|compact|full`), compact being one line per panel.
 """
 
@@ -23,13 +23,8 @@ from rich.text import Text
 from rich.tree import Tree
 
 from kvchat.cache.stats import CacheStats, ratio
-from kvchat.ui.cache_view import (
-    Decode,
-    NodeView,
-    distinct_offsets,
-    distinct_preview,
-    walk,
-)
+from kvchat.inspect.documents import NodeView, walk
+from kvchat.inspect.previews import Decode, distinct_offsets, distinct_preview
 
 if TYPE_CHECKING:
     from kvchat.engine.result import GenerationResult

@@ -1,33 +1,32 @@
-"""Plain-data views of the shared cache, built from a live PagedKVCache or from a snapshot's
-index.json, so that `kvchat chat`, `kvchat inspect` and the server describe it with one schema:
-the tree as NodeViews, the exact index as ExactViews, the numbers as `CacheStats`, and the JSON
-document of `kvchat inspect --json` and `/cache/tree` from `inspect_document`.
+"""The cache's documents: plain-data views of the shared cache, built from a live PagedKVCache or
+from a snapshot's index.json, so that `kvchat chat`, `kvchat inspect` and the server describe it
+with one schema: the tree as NodeViews, the exact index as ExactViews, the numbers as
+`CacheStats`, and the JSON document of `kvchat inspect --json` and the server's `/cache/tree`
+from `inspect_document` (the server's JSON schema; README has it).
 
 Nothing here imports torch or Rich: `kvchat inspect` reads a snapshot with this module alone.
-Adapters from a snapshot raise SnapshotFormatError (a ValueError) when index.json does not
-have the shape `kvchat.cache.tree_index.export_index` writes.
+The snapshot's tree records are parsed by `kvchat.cache.tree_index.read_tree`; adapters from a
+snapshot raise SnapshotFormatError (a ValueError) when index.json does not have its shape.
 """
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvchat.cache.state import TreeRecord, build_bottom_up
 from kvchat.cache.stats import CacheStats, Counters, PoolStats
+from kvchat.cache.tree_index import SnapshotFormatError, read_tree
+from kvchat.inspect.previews import Decode, distinct_offsets, distinct_preview
 
 if TYPE_CHECKING:
     from kvchat.cache.kvcache import PagedKVCache
 
-Decode = Callable[[Sequence[int]], str]
-PREVIEW_CHARS = 24
-# Decoding more than this many tokens per edge could never add to a 24-character preview.
-PREVIEW_TOKENS = 32
-
-
-class SnapshotFormatError(ValueError):
-    """index.json parsed as JSON but does not describe a cache."""
+__all__ = ["Decode", "ExactView", "NodeView", "SnapshotFormatError", "covers", "exact_from_cache",
+           "exact_from_meta", "exact_json", "for_session", "in_namespace", "inspect_document",
+           "nodes_from_cache", "nodes_from_meta", "owned_by", "stats_from_meta", "tiers_json",
+           "tree_json", "walk"]
 
 
 @dataclass(frozen=True)
@@ -77,23 +76,10 @@ class ExactView:
 T = TypeVar("T")
 
 
-def _freeze(
-    roots: Sequence[T],
-    children: Callable[[T], Sequence[T]],
-    view: Callable[[T, tuple[NodeView, ...]], NodeView],
-) -> tuple[NodeView, ...]:
-    """Build NodeViews bottom-up without recursion (a long chain of branch points must not hit
-    Python's recursion limit)."""
-    built: dict[int, NodeView] = {}
-    stack: list[tuple[T, bool]] = [(r, False) for r in reversed(roots)]
-    while stack:
-        item, expanded = stack.pop()
-        if expanded:
-            built[id(item)] = view(item, tuple(built.pop(id(c)) for c in children(item)))
-        else:
-            stack.append((item, True))
-            stack.extend((c, False) for c in reversed(children(item)))
-    return tuple(built.pop(id(r)) for r in roots)
+def _freeze(roots: Sequence[T], children: Callable[[T], Sequence[T]],
+            view: Callable[[T, tuple[NodeView, ...]], NodeView]) -> tuple[NodeView, ...]:
+    """Build NodeViews bottom-up without recursion (`build_bottom_up`)."""
+    return build_bottom_up(roots, children, view)
 
 
 def nodes_from_cache(cache: PagedKVCache) -> tuple[NodeView, ...]:
@@ -130,31 +116,15 @@ def _damaged(exc: Exception) -> SnapshotFormatError:
 
 
 def nodes_from_meta(meta: Mapping[str, Any]) -> tuple[NodeView, ...]:
-    """The radix tree as a snapshot recorded it. A snapshot holds no requests, so every
-    reference count is 0."""
-    try:
-        block_tokens = [list(map(int, b["tokens"])) for b in meta.get("blocks", [])]
-        # only the top records name their namespace; their descendants share it
-        namespace_of: dict[int, str] = {}
-        stack = [(rec, str(rec.get("namespace", ""))) for rec in meta["tree"]]
-        while stack:
-            rec, namespace = stack.pop()
-            namespace_of[id(rec)] = namespace
-            stack.extend((child, namespace) for child in rec["children"])
+    """The radix tree as a snapshot recorded it (`read_tree`). A snapshot holds no requests,
+    so every reference count is 0."""
 
-        def view(rec: Mapping[str, Any], kids: tuple[NodeView, ...]) -> NodeView:
-            if "tokens" in rec:  # version 2: tokens and block keys per node
-                tokens, n_blocks = tuple(map(int, rec["tokens"])), len(rec["keys"])
-            else:
-                ids = [int(i) for i in rec["blocks"]]
-                tokens, n_blocks = tuple(t for i in ids for t in block_tokens[i]), len(ids)
-            owners = tuple(sorted(str(o) for o in rec.get("owners", [])))
-            return NodeView(int(rec["start"]), tokens, n_blocks, 0, owners, kids,
-                            namespace_of[id(rec)], bool(rec.get("pinned", False)))
+    def view(rec: TreeRecord, kids: tuple[NodeView, ...]) -> NodeView:
+        return NodeView(rec.start, rec.tokens, rec.blocks, 0, rec.owners, kids, rec.namespace,
+                        rec.pinned)
 
-        return _freeze(list(meta["tree"]), lambda r: list(r["children"]), view)
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise _damaged(exc) from exc
+    roots = read_tree(meta)
+    return _freeze(roots, lambda r: r.children, view)
 
 
 def exact_from_meta(meta: Mapping[str, Any]) -> tuple[ExactView, ...]:
@@ -253,77 +223,6 @@ def covers(nodes: Sequence[NodeView], tokens: Sequence[int]) -> bool:
         pos += node.n_tokens
         level = node.children
     return True
-
-
-# ---- text previews -------------------------------------------------------------------------
-
-
-def _clean(text: str) -> str:
-    """Newlines become ⏎, other control characters ·: one line, nothing a terminal executes."""
-    out = []
-    for ch in text.replace("\r\n", "\n"):
-        if ch in "\n\r":
-            out.append("⏎")
-        elif unicodedata.category(ch) == "Cc":
-            out.append("·")
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-def preview(text: str, limit: int = PREVIEW_CHARS) -> str:
-    """One line of at most `limit` characters (see _clean)."""
-    line = _clean(text)
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def ids_preview(ids: Sequence[int], limit: int = PREVIEW_CHARS) -> str:
-    """A preview from token ids, for when no tokenizer is at hand."""
-    return preview(" ".join(map(str, ids[:PREVIEW_TOKENS])), limit)
-
-
-def edge_preview(tokens: Sequence[int], decode: Decode | None, limit: int = PREVIEW_CHARS) -> str:
-    """Start and end of an edge ("<|im_start|>sy…you today?"): where a branch diverges and
-    where it stops are what tell branches apart."""
-    if decode is None:
-        return ids_preview(tokens, limit)
-    text = _clean(decode(tokens[:PREVIEW_TOKENS]))
-    if len(tokens) <= PREVIEW_TOKENS and len(text) <= limit:
-        return text
-    tail = _clean(decode(tokens[-PREVIEW_TOKENS:]))
-    head_chars = (limit - 1) // 2
-    return text[:head_chars] + "…" + tail[-(limit - 1 - head_chars) :]
-
-
-def distinct_offsets(seqs: Sequence[Sequence[int]]) -> list[int]:
-    """For each sequence, how many leading tokens it shares with the most similar other one.
-    In sorted order the most similar sequence is a neighbour, so this is one sort and a pass."""
-    order = sorted(range(len(seqs)), key=lambda i: tuple(seqs[i]))
-    out = [0] * len(seqs)
-    for prev, cur in zip(order, order[1:], strict=False):
-        a, b = seqs[prev], seqs[cur]
-        n = min(len(a), len(b))
-        shared = next((i for i in range(n) if a[i] != b[i]), n)
-        out[prev] = max(out[prev], shared)
-        out[cur] = max(out[cur], shared)
-    return out
-
-
-def distinct_preview(
-    tokens: Sequence[int], shared: int, decode: Decode | None, limit: int = PREVIEW_CHARS
-) -> str:
-    """What sets a sequence apart from its most similar sibling: the text after the `shared`
-    leading tokens, or its end when it is a prefix of another."""
-    if shared >= len(tokens):
-        return tail_preview(tokens, decode, limit)
-    return edge_preview(tokens[shared:], decode, limit)
-
-
-def tail_preview(tokens: Sequence[int], decode: Decode | None, limit: int = PREVIEW_CHARS) -> str:
-    """The end of a sequence, where exact-index entries differ from each other."""
-    tail = tokens[-PREVIEW_TOKENS:]
-    text = ids_preview(tail, 10**6) if decode is None else preview(decode(tail), 10**6)
-    return text if len(text) <= limit else "…" + text[-(limit - 1) :]
 
 
 # ---- JSON ----------------------------------------------------------------------------------
