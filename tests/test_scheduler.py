@@ -198,16 +198,16 @@ def test_failed_admission_fails_only_its_requests(tiny_model, tiny_tokenizer, mo
 def test_interrupt_inside_the_final_store_is_reported_once(tiny_model, tiny_tokenizer,
                                                            monkeypatch):
     b = backend(tiny_model, tiny_tokenizer, batch_size=4)
-    real = b.cache.store
+    real = b.cache.write_kv
     armed = {"on": True}
 
-    def store(tokens, *args, **kwargs):
+    def write_kv(tokens, *args, **kwargs):
         if armed["on"] and len(tokens) > kwargs["logits_len"]:  # a request's final store
             armed["on"] = False
             raise KeyboardInterrupt
         return real(tokens, *args, **kwargs)
 
-    monkeypatch.setattr(b.cache, "store", store)
+    monkeypatch.setattr(b.cache, "write_kv", write_kv)
     finished: list[object] = []
 
     def on_event(event):
