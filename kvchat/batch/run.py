@@ -3,6 +3,7 @@ after another, each result reported as soon as it is in."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -13,9 +14,34 @@ from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionStore
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run starts in this process
+    from kvchat.engine.codec import ChatCodec
     from kvchat.engine.engine import Engine
     from kvchat.engine.sequence import Event
     from kvchat.turns import PreparedTurn
+
+
+def line_turn(codec: ChatCodec, item: BatchItem, defaults: SamplingParams,
+              session: Session | None = None) -> PreparedTurn:
+    """A line's turn: its sampling parameters over the run's defaults, templated and
+    tokenised (raises KvchatError or ValueError when the line cannot make one)."""
+    from kvchat.turns import merge_params, prepare_turn
+
+    params = merge_params(defaults, item.max_tokens, item.temperature, seed=item.seed)
+    return prepare_turn(codec, item.messages, params, session, item.system)
+
+
+def prepare_independent(codec: ChatCodec, items: list[BatchItem], defaults: SamplingParams
+                        ) -> dict[int, PreparedTurn]:
+    """The turns of the lines outside sessions, by line, tokenised once before the run: the
+    batch size is chosen from their lengths and `BatchRun` submits them as they are (it holds
+    all of them from its start anyway). A line that cannot make a turn is left out; the run
+    reports its error."""
+    turns = {}
+    for item in items:
+        if item.session is None:
+            with contextlib.suppress(KvchatError, ValueError):
+                turns[item.line] = line_turn(codec, item, defaults)
+    return turns
 
 
 class BatchRun(LineRun):
@@ -32,11 +58,15 @@ class BatchRun(LineRun):
         fail_fast: bool = False,
         on_update: Callable[[ItemResult], None] | None = None,
         pin_system: bool = False,
+        prepared: dict[int, PreparedTurn] | None = None,
     ) -> None:
         super().__init__(items, fail_fast, on_update)
         self.engine = engine
         self.defaults = defaults
         self.sessions = sessions
+        # line -> its turn, tokenised before the run; taken out as it is submitted, so a
+        # finished line's prompt is not kept
+        self._prepared = prepared if prepared is not None else {}
         self._waiting: dict[str, list[BatchItem]] = {}
         self._on_disk: dict[str, int] = {}  # session -> turns its file holds
         self.stopped = False
@@ -46,19 +76,19 @@ class BatchRun(LineRun):
         self._tried: set[tuple[int, ...]] = set()
 
     def _submit(self, item: BatchItem) -> None:
-        from kvchat.turns import merge_params, prepare_turn, refused
+        from kvchat.turns import refused
 
-        try:
-            params = merge_params(self.defaults, item.max_tokens, item.temperature,
-                                  seed=item.seed)
-            session = self.sessions.open(item.session) if item.session else None
-            if session is not None:
-                self._on_disk.setdefault(session.name, len(session.turns))
-            turn = prepare_turn(self.engine.codec, item.messages, params, session, item.system)
-        except (KvchatError, ValueError) as exc:
-            self._record(ItemResult(item, error=str(exc)))
-            self._advance_session(item)
-            return
+        turn = self._prepared.pop(item.line, None)
+        if turn is None:
+            try:
+                session = self.sessions.open(item.session) if item.session else None
+                if session is not None:
+                    self._on_disk.setdefault(session.name, len(session.turns))
+                turn = line_turn(self.engine.codec, item, self.defaults, session)
+            except (KvchatError, ValueError) as exc:
+                self._record(ItemResult(item, error=str(exc)))
+                self._advance_session(item)
+                return
         try:
             self.engine.submit(turn.request(), lambda event: self._event(item, turn, event))
         except KvchatError as exc:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.client import Attachment
     from kvchat.runtime import Runtime
+    from kvchat.turns import PreparedTurn
 
 
 @dataclass
@@ -261,8 +262,10 @@ def _batch_size_option(value: str) -> int | None:
 
 
 def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tokens: int,
-                       ui: Console) -> str:
-    """Set the engine's batch size; returns how it was chosen, for the summary."""
+                       ui: Console, prepared: dict[int, PreparedTurn]) -> str:
+    """Set the engine's batch size; returns how it was chosen, for the summary. `prepared`:
+    the turns already tokenised, by line (a session line's prompt waits for its history: its
+    messages alone stand for it here)."""
     from kvchat.engine.autobatch import choose_batch_size
     from kvchat.models.gguf import cache_dir
 
@@ -270,8 +273,12 @@ def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tok
     if fixed is not None:
         engine.batch_size = fixed
         return str(fixed)
-    longest = max((len(engine.codec.encode_chat(i.messages)) + (i.max_tokens or max_tokens)
-                   for i in plan.to_run), default=1)
+    def prompt_length(item: BatchItem) -> int:
+        turn = prepared.get(item.line)
+        return len(turn.prompt_ids if turn is not None else engine.codec.encode_chat(item.messages))
+
+    longest = max((prompt_length(i) + (i.max_tokens or max_tokens) for i in plan.to_run),
+                  default=1)
     pool = runtime.cache.stats().pool.capacity_tokens or 0
     facts = runtime.fingerprint
     key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
@@ -294,6 +301,7 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
     """The lines through an engine in this process, under the sessions dir's lock. `flags`:
     (--fail-fast, --pin-system)."""
     from kvchat.batch import BatchRun
+    from kvchat.batch.run import prepare_independent
     from kvchat.config import SamplingParams
     from kvchat.runtime import Runtime
     from kvchat.sessions import sessions_lock
@@ -309,11 +317,12 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
 
             ui.print(f"[yellow]{escape(runtime.model_label)} {escape(NO_TEMPLATE)}[/yellow]",
                      soft_wrap=True)
-        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens, ui)
+        prepared = prepare_independent(runtime.engine.codec, plan.to_run, params)
+        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens, ui, prepared)
 
         def start(update: Callable[[ItemResult], None]) -> BatchRun:
             return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
-                            update, pin_system=flags[1])
+                            update, pin_system=flags[1], prepared=prepared)
 
         return _run(plan, ui, size, start, runtime.cache.stats, lambda: _save(runtime, ui))
 
