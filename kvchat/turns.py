@@ -1,5 +1,6 @@
-"""A turn, the same for every front end: what was asked -> prompt ids and sampling parameters;
-then the result commits to the session's history, or the turn is aborted and changes nothing.
+"""A turn, the same for every front end: what was asked -> prompt ids and sampling parameters
+(`prepare_turn`); then `finish`: the result commits to the session's history, the session is
+saved and a pin applied, or the turn is aborted and changes nothing.
 
 Turn N+1's prompt in a session is the exact tokens the model saw in turn N (prompt + reply) plus
 the chat template's text for the new user message, so the whole history is a cache hit.
@@ -192,10 +193,9 @@ def finish(prepared: PreparedTurn, event: Finished, sessions: SessionSaver | Non
     return TurnOutcome(result, None, turn, save_error)
 
 
-def refused(prepared: PreparedTurn, error: Exception, sessions: SessionSaver | None = None
-            ) -> TurnOutcome:
+def refused(prepared: PreparedTurn, error: Exception) -> TurnOutcome:
     """A turn the engine would not take (`Engine.submit` raised): aborted, as a failure."""
-    return finish(prepared, Finished(None, error), sessions)
+    return finish(prepared, Finished(None, error))
 
 
 def _stopping(params: SamplingParams, stops: tuple[str, ...]) -> SamplingParams:

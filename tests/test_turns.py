@@ -101,7 +101,7 @@ def test_a_refused_turn_is_aborted(codec, tmp_path: Path):
     store = SessionStore(tmp_path)
     session, turn = _session_turn(codec, store)
     error = KvchatError("The prompt is longer than the model's context.")
-    outcome = refused(turn, error, store)
+    outcome = refused(turn, error)
     assert outcome == (None, error, None, None)
     assert session.system is None and not store.path("s").exists()
 
