@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from kvchat.batch.attached import AttachedRun
     from kvchat.cache.stats import CacheStats
     from kvchat.client import Attachment
+    from kvchat.client.engines import EngineInfo
+    from kvchat.client.openai_http import OpenAIClient
     from kvchat.runtime import Runtime
     from kvchat.turns import PreparedTurn
 
@@ -160,8 +162,8 @@ def batch(
     _finish_command(run, interrupted, plan, file, out_path, pin_system, ui)
 
 
-def _dispatch(where: tuple[Any, Attachment | None, LazyRuntimeOptions, int | None,
-                           tuple[str, int | None]],
+def _dispatch(where: tuple[tuple[OpenAIClient, EngineInfo] | None, Attachment | None,
+                           LazyRuntimeOptions, int | None, tuple[str, int | None]],
               plan: _Plan, defaults: tuple[int, float, int | None], flags: tuple[bool, bool],
               out_path: Path | None, ui: Console) -> tuple[LineRun, bool]:
     """The run on another engine, on a kvchat server, or in this process."""

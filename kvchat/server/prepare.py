@@ -17,7 +17,7 @@ from kvchat.server.auth import TENANTS_DIR, Tenant
 from kvchat.server.errors import ApiError
 from kvchat.server.schemas import ChatCompletionBody, CompletionBody, GenerateBody
 from kvchat.sessions import Session, SessionNotFound, SessionStore, private_dir
-from kvchat.turns import PreparedTurn, merge_params, prepare_turn
+from kvchat.turns import PreparedTurn, merge_params, prepare_turn, refused
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ class Preparer:
     def _checked(self, turn: PreparedTurn) -> PreparedTurn:
         try:
             self.engine.check_request(turn.request())
-        except KvchatError:
-            turn.abort()  # the turn never happens: nothing changes
+        except KvchatError as exc:
+            refused(turn, exc)  # the turn never happens: nothing changes
             raise
         return turn
 
