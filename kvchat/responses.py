@@ -4,10 +4,13 @@ replies and `kvchat batch`'s output rows use these."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch-free: an attached batch writes rows without loading the engine
-    from kvchat.engine.sequence import GenerationResult
+from kvchat.engine.result import GenerationResult  # torch-free: an attached batch loads no engine
+
+if TYPE_CHECKING:
+    from kvchat.sessions import Turn
 
 
 def result_fields(r: GenerationResult) -> dict[str, Any]:
@@ -30,6 +33,38 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "ttft_ms": round(r.ttft_ms, 2),
         "total_ms": round(r.total_ms, 2),
     }
+
+
+def result_from_fields(doc: Mapping[str, Any]) -> GenerationResult:
+    """A kvchat server's reply (`result_fields`, as /generate sends it) read back into the
+    result it reports, so `result_fields` of it is the reply's own fields again. The reply has
+    no token ids (their count is kept), no stored tokens and no decode rate; its time to first
+    token includes queueing, so it stands for the prefill time as an upper bound."""
+    prompt, hit = int(doc["prompt_tokens"]), int(doc["cache_hit_tokens"])
+    return GenerationResult(
+        text=doc["text"], token_ids=[], prompt_tokens=prompt, cache_hit_tokens=hit,
+        hit_source=doc["hit_source"], computed_tokens=prompt - hit,
+        prefill_ms=float(doc["ttft_ms"]), ttft_ms=float(doc["ttft_ms"]),
+        decode_tokens_per_s=0.0, total_ms=float(doc["total_ms"]),
+        finish_reason=doc["finish_reason"], stored_tokens=0,
+        disk_hit_tokens=doc["disk_hit_tokens"], shared_hit_tokens=doc["shared_hit_tokens"],
+        miss_reason=doc["miss_reason"], diverged_at=doc["diverged_at"],
+        miss_detail=doc["miss_detail"], miss_label=doc["miss_label"],
+        draft_tokens=doc["draft_tokens"], draft_accepted=doc["draft_accepted"],
+        reported_completion_tokens=int(doc["completion_tokens"]))
+
+
+def result_from_turn(turn: Turn, decode_tokens_per_s: float = 0.0) -> GenerationResult:
+    """The result as a session's record of the turn holds it: what the chat shows of a reply
+    another engine reported (or a server's turn whose last event never came). Nothing in the
+    record says why the cached prefix ended where it did: those fields are empty."""
+    return GenerationResult(
+        text="", token_ids=[], prompt_tokens=turn.prompt_tokens,
+        cache_hit_tokens=turn.hit_tokens, hit_source=turn.source,
+        computed_tokens=turn.prompt_tokens - turn.hit_tokens, prefill_ms=turn.prefill_ms,
+        ttft_ms=turn.ttft_ms, decode_tokens_per_s=decode_tokens_per_s, total_ms=0.0,
+        finish_reason=turn.finish_reason, stored_tokens=0, miss_reason="", miss_label="",
+        reported_completion_tokens=turn.completion_tokens)
 
 
 def openai_finish_reason(reason: str) -> str:

@@ -115,8 +115,15 @@ class Runtime:
         self.notice: str | None = None  # set when a snapshot was set aside
         self.restored_tokens = 0
         self.last_save: float | None = None
+        # once per process: it digests the whole vocabulary
         self._fingerprint = fingerprint(engine, model_label) if engine.cache else {}
         self.disk = self._open_disk_tier()
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """The model's `fingerprint` (empty without a cache), computed once when the runtime
+        opened: what the snapshot, the server's /cache documents and the batch-size key use."""
+        return dict(self._fingerprint)
 
     def _open_disk_tier(self) -> Any:
         """The BlockBackend evicted blocks spill to (None: no tier), given to the cache: a

@@ -1,5 +1,6 @@
-"""A turn, the same for every front end: what was asked -> prompt ids and sampling parameters;
-then the result commits to the session's history, or the turn is aborted and changes nothing.
+"""A turn, the same for every front end: what was asked -> prompt ids and sampling parameters
+(`prepare_turn`); then `finish`: the result commits to the session's history, the session is
+saved and a pin applied, or the turn is aborted and changes nothing.
 
 Turn N+1's prompt in a session is the exact tokens the model saw in turn N (prompt + reply) plus
 the chat template's text for the new user message, so the whole history is a cache hit.
@@ -8,14 +9,14 @@ Re-tokenising the transcript instead could split differently and silently break 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from kvchat.cache.radix import common_prefix
 from kvchat.config import SamplingParams
 from kvchat.engine.codec import ChatCodec
-from kvchat.engine.sequence import GenerationResult, Request
+from kvchat.engine.sequence import Finished, GenerationResult, Request
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, Turn
 
@@ -77,6 +78,13 @@ class PreparedTurn:
     _saved: tuple[str | None, list[Message], list[int]] | None = field(default=None, repr=False)
     own_from: int = 0  # where this turn's own text starts: after the history or system prompt
     after_history: bool = False  # own_from ends the session's history
+    system: str | None = None  # the conversation's system prompt, as the prompt holds it
+
+    def system_tokens(self, codec: ChatCodec) -> list[int]:
+        """The leading prompt tokens this turn's system prompt decides (`system_prefix`): what
+        `--pin-system` and a request's `pin: "system"` pin. Raises TurnError when the template
+        puts nothing there."""
+        return system_tokens(codec, self.system, self.prompt_ids)
 
     def request(self, namespace: str = "") -> Request:
         """The engine request of this turn, cached in `namespace`."""
@@ -116,7 +124,9 @@ def prepare_turn(
             msgs.insert(0, {"role": "system", "content": system})
         prompt_ids = codec.encode_chat(msgs)
         own = _head_length(codec, msgs[:-1], prompt_ids) if msgs[-1]["role"] == "user" else 0
-        return PreparedTurn(prompt_ids, _stopping(params, codec.turn_stops(msgs)), own_from=own)
+        first = next((m["content"] for m in msgs if m["role"] == "system"), None)
+        return PreparedTurn(prompt_ids, _stopping(params, codec.turn_stops(msgs)), own_from=own,
+                            system=first)
     if not messages or messages[-1]["role"] != "user":
         raise TurnError("the last message of a session turn must be the user's")
     *earlier, last = messages
@@ -139,7 +149,53 @@ def prepare_turn(
                                                                prompt)
     stops = codec.turn_stops(conversation(session), session=True)
     return PreparedTurn(prompt, _stopping(params, stops), session, last["content"], saved,
-                        own_from=own, after_history=history)
+                        own_from=own, after_history=history, system=session.system)
+
+
+class SessionSaver(Protocol):
+    """Where a session turn's transcript is written (a `SessionStore`)."""
+
+    def save(self, session: Session) -> None: ...
+
+
+class TurnOutcome(NamedTuple):
+    """How a turn ended, once `finish` has settled it. `result` None: it did not run (`error`
+    says why; None when the engine gave no reason) and the session is as it was before
+    `prepare_turn`. Otherwise `turn` is what the session recorded (None without a session) and
+    `save_error` why its file could not be written (the reply still stands)."""
+
+    result: GenerationResult | None
+    error: Exception | None = None
+    turn: Turn | None = None
+    save_error: str | None = None
+
+
+def finish(prepared: PreparedTurn, event: Finished, sessions: SessionSaver | None = None,
+           pin: Callable[[GenerationResult], None] | None = None) -> TurnOutcome:
+    """The end of a turn, the same for chat, batch and the server: a result commits to the
+    session's history (an interrupted one too), which `sessions` saves, then `pin` runs with
+    it (the request's tokens are stored by now, so the prefix is in the cache); a failure or a
+    request that never started aborts the turn. `sessions` None: the caller saves the session
+    itself (the REPL saves after each turn and reports a failed save in its own words)."""
+    result = event.result
+    if result is None or event.error is not None:
+        prepared.abort()
+        return TurnOutcome(None, event.error)
+    turn = prepared.commit(result)
+    save_error = None
+    if turn is not None and sessions is not None and prepared.session is not None:
+        try:
+            sessions.save(prepared.session)
+        except (OSError, KvchatError) as exc:  # the reply still stands; only its transcript not
+            save_error = str(exc)
+    if pin is not None:
+        pin(result)
+    return TurnOutcome(result, None, turn, save_error)
+
+
+def refused(prepared: PreparedTurn, error: Exception) -> TurnOutcome:
+    """A turn the engine would not take (`Engine.submit` raised): aborted, as a failure."""
+    return finish(prepared, Finished(None, error))
 
 
 def _stopping(params: SamplingParams, stops: tuple[str, ...]) -> SamplingParams:
@@ -184,6 +240,14 @@ def system_prefix(codec: ChatCodec, messages: Sequence[Message], prompt_ids: Seq
     if not n:
         raise TurnError("this conversation has no system prompt to pin (try /pin all)")
     return list(prompt_ids[:n])
+
+
+def system_tokens(codec: ChatCodec, system: str | None, prompt_ids: Sequence[int]
+                  ) -> list[int]:
+    """`system_prefix` of a conversation whose system prompt is `system` (None: none, so the
+    template's default one and the user header, if it has them)."""
+    return system_prefix(codec, [{"role": "system", "content": system}] if system else [],
+                         prompt_ids)
 
 
 def _head_length(codec: ChatCodec, earlier: Sequence[Message], prompt_ids: Sequence[int]

@@ -200,3 +200,31 @@ def test_fail_fast_stops_at_first_failure(tiny_model, tiny_tokenizer, tmp_path):
     b.cache.check_integrity()
     assert all(blk.ref_count == 0 for blk in b.cache.manager.blocks)
 
+
+
+def test_a_line_outside_a_session_is_tokenised_once(tiny_model, tiny_tokenizer, tmp_path,
+                                                    monkeypatch):
+    from kvchat.batch.run import prepare_independent
+
+    rows = [{"id": "a", "system": SYSTEM, "prompt": "What is 2 plus 2?"},
+            {"id": "s", "session": "chain", "prompt": "Hello."},
+            {"id": "b", "prompt": "Name a colour."}]
+    path = write_file(tmp_path, rows)
+    b = backend(tiny_model, tiny_tokenizer)
+    items, _ = read_batch(path)
+    params = SamplingParams(max_new_tokens=6)
+    prepared = prepare_independent(b.codec, items, params)
+    assert sorted(prepared) == [1, 3]  # a session line waits for its history
+    assert b.codec.decode(prepared[1].prompt_ids[:40], skip_special_tokens=False).count(
+        SYSTEM[:20]) == 1  # the line's system prompt is in the prompt the size is chosen from
+    encoded: list[object] = []
+    real = b.codec.encode_chat
+    monkeypatch.setattr(b.codec, "encode_chat", lambda msgs: encoded.append(msgs) or real(msgs))
+    b.batch_size = 4
+    run = BatchRun(b, items, params, SessionStore(tmp_path / "first"), prepared=prepared)
+    run.run()
+    assert encoded == []  # no line outside a session was tokenised again
+    assert prepared == {}  # submitted lines' turns are not kept for the rest of the run
+    again = run_file(backend(tiny_model, tiny_tokenizer), path)  # prepared as it submits
+    assert [r.result.token_ids for r in run.ordered()] == \
+        [r.result.token_ids for r in again.ordered()]

@@ -112,7 +112,7 @@ def test_a_session_turn_the_server_cannot_save_says_so(served: Served, monkeypat
 
     import kvchat.sessions as sessions_module
     from kvchat.batch import parse_line
-    from kvchat.cli.batch_attached import AttachedRun
+    from kvchat.batch.attached import AttachedRun
     from kvchat.client import Client
 
     real_write = sessions_module.atomic_write

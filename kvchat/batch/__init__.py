@@ -1,8 +1,10 @@
 """`kvchat batch`: JSONL request files through the shared cache and the engine.
 
-requests.py parses lines (prompt / messages / OpenAI batch lines), run.py runs them (independent
-lines together, session lines in turn), output.py writes one row per line as each finishes, to
-the -o file, which output_file.py locks for one run.
+requests.py parses lines (prompt / messages / OpenAI batch lines); recorder.py is what every
+runner shares (each line's result recorded once, in input order); run.py runs them in this
+process (independent lines together, session lines in turn), attached.py on a kvchat server,
+remote_engine.py on another OpenAI-compatible engine; output.py writes one row per line as each
+finishes, to the -o file, which output_file.py locks for one run.
 """
 
 from kvchat.batch.output import (
@@ -15,6 +17,7 @@ from kvchat.batch.output import (
     previous_rows,
     result_row,
 )
+from kvchat.batch.recorder import BatchProgress, ItemResult, LineRun, SaveFailure
 from kvchat.batch.requests import (
     BadLine,
     BatchItem,
@@ -23,10 +26,10 @@ from kvchat.batch.requests import (
     parse_line,
     read_batch,
 )
-from kvchat.batch.run import BatchProgress, BatchRun, ItemResult, SaveFailure
+from kvchat.batch.run import BatchRun
 
 __all__ = [
-    "BadLine", "BatchItem", "BatchProgress", "BatchRun", "ItemResult", "LineError",
+    "BadLine", "BatchItem", "BatchProgress", "BatchRun", "ItemResult", "LineError", "LineRun",
     "OutputClosed", "OutputError", "OutputFile", "RowWriter", "SaveFailure", "bad_line_row",
     "duplicate_ids", "is_complete", "parse_line", "previous_rows", "read_batch", "result_row",
 ]

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvchat.batch.output_file import OutputClosed, OutputError, OutputFile
+from kvchat.batch.recorder import ItemResult
 from kvchat.batch.requests import BadLine, BatchItem
-from kvchat.batch.run import ItemResult
+from kvchat.engine.result import GenerationResult
 from kvchat.responses import chat_completion, result_fields
 
 COMPLETE = ("stop", "length")
@@ -35,8 +36,8 @@ def result_row(res: ItemResult) -> dict[str, Any]:
         return {"id": item.id, **where, "status": "not_started", "error": res.error}
     if r is None:
         return {"id": item.id, **where, "error": res.error}
-    # a remote engine's reply has only the fields its API reports (`EngineReply.row_fields`)
-    fields = r.row_fields() if hasattr(r, "row_fields") else result_fields(r)
+    # another engine's reply has only the fields its API reports (`EngineReply.row_fields`)
+    fields = result_fields(r) if isinstance(r, GenerationResult) else r.row_fields()
     return {"id": item.id, **where, **fields,
             **({"session": item.session} if item.session else {})}
 
@@ -51,8 +52,8 @@ def _openai_row(res: ItemResult) -> dict[str, Any]:
             "interrupted" if r is not None else "request_failed")
         message = res.error or "The reply was interrupted before it finished."
         return {**head, "response": None, "error": {"code": code, "message": message}}
-    body = r.response_body() if hasattr(r, "response_body") else \
-        chat_completion(r, f"chatcmpl-{request_id}")
+    body = chat_completion(r, f"chatcmpl-{request_id}") if isinstance(r, GenerationResult) \
+        else r.response_body()
     return {**head, "response": {"status_code": 200, "request_id": request_id, "body": body},
             "error": None}
 

@@ -3,56 +3,48 @@ after another, each result reported as soon as it is in."""
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvchat.batch.recorder import NOT_STARTED, ItemResult, LineRun, SaveFailure
 from kvchat.batch.requests import BatchItem
-from kvchat.cache.stats import ratio
 from kvchat.config import SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionStore
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run starts in this process
+    from kvchat.engine.codec import ChatCodec
     from kvchat.engine.engine import Engine
-    from kvchat.engine.sequence import Event, GenerationResult
+    from kvchat.engine.sequence import Event
     from kvchat.turns import PreparedTurn
 
 
-@dataclass
-class ItemResult:
-    item: BatchItem
-    result: GenerationResult | None = None
-    error: str | None = None
-    not_started: bool = False  # the run stopped before this line started
+def line_turn(codec: ChatCodec, item: BatchItem, defaults: SamplingParams,
+              session: Session | None = None) -> PreparedTurn:
+    """A line's turn: its sampling parameters over the run's defaults, templated and
+    tokenised (raises KvchatError or ValueError when the line cannot make one)."""
+    from kvchat.turns import merge_params, prepare_turn
+
+    params = merge_params(defaults, item.max_tokens, item.temperature, seed=item.seed)
+    return prepare_turn(codec, item.messages, params, session, item.system)
 
 
-@dataclass(frozen=True)
-class SaveFailure:
-    """A session turn that ran (its row is written) but whose session file could not be
-    saved: the session on disk is behind by that turn until a later save succeeds."""
-
-    line: int | None  # None: the retry when the run ended
-    session: str
-    message: str
-
-
-@dataclass
-class BatchProgress:
-    done: int = 0
-    failed: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    completion_tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def hit_rate(self) -> float:
-        return ratio(self.hit_tokens, self.prompt_tokens)
+def prepare_independent(codec: ChatCodec, items: list[BatchItem], defaults: SamplingParams
+                        ) -> dict[int, PreparedTurn]:
+    """The turns of the lines outside sessions, by line, tokenised once before the run: the
+    batch size is chosen from their lengths and `BatchRun` submits them as they are (it holds
+    all of them from its start anyway). A line that cannot make a turn is left out; the run
+    reports its error."""
+    turns = {}
+    for item in items:
+        if item.session is None:
+            with contextlib.suppress(KvchatError, ValueError):
+                turns[item.line] = line_turn(codec, item, defaults)
+    return turns
 
 
-class BatchRun:
+class BatchRun(LineRun):
     """Feeds items to the engine: independent items at once, session items one after another.
     A session line extends that session's history as a chat turn does, and the session is
     saved after it (so `kvchat chat --session NAME` or a later file continues it)."""
@@ -66,78 +58,69 @@ class BatchRun:
         fail_fast: bool = False,
         on_update: Callable[[ItemResult], None] | None = None,
         pin_system: bool = False,
+        prepared: dict[int, PreparedTurn] | None = None,
     ) -> None:
+        super().__init__(items, fail_fast, on_update)
         self.engine = engine
-        self.items = items
         self.defaults = defaults
         self.sessions = sessions
-        self.fail_fast = fail_fast
-        self.on_update = on_update
-        self.results: dict[int, ItemResult] = {}
-        self.progress = BatchProgress()
+        # line -> its turn, tokenised before the run; taken out as it is submitted, so a
+        # finished line's prompt is not kept
+        self._prepared = prepared if prepared is not None else {}
         self._waiting: dict[str, list[BatchItem]] = {}
-        self.save_errors: list[SaveFailure] = []
         self._on_disk: dict[str, int] = {}  # session -> turns its file holds
         self.stopped = False
         self.pin_system = pin_system  # pin each distinct system prompt once it is cached
         self._to_pin: list[tuple[int, list[int]]] = []  # (line, system prefix tokens)
         self.pinned: dict[tuple[int, ...], int] = {}  # system prefix -> the line that pinned it
         self._tried: set[tuple[int, ...]] = set()
-        self.pin_errors: list[str] = []
 
     def _submit(self, item: BatchItem) -> None:
-        from kvchat.turns import merge_params, prepare_turn
+        from kvchat.turns import refused
 
-        try:
-            params = merge_params(self.defaults, item.max_tokens, item.temperature,
-                                  seed=item.seed)
-            session = self.sessions.open(item.session) if item.session else None
-            if session is not None:
-                self._on_disk.setdefault(session.name, len(session.turns))
-            turn = prepare_turn(self.engine.codec, item.messages, params, session, item.system)
-        except (KvchatError, ValueError) as exc:
-            self._record(ItemResult(item, error=str(exc)))
-            self._advance_session(item)
-            return
+        turn = self._prepared.pop(item.line, None)
+        if turn is None:
+            try:
+                session = self.sessions.open(item.session) if item.session else None
+                if session is not None:
+                    self._on_disk.setdefault(session.name, len(session.turns))
+                turn = line_turn(self.engine.codec, item, self.defaults, session)
+            except (KvchatError, ValueError) as exc:
+                self._record(ItemResult(item, error=str(exc)))
+                self._advance_session(item)
+                return
         try:
             self.engine.submit(turn.request(), lambda event: self._event(item, turn, event))
         except KvchatError as exc:
-            turn.abort()
-            self._record(ItemResult(item, error=str(exc)))
+            self._record(ItemResult(item, error=str(refused(turn, exc).error)))
             self._advance_session(item)
 
     def _event(self, item: BatchItem, turn: PreparedTurn, event: Event) -> None:
         from kvchat.engine.engine import RequestCancelled
         from kvchat.engine.sequence import Finished
+        from kvchat.turns import finish
 
         if not isinstance(event, Finished):
             return
-        if event.result is None or event.error is not None:
-            turn.abort()
-            not_started = isinstance(event.error, RequestCancelled)
-            message = "not run: the batch stopped before this line started" if not_started \
-                else str(event.error or "the request did not run")
+        pin = (lambda _: self._queue_pin(item, turn)) if self.pin_system else None
+        outcome = finish(turn, event, self.sessions, pin)
+        if outcome.result is None:
+            not_started = isinstance(outcome.error, RequestCancelled)
+            message = NOT_STARTED if not_started \
+                else str(outcome.error or "the request did not run")
             self._record(ItemResult(item, error=message, not_started=not_started))
         else:
-            self._commit(item, turn, event.result)
-            self._record(ItemResult(item, result=event.result))
-            if self.pin_system:
-                self._queue_pin(item, turn)
+            if turn.session is not None and outcome.turn is not None:
+                self._saved(turn.session, item.line, outcome.save_error)
+            self._record(ItemResult(item, result=outcome.result))
         self._advance_session(item)
 
     def _queue_pin(self, item: BatchItem, turn: PreparedTurn) -> None:
         """Remember the line's system prefix, to pin between engine steps."""
-        from kvchat.turns import system_prefix
-
-        system = item.system or next((m["content"] for m in item.messages
-                                      if m["role"] == "system"), None)
-        if system is None and turn.session is not None:
-            system = turn.session.system
-        if system is None:
+        if turn.system is None:
             return
         try:
-            tokens = system_prefix(self.engine.codec, [{"role": "system", "content": system}],
-                                   turn.prompt_ids)
+            tokens = turn.system_tokens(self.engine.codec)
         except KvchatError as exc:
             self.pin_errors.append(f"line {item.line}: {exc}")
             return
@@ -157,19 +140,21 @@ class BatchRun:
             except PinError as exc:
                 self.pin_errors.append(f"line {line}'s system prompt not pinned: {exc}")
 
-    def _commit(self, item: BatchItem, turn: PreparedTurn, result: GenerationResult) -> None:
-        if turn.commit(result) is None or turn.session is None:
-            return
-        self._save(turn.session, item.line)
+    def _saved(self, session: Session, line: int | None, error: str | None) -> bool:
+        """Note how a save of `session` went: a failure is reported (the reply is still
+        written; only the transcript is not), a success brings its file up to date."""
+        if error is not None:
+            self.save_errors.append(SaveFailure(line, session.name, error))
+            return False
+        self._on_disk[session.name] = len(session.turns)
+        return True
 
     def _save(self, session: Session, line: int | None) -> bool:
         try:
             self.sessions.save(session)
-        except KvchatError as exc:  # the reply is still written; only the transcript is not
-            self.save_errors.append(SaveFailure(line, session.name, str(exc)))
-            return False
-        self._on_disk[session.name] = len(session.turns)
-        return True
+        except KvchatError as exc:
+            return self._saved(session, line, str(exc))
+        return self._saved(session, line, None)
 
     def behind(self) -> dict[str, str]:
         """The sessions whose files lack turns that ran (a save failed and none succeeded
@@ -193,21 +178,6 @@ class BatchRun:
         queue = self._waiting.get(item.session)
         if queue:
             self._submit(queue.pop(0))
-
-    def _record(self, res: ItemResult) -> None:
-        self.results[res.item.line] = res
-        p = self.progress
-        p.done += 1
-        if res.error is not None:
-            p.failed += int(not res.not_started)
-            if self.fail_fast:
-                self.stop()
-        elif res.result is not None:
-            p.prompt_tokens += res.result.prompt_tokens
-            p.hit_tokens += res.result.cache_hit_tokens
-            p.completion_tokens += res.result.completion_tokens
-        if self.on_update is not None:
-            self.on_update(res)
 
     def stop(self) -> None:
         """Stop admitting, from anywhere (an event listener too): takes effect between steps;
@@ -236,12 +206,3 @@ class BatchRun:
         finally:
             if self.stopped:
                 self.engine.abort()
-
-    def ordered(self) -> list[ItemResult]:
-        return [self.results[i.line] for i in self.items if i.line in self.results]
-
-    def not_started(self) -> list[ItemResult]:
-        """A result for every line that never ran (the run stopped first); not recorded."""
-        message = "not run: the batch stopped before this line started"
-        return [ItemResult(i, error=message, not_started=True) for i in self.items
-                if i.line not in self.results]

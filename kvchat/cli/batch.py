@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -37,10 +37,22 @@ from kvchat.errors import KvchatError
 PIPE_EXIT_CODE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
 
 if TYPE_CHECKING:
-    from kvchat.batch import BadLine, BatchItem, BatchRun, OutputFile
+    from kvchat.batch import (
+        BadLine,
+        BatchItem,
+        BatchRun,
+        ItemResult,
+        LineRun,
+        OutputFile,
+        RowWriter,
+    )
+    from kvchat.batch.attached import AttachedRun
     from kvchat.cache.stats import CacheStats
     from kvchat.client import Attachment
+    from kvchat.client.engines import EngineInfo
+    from kvchat.client.openai_http import OpenAIClient
     from kvchat.runtime import Runtime
+    from kvchat.turns import PreparedTurn
 
 
 @dataclass
@@ -150,10 +162,10 @@ def batch(
     _finish_command(run, interrupted, plan, file, out_path, pin_system, ui)
 
 
-def _dispatch(where: tuple[Any, Attachment | None, LazyRuntimeOptions, int | None,
-                           tuple[str, int | None]],
+def _dispatch(where: tuple[tuple[OpenAIClient, EngineInfo] | None, Attachment | None,
+                           LazyRuntimeOptions, int | None, tuple[str, int | None]],
               plan: _Plan, defaults: tuple[int, float, int | None], flags: tuple[bool, bool],
-              out_path: Path | None, ui: Console) -> tuple[Any, bool]:
+              out_path: Path | None, ui: Console) -> tuple[LineRun, bool]:
     """The run on another engine, on a kvchat server, or in this process."""
     engine, server, options, fixed_size, how = where
     if engine is not None:
@@ -169,7 +181,7 @@ def _dispatch(where: tuple[Any, Attachment | None, LazyRuntimeOptions, int | Non
     return _run_standalone(options, plan, defaults, fixed_size, flags, ui)
 
 
-def _finish_command(run: Any, interrupted: bool, plan: _Plan, file: Path,
+def _finish_command(run: LineRun, interrupted: bool, plan: _Plan, file: Path,
                     out_path: Path | None, pin_system: bool, ui: Console) -> None:
     """What the run pinned, an interrupted run's paragraph, and the exit code."""
     if pin_system:
@@ -180,7 +192,7 @@ def _finish_command(run: Any, interrupted: bool, plan: _Plan, file: Path,
         raise typer.Exit(1)
 
 
-def _interrupted(run: Any, plan: _Plan, file: Path, out_path: Path | None,
+def _interrupted(run: LineRun, plan: _Plan, file: Path, out_path: Path | None,
                  ui: Console) -> None:
     done = sum(r.error is None for r in run.results.values()) + len(plan.kept)
     again = f" kvchat batch {file} -o {out_path} --resume" if out_path else ""
@@ -190,7 +202,7 @@ def _interrupted(run: Any, plan: _Plan, file: Path, out_path: Path | None,
     raise typer.Exit(INTERRUPT_EXIT_CODE)
 
 
-def _report_pins(run: Any, ui: Console) -> None:
+def _report_pins(run: LineRun, ui: Console) -> None:
     """What --pin-system pinned, and each system prompt it could not."""
     for line in run.pin_errors:
         ui.print(f"[yellow]{escape(line)}[/yellow]", soft_wrap=True)
@@ -252,20 +264,25 @@ def _batch_size_option(value: str) -> int | None:
 
 
 def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tokens: int,
-                       ui: Console) -> str:
-    """Set the engine's batch size; returns how it was chosen, for the summary."""
+                       ui: Console, prepared: dict[int, PreparedTurn]) -> str:
+    """Set the engine's batch size; returns how it was chosen, for the summary. `prepared`:
+    the turns already tokenised, by line (a session line's prompt waits for its history: its
+    messages alone stand for it here)."""
     from kvchat.engine.autobatch import choose_batch_size
     from kvchat.models.gguf import cache_dir
-    from kvchat.runtime import fingerprint
 
     engine = runtime.engine
     if fixed is not None:
         engine.batch_size = fixed
         return str(fixed)
-    longest = max((len(engine.codec.encode_chat(i.messages)) + (i.max_tokens or max_tokens)
-                   for i in plan.to_run), default=1)
+    def prompt_length(item: BatchItem) -> int:
+        turn = prepared.get(item.line)
+        return len(turn.prompt_ids if turn is not None else engine.codec.encode_chat(item.messages))
+
+    longest = max((prompt_length(i) + (i.max_tokens or max_tokens) for i in plan.to_run),
+                  default=1)
     pool = runtime.cache.stats().pool.capacity_tokens or 0
-    facts = fingerprint(engine, runtime.model_label)
+    facts = runtime.fingerprint
     key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
           f"{torch_threads()}"
     choice = choose_batch_size(engine.runner, key, cache_dir() / "batch-size.json", pool,
@@ -282,10 +299,11 @@ def torch_threads() -> int:
 
 def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
                     defaults: tuple[int, float, int | None], fixed_size: int | None,
-                    flags: tuple[bool, bool], ui: Console) -> tuple[Any, bool]:
+                    flags: tuple[bool, bool], ui: Console) -> tuple[LineRun, bool]:
     """The lines through an engine in this process, under the sessions dir's lock. `flags`:
     (--fail-fast, --pin-system)."""
     from kvchat.batch import BatchRun
+    from kvchat.batch.run import prepare_independent
     from kvchat.config import SamplingParams
     from kvchat.runtime import Runtime
     from kvchat.sessions import sessions_lock
@@ -301,21 +319,23 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
 
             ui.print(f"[yellow]{escape(runtime.model_label)} {escape(NO_TEMPLATE)}[/yellow]",
                      soft_wrap=True)
-        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens, ui)
+        prepared = prepare_independent(runtime.engine.codec, plan.to_run, params)
+        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens, ui, prepared)
 
-        def start(update: Any) -> BatchRun:
+        def start(update: Callable[[ItemResult], None]) -> BatchRun:
             return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
-                            update, pin_system=flags[1])
+                            update, pin_system=flags[1], prepared=prepared)
 
         return _run(plan, ui, size, start, runtime.cache.stats, lambda: _save(runtime, ui))
 
 
 def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, int | None],
                   out_path: Path | None, flags: tuple[bool, bool], ui: Console,
-                  concurrency: int | None = None) -> tuple[Any, bool]:
+                  concurrency: int | None = None) -> tuple[LineRun, bool]:
     """The lines through a running server (which batches them and saves its own cache).
     `flags`: (--fail-fast, --pin-system)."""
-    from kvchat.cli.batch_attached import AttachedRun, describe, server_stats
+    from kvchat.batch.attached import AttachedRun
+    from kvchat.cli.batch_attached import describe, server_stats
     from kvchat.client import ServerGone
 
     describe(server, ui)
@@ -323,7 +343,7 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
     with client:
         client.health()  # a server that is gone says so before any row is written
 
-        def start(update: Any) -> AttachedRun:
+        def start(update: Callable[[ItemResult], None]) -> AttachedRun:
             return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1],
                                concurrency)
 
@@ -339,8 +359,10 @@ def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, i
                              f"again, finish the others with{again}.") from None
 
 
-def _run(plan: _Plan, ui: Console, batch_size: str | None, start: Any, stats: Any,
-         save: Any) -> tuple[Any, bool]:
+def _run(plan: _Plan, ui: Console, batch_size: str | None,
+         start: Callable[[Callable[[ItemResult], None]], LineRun],
+         stats: Callable[[], CacheStats | None], save: Callable[[], None]
+         ) -> tuple[LineRun, bool]:
     """Run the plan (`start(update)` makes the run), writing each row as it finishes; returns
     the run and whether it was interrupted. `save` runs however the run ends."""
     from kvchat.batch import OutputClosed, OutputError, RowWriter, bad_line_row, result_row
@@ -360,7 +382,7 @@ def _run(plan: _Plan, ui: Console, batch_size: str | None, start: Any, stats: An
     with batch_progress(ui) as progress:
         task = progress.add_task("batch", total=len(plan.to_run), rate="")
 
-        def update(res: Any) -> None:
+        def update(res: ItemResult) -> None:
             if res.error is not None and not res.not_started:
                 progress.console.print(f"[red]line {res.item.line}:[/red] {escape(res.error)}")
             progress.update(task, completed=run.progress.done, rate=progress_rate(run.progress))
@@ -383,7 +405,7 @@ def _run(plan: _Plan, ui: Console, batch_size: str | None, start: Any, stats: An
             _finish(run, writer, failure, save)
     if any(isinstance(f, OutputClosed) for f in failure):
         _quiet_exit()  # nobody reads the rows any more: no summary, no error, as Unix tools
-    extra = run.summary_rows() if hasattr(run, "summary_rows") else []
+    extra = run.summary_rows()
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
                            time.perf_counter() - started, batch_size,
                            max_tokens_note(plan.max_tokens, [i.max_tokens for i in plan.to_run]),
@@ -404,7 +426,7 @@ def _quiet_exit() -> None:
     raise typer.Exit(PIPE_EXIT_CODE)
 
 
-def _report_saves(run: Any, ui: Console) -> None:
+def _report_saves(run: LineRun, ui: Console) -> None:
     """Every session save that failed, and which sessions' files are behind the rows."""
     for failed in run.save_errors:
         where = f"line {failed.line}" if failed.line is not None else "at the end of the run"
@@ -415,7 +437,8 @@ def _report_saves(run: Any, ui: Console) -> None:
                  "[/yellow]", soft_wrap=True)
 
 
-def _finish(run: Any, writer: Any, failure: list[Any], save: Any) -> None:
+def _finish(run: LineRun, writer: RowWriter, failure: list[KvchatError],
+            save: Callable[[], None]) -> None:
     """Every line gets its row, the output is put in input order, sessions behind on disk get
     one more try, the cache is saved."""
     from kvchat.batch import OutputError, result_row

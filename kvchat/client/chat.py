@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvchat.client.http import Client, ReplyStream, ServerError
 from kvchat.errors import KvchatError
-from kvchat.sessions import Session, validate_name
+from kvchat.responses import result_from_turn
+from kvchat.sessions import Session, Turn, validate_name
 from kvchat.ui.chat_backend import (
     PLAIN_LINE,
     CacheViews,
@@ -30,6 +32,7 @@ from kvchat.ui.chat_backend import (
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
+    from kvchat.engine.result import GenerationResult
     from kvchat.inspect.documents import NodeView
 
 UNAVAILABLE = {
@@ -95,18 +98,25 @@ class RemoteReply:
         if len(self.session.turns) <= self.turns_before:
             return TurnFailed(error or "The reply stopped before it started.")
         turn = self.session.turns[-1]
-        rate = 0.0
-        if result is not None:
-            decode_s = (float(result["total_ms"]) - float(result["ttft_ms"])) / 1000
-            rate = max(int(result["completion_tokens"]) - 1, 0) / decode_s if decode_s > 0 else 0
-        source = str(result["hit_source"]) if result is not None else turn.source
-        disk = int(result.get("disk_hit_tokens", 0)) if result is not None else 0
-        why = result or {}
-        return TurnDone(turn, turn.ttft_ms, turn.prefill_ms,
-                        turn.prompt_tokens - turn.hit_tokens, rate, source, disk,
-                        str(why.get("miss_detail") or ""), str(why.get("miss_reason") or ""),
-                        str(why.get("miss_label") or why.get("miss_reason") or ""),
-                        int(why.get("draft_tokens") or 0), int(why.get("draft_accepted") or 0))
+        return TurnDone(turn, reported(turn, result))
+
+
+def reported(turn: Turn, done: dict[str, Any] | None) -> GenerationResult:
+    """The result of a server's turn: the session's record of it (times as the server measured
+    them), with what the reply's last event adds (the cache's source and why, drafts), and the
+    decode rate its times give; the record alone when that event never came."""
+    if done is None:
+        return result_from_turn(turn)
+    decode_s = (float(done["total_ms"]) - float(done["ttft_ms"])) / 1000
+    rate = max(int(done["completion_tokens"]) - 1, 0) / decode_s if decode_s > 0 else 0
+    return replace(
+        result_from_turn(turn, rate), hit_source=str(done["hit_source"]),
+        disk_hit_tokens=int(done.get("disk_hit_tokens", 0)),
+        miss_detail=str(done.get("miss_detail") or ""),
+        miss_reason=str(done.get("miss_reason") or ""),
+        miss_label=str(done.get("miss_label") or done.get("miss_reason") or ""),
+        draft_tokens=int(done.get("draft_tokens") or 0),
+        draft_accepted=int(done.get("draft_accepted") or 0))
 
 
 class RemoteBackend(CacheViews):

@@ -20,6 +20,7 @@ from kvchat.client.ledger import Ledger
 from kvchat.client.openai_http import CompletionStream, OpenAIClient, Usage
 from kvchat.client.remote_turns import conversation, record, request_body
 from kvchat.errors import KvchatError
+from kvchat.responses import result_from_turn
 from kvchat.sessions import Session, SessionStore
 from kvchat.ui.chat_backend import PinInfo, PinsInfo, Reply, Sessions, TurnDone, TurnFailed
 from kvchat.ui.engine_view import ClientTotals, EngineFacts
@@ -76,8 +77,7 @@ class EngineReply:
             self.backend.sent(self.messages, reply.usage)
         decode_s = (reply.total_ms - (reply.ttft_ms or 0)) / 1000 if reply is not None else 0
         rate = max(turn.completion_tokens - 1, 0) / decode_s if decode_s > 0 else 0.0
-        return TurnDone(turn, turn.ttft_ms, turn.prefill_ms,
-                        turn.prompt_tokens - turn.hit_tokens, rate, turn.source)
+        return TurnDone(turn, result_from_turn(turn, rate))
 
 
 class EngineBackend:

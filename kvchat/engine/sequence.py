@@ -19,6 +19,7 @@ import torch
 from kvchat.cache.kvcache import Lookup
 from kvchat.cache.visibility import Visibility
 from kvchat.config import SamplingParams
+from kvchat.engine.result import GenerationResult
 from kvchat.engine.sampling import make_generator, sample
 
 
@@ -39,36 +40,6 @@ class Request:
     after_history: bool = False  # own_from ends a session's history (else a shared head)
     # what the caller may see of that namespace's cached tokens (its `miss_detail`)
     visibility: Visibility = Visibility.CACHE
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # generated tokens (EOS included when the model emitted it)
-    prompt_tokens: int
-    cache_hit_tokens: int
-    hit_source: str  # exact | radix | disk | shared | miss | off
-    computed_tokens: int  # prompt tokens this request ran through the model
-    prefill_ms: float
-    ttft_ms: float
-    decode_tokens_per_s: float
-    total_ms: float
-    finish_reason: str  # stop | length | interrupted | error
-    stored_tokens: int  # tokens of prompt + reply now cached
-    step_logits: list[torch.Tensor] | None = None
-    disk_hit_tokens: int = 0  # of cache_hit_tokens, those loaded back from the disk tier
-    shared_hit_tokens: int = 0  # of cache_hit_tokens, blocks other instances put in the store
-    miss_reason: str = "off"  # hit | cold | evicted | diverged (`kvchat.cache.explain`) | off
-    diverged_at: int | None = None  # diverged: the first prompt token the cache lacks
-    miss_detail: str = ""  # one line for people, as the caller may see it (`describe`)
-    miss_label: str = "off"  # miss_reason as people read it: new, shared prefix (`label`), ...
-    draft_tokens: int = 0  # tokens the cache proposed as drafts (`kvchat.cache.drafts`)
-    draft_accepted: int = 0  # of those, the ones verification kept
-    decode_forwards: int = 0  # decode forwards this request took part in
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 @dataclass(frozen=True)

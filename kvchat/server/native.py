@@ -68,10 +68,7 @@ async def reply(body: GenerateBody, request: Request, state: State, tenant: Tena
 def _prepare(state: State, sessions: Sessions, job: PinJob | None,
              body: GenerateBody) -> PreparedTurn:
     turn = state.preparer.generate(body, sessions)
-    if job is None:
-        return turn
-    system = next((m.content for m in body.messages or () if m.role == "system"), body.system)
-    return job.prepared(turn, turn.session.system if turn.session is not None else system)
+    return turn if job is None else job.prepared(turn)
 
 
 def _pinned(job: PinJob | None) -> dict[str, Any]:

@@ -66,10 +66,7 @@ def extension(result: GenerationResult, job: PinJob | None) -> dict[str, Any]:
 
 def _prepare(state: ServerState, job: PinJob | None, body: ChatCompletionBody) -> PreparedTurn:
     turn = state.preparer.chat(body)
-    if job is None:
-        return turn
-    system = next((m.text() for m in body.messages if m.role in ("system", "developer")), None)
-    return job.prepared(turn, system)
+    return turn if job is None else job.prepared(turn)
 
 
 @router.post("/v1/chat/completions", response_model=None)

@@ -19,7 +19,7 @@ from kvchat.engine.codec import ChatCodec
 from kvchat.engine.sequence import GenerationResult
 from kvchat.server.auth import Tenant
 from kvchat.server.schemas import PinOption, PinWhat
-from kvchat.turns import Message, PreparedTurn, TurnError, system_prefix
+from kvchat.turns import PreparedTurn, TurnError
 
 LABELS: dict[str, str] = {"system": "system prompt", "all": "conversation"}
 
@@ -38,10 +38,6 @@ def pin_json(pin: Pin, tenant: Tenant) -> dict[str, Any]:
     if tenant.admin:
         doc["namespace"] = pin.namespace
     return doc
-
-
-def system_messages(system: str | None) -> list[Message]:
-    return [{"role": "system", "content": system}] if system else []
 
 
 class Pinner:
@@ -96,14 +92,13 @@ class PinJob:
         self.system_tokens: list[int] = []
         self.outcome: dict[str, Any] | None = None
 
-    def prepared(self, turn: PreparedTurn, system: str | None) -> PreparedTurn:
+    def prepared(self, turn: PreparedTurn) -> PreparedTurn:
         """After preparation (worker thread): find the system prefix while the template is at
         hand, so the engine thread only does bookkeeping."""
         self.prompt_ids = list(turn.prompt_ids)
         if self.what == "system":
             try:
-                self.system_tokens = system_prefix(self.codec, system_messages(system),
-                                                   turn.prompt_ids)
+                self.system_tokens = turn.system_tokens(self.codec)
             except TurnError as exc:
                 self.outcome = {"error": str(exc)}
         return turn

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Body, Query
 from starlette.concurrency import run_in_threadpool
 
 from kvchat.cache.pins import Pin, PinError
+from kvchat.config import SamplingParams
 from kvchat.server.auth import Caller, Tenant
 from kvchat.server.errors import ApiError, api_error
 from kvchat.server.pinning import (
@@ -23,12 +24,11 @@ from kvchat.server.pinning import (
     pin_json,
     pin_message,
     pin_what,
-    system_messages,
 )
 from kvchat.server.prepare import Sessions
 from kvchat.server.schemas import PinBody, PinOption, UnpinBody
 from kvchat.server.state import ServerState, State
-from kvchat.turns import conversation, system_prefix
+from kvchat.turns import prepare_turn, system_tokens
 
 router = APIRouter()
 
@@ -54,7 +54,7 @@ def pin_tokens(state: ServerState, sessions: Sessions, body: PinBody) -> list[in
     codec = state.worker.codec
     if body.session is not None:
         session = sessions.get(body.session, create=False)
-        messages, tokens = conversation(session), list(session.tokens)
+        system, tokens = session.system, list(session.tokens)
         if not tokens:
             raise ApiError(409, "not_cached", f"Session {body.session!r} has no turns yet: "
                            "nothing of it is cached to pin.")
@@ -62,13 +62,9 @@ def pin_tokens(state: ServerState, sessions: Sessions, body: PinBody) -> list[in
         messages = ([m.model_dump() for m in body.messages] if body.messages is not None
                     else [{"role": "user", "content": body.prompt or ""}])
         state.preparer.check_size([*(m["content"] for m in messages), body.system or ""])
-        if body.system is not None and not any(m["role"] == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": body.system})  # as a request
-        tokens = codec.encode_chat(messages)
-    if body.what == "all":
-        return tokens
-    system = next((m["content"] for m in messages if m["role"] == "system"), None)
-    return system_prefix(codec, system_messages(system), tokens)
+        turn = prepare_turn(codec, messages, SamplingParams(), system=body.system)  # as a request
+        system, tokens = turn.system, turn.prompt_ids
+    return tokens if body.what == "all" else system_tokens(codec, system, tokens)
 
 
 @router.post("/cache/pin", status_code=201)

@@ -16,8 +16,8 @@ from kvchat.errors import KvchatError
 from kvchat.server.auth import TENANTS_DIR, Tenant
 from kvchat.server.errors import ApiError
 from kvchat.server.schemas import ChatCompletionBody, CompletionBody, GenerateBody
-from kvchat.sessions import Session, SessionStore, private_dir
-from kvchat.turns import PreparedTurn, merge_params, prepare_turn
+from kvchat.sessions import Session, SessionNotFound, SessionStore, private_dir
+from kvchat.turns import PreparedTurn, merge_params, prepare_turn, refused
 
 log = logging.getLogger(__name__)
 
@@ -32,31 +32,28 @@ _OPENAI_ROLES = {"developer": "system"}
 
 
 class Sessions:
-    """Sessions served so far, loaded once from the sessions dir. Turns of one session run one
-    after another, in arrival order (an asyncio lock per session, held until the turn is
-    recorded)."""
+    """A tenant's sessions as the server serves them: its `SessionStore` is their one registry
+    (the same Session object for a name, whoever opens it); this adds what HTTP needs. Turns of
+    one session run one after another, in arrival order (an asyncio lock per session, held
+    until the turn is recorded)."""
 
     def __init__(self, store: SessionStore) -> None:
         self.store = store
-        self._open: dict[str, Session] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # a session is created (and its file written) once
         self.turn_locks: dict[str, asyncio.Lock] = {}
 
     def get(self, name: str, create: bool) -> Session:
         with self._lock:
-            session = self._open.get(name)
-            if session is None:
-                if self.store.exists(name):
-                    session = self.store.load(name)
-                elif create:
-                    session = Session(name)
-                    self.store.save(session)
-                else:
-                    raise ApiError(
-                        404, "session_not_found",
-                        f"No session {name!r}. Send \"create_session\": true to start it.",
-                    )
-                self._open[name] = session
+            new = not self.store.exists(name)
+            try:
+                session = self.store.open(name, create)
+            except SessionNotFound:
+                raise ApiError(
+                    404, "session_not_found",
+                    f"No session {name!r}. Send \"create_session\": true to start it.",
+                ) from None
+            if new:
+                self.store.save(session)
             return session
 
 
@@ -117,8 +114,8 @@ class Preparer:
     def _checked(self, turn: PreparedTurn) -> PreparedTurn:
         try:
             self.engine.check_request(turn.request())
-        except KvchatError:
-            turn.abort()  # the turn never happens: nothing changes
+        except KvchatError as exc:
+            refused(turn, exc)  # the turn never happens: nothing changes
             raise
         return turn
 

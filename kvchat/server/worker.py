@@ -33,10 +33,10 @@ from kvchat.engine.engine import Engine, RequestCancelled, RequestHandle
 from kvchat.engine.sequence import Event, Finished, GenerationResult, Request, TextDelta
 from kvchat.errors import KvchatError
 from kvchat.inspect import documents as cv
-from kvchat.runtime import Runtime, fingerprint, tokenizer_file
+from kvchat.runtime import Runtime, tokenizer_file
 from kvchat.sessions import SessionStore, cache_dir
 from kvchat.snapshots import TREE_INDEX as INDEX
-from kvchat.turns import PreparedTurn
+from kvchat.turns import PreparedTurn, finish, refused
 
 __all__ = ["DEFAULT_BATCH_SIZE", "CacheTree", "EngineStopped", "EngineWorker", "Handle",
            "ModelInfo", "RequestCancelled", "ServerCounters", "TenantCounters"]
@@ -226,7 +226,7 @@ class EngineWorker:
                               "requests that finished.", buckets=TTFT_BUCKETS_S, registry=None)
         self.tenants: dict[str, TenantCounters] = {}  # engine thread only
         self.info = ModelInfo(runtime.model_label, model_id(runtime), str(self.engine.device),
-                              fingerprint(self.engine, runtime.model_label),
+                              runtime.fingerprint,
                               self.engine.runner.precision_label)
         self.saved_to: Path | None = None
         self._inbox: deque[Callable[[], None]] = deque()
@@ -374,7 +374,7 @@ class EngineWorker:
             engine_handle = self.engine.submit(handle.request,
                                                lambda event: self._event(handle, event))
         except KvchatError as exc:
-            handle.turn.abort()
+            refused(handle.turn, exc)
             handle.fail(exc)
             return
         handle.attach(engine_handle)
@@ -394,38 +394,42 @@ class EngineWorker:
         outcome = _outcome(handle, event)
         setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
         self._count(handle, **{outcome: 1})
-        if event.error is not None or event.result is None:
-            handle.turn.abort()
-            handle.fail(event.error or RequestCancelled("The request did not run."))
+        # As in the REPL, an interrupted reply is recorded too: its K/V is cached, so the next
+        # turn extends exactly what the model saw.
+        done = finish(handle.turn, event, handle.store, self._after(handle))
+        if done.result is None:
+            handle.fail(done.error or RequestCancelled("The request did not run."))
             return
-        self.counters.draft_tokens += event.result.draft_tokens
-        self.counters.draft_accepted += event.result.draft_accepted
-        self.ttft.observe(event.result.ttft_ms / 1000)
+        if done.save_error is not None and handle.turn.session is not None:
+            log.error("Could not save session %s: %s", handle.turn.session.name,
+                      done.save_error)
+            handle.session_error = done.save_error  # the reply still goes out, and says so
+        self.counters.draft_tokens += done.result.draft_tokens
+        self.counters.draft_accepted += done.result.draft_accepted
+        self.ttft.observe(done.result.ttft_ms / 1000)
         self.tenants[handle.tenant] = self.tenants.get(handle.tenant,
-                                                       TenantCounters()).after(event.result)
-        self._record(handle, event.result)
-        if handle.after is not None:
+                                                       TenantCounters()).after(done.result)
+        handle.finish(done.result)
+
+    @staticmethod
+    def _after(handle: Handle) -> Callable[[GenerationResult], None] | None:
+        """The handle's finishing step (a `pin` option), guarded: the reply still goes out
+        when it fails, and it reports its own failures."""
+        after = handle.after
+        if after is None:
+            return None
+
+        def guarded(result: GenerationResult) -> None:
             try:
-                handle.after(event.result)
-            except Exception:  # the reply still goes out; the hook reports its own failures
+                after(result)
+            except Exception:
                 log.exception("A request's finishing step failed.")
-        handle.finish(event.result)
+
+        return guarded
 
     def _count(self, handle: Handle, **deltas: int) -> None:
         self.tenants[handle.tenant] = self.tenants.get(handle.tenant, TenantCounters()).plus(
             **deltas)
-
-    def _record(self, handle: Handle, result: GenerationResult) -> None:
-        # As in the REPL, an interrupted reply is recorded too: its K/V is cached, so the next
-        # turn extends exactly what the model saw.
-        session = handle.turn.session
-        if handle.turn.commit(result) is None or session is None or handle.store is None:
-            return
-        try:
-            handle.store.save(session)
-        except (OSError, KvchatError) as exc:  # the reply still goes out, and says so
-            log.exception("Could not save session %s.", session.name)
-            handle.session_error = str(exc)
 
     def _abort(self, error: BaseException) -> None:
         """Running requests store their K/V and finish as interrupted; the others fail."""

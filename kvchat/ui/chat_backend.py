@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
     from kvchat.engine.engine import RequestHandle
+    from kvchat.engine.result import GenerationResult
     from kvchat.inspect.documents import NodeView
     from kvchat.runtime import Runtime
     from kvchat.sessions import Session, SessionStore, Turn
@@ -32,20 +33,12 @@ if TYPE_CHECKING:
 
 class TurnDone(NamedTuple):
     """A reply that ran (finished, or stopped and kept): the turn as the session recorded it,
-    and the timings the panels show."""
+    and the result the panels show (`views.turn_view`): the engine's own in this process, read
+    back from a server's reply (`kvchat.client.chat`), or from the turn's record for an
+    engine that reports less (`responses.result_from_turn`)."""
 
     turn: Turn
-    ttft_ms: float
-    prefill_ms: float
-    computed_tokens: int  # prompt tokens the model had to prefill
-    decode_tokens_per_s: float
-    hit_source: str
-    disk_hit_tokens: int = 0  # of the turn's hit tokens, those loaded back from disk
-    miss_detail: str = ""  # why the cached prefix ended where it did (`kvchat.cache.explain`)
-    miss_reason: str = ""
-    miss_label: str = ""  # the reason as people read it (`Explanation.label`)
-    draft_tokens: int = 0  # reply tokens the cache proposed as drafts
-    draft_accepted: int = 0  # of those, the ones verification kept
+    result: GenerationResult
 
 
 class PinInfo(NamedTuple):
@@ -191,16 +184,17 @@ class LocalReply:
         self.handle.close()
 
     def finish(self) -> TurnDone | TurnFailed:
-        result, error = self.handle.result, self.handle.error
-        if result is None or error is not None:  # it failed before it ran, or while it did
-            self.turn.abort()  # what it computed is cached; the session is as it was
-            return TurnFailed(str(error or "The reply could not be generated."))
-        turn = self.turn.commit(result)
+        from kvchat.engine.sequence import Finished
+        from kvchat.turns import finish
+
+        # a failure aborts the turn: what it computed is cached; the session is as it was.
+        # The REPL saves the session after the turn (and says so when it cannot).
+        done = finish(self.turn, Finished(self.handle.result, self.handle.error))
+        result, turn = done.result, done.turn
+        if result is None:
+            return TurnFailed(str(done.error or "The reply could not be generated."))
         assert turn is not None
-        return TurnDone(turn, result.ttft_ms, result.prefill_ms, result.computed_tokens,
-                        result.decode_tokens_per_s, result.hit_source, result.disk_hit_tokens,
-                        result.miss_detail, result.miss_reason, result.miss_label,
-                        result.draft_tokens, result.draft_accepted)
+        return TurnDone(turn, result)
 
 
 class LocalBackend(CacheViews):
@@ -238,17 +232,17 @@ class LocalBackend(CacheViews):
 
     def start(self, session: Session, text: str, params: SamplingParams) -> Reply:
         from kvchat.engine.engine import PromptTooLongError
-        from kvchat.turns import prepare_turn
+        from kvchat.turns import prepare_turn, refused
 
         engine = self.rt.engine
         turn = prepare_turn(engine.codec, [{"role": "user", "content": text}], params, session)
         try:
             handle = engine.submit(turn.request())
         except PromptTooLongError as error:
-            turn.abort()
+            refused(turn, error)
             raise KvchatError(f"{error} Start over with /reset or /new.") from None
-        except KvchatError:
-            turn.abort()
+        except KvchatError as error:
+            refused(turn, error)
             raise
         return LocalReply(handle, turn)
 
@@ -278,7 +272,7 @@ class LocalBackend(CacheViews):
 
     def pin(self, session: Session, what: str) -> PinInfo:
         from kvchat.cache.pins import PinError
-        from kvchat.turns import conversation, system_prefix
+        from kvchat.turns import system_tokens
 
         cache = self.rt.cache
         if not session.tokens:
@@ -286,7 +280,7 @@ class LocalBackend(CacheViews):
         if what == "all":
             tokens, label = session.tokens[: cache.peek(session.tokens)], f"{session.name} (all)"
         else:
-            tokens = system_prefix(self.rt.engine.codec, conversation(session), session.tokens)
+            tokens = system_tokens(self.rt.engine.codec, session.system, session.tokens)
             label = "system prompt"
         try:
             pin = cache.pin(tokens, label=label)

@@ -257,26 +257,12 @@ class Chat(ConversationMoves):
         self._turns_since_snapshot += 1
         if self._turns_since_snapshot >= self.save_every and self.backend.owns_cache:
             self._saving(self.save_snapshot)
-        if done.hit_source != "exact":
-            self._prefill_samples.append((done.computed_tokens, done.prefill_ms))
+        result = done.result
+        if result.hit_source != "exact":
+            self._prefill_samples.append((result.computed_tokens, result.prefill_ms))
         rate = views.prefill_rate(self._prefill_samples)
-        view = views.TurnView(
-            number=len(self.session.turns),
-            prompt_tokens=turn.prompt_tokens,
-            hit_tokens=turn.hit_tokens,
-            source=turn.source,
-            ttft_ms=done.ttft_ms,
-            prefill_ms=done.prefill_ms,
-            completion_tokens=turn.completion_tokens,
-            decode_tokens_per_s=done.decode_tokens_per_s,
-            finish_reason=turn.finish_reason,
-            saved_ms=views.estimate_saved_ms(turn.hit_tokens, rate),
-            disk_hit_tokens=done.disk_hit_tokens,
-            miss=done.miss_detail if done.miss_reason not in ("", "hit", "off") else "",
-            miss_label=done.miss_label,
-            draft_tokens=done.draft_tokens,
-            draft_accepted=done.draft_accepted,
-        )
+        view = views.turn_view(len(self.session.turns), turn, result,
+                               views.estimate_saved_ms(turn.hit_tokens, rate))
         if self.panels != "off":
             self.console.print(self.backend.turn_panels(view, self.panels, self.session.name))
 

@@ -27,6 +27,7 @@ from kvchat.inspect.documents import NodeView, walk
 from kvchat.inspect.previews import Decode, distinct_offsets, distinct_preview
 
 if TYPE_CHECKING:
+    from kvchat.engine.result import GenerationResult
     from kvchat.sessions import Turn
 
 PANEL_MODES = ("off", "compact", "full")
@@ -103,6 +104,21 @@ class TurnView:
     @property
     def hit_rate(self) -> float:
         return ratio(self.hit_tokens, self.prompt_tokens)
+
+
+def turn_view(number: int, turn: Turn, result: GenerationResult, saved_ms: float | None
+              ) -> TurnView:
+    """The panels' view of a session's `number`th turn: its counts as the session recorded
+    them, its times and the cache's story from the result."""
+    explained = result.miss_reason not in ("", "hit", "off")
+    return TurnView(
+        number=number, prompt_tokens=turn.prompt_tokens, hit_tokens=turn.hit_tokens,
+        source=turn.source, ttft_ms=result.ttft_ms, prefill_ms=result.prefill_ms,
+        completion_tokens=turn.completion_tokens,
+        decode_tokens_per_s=result.decode_tokens_per_s, finish_reason=turn.finish_reason,
+        saved_ms=saved_ms, disk_hit_tokens=result.disk_hit_tokens,
+        miss=result.miss_detail if explained else "", miss_label=result.miss_label,
+        draft_tokens=result.draft_tokens, draft_accepted=result.draft_accepted)
 
 
 RATE_MIN_TOKENS = 32  # shorter prefills measure mostly a forward pass's fixed cost

@@ -1,5 +1,6 @@
-"""`kvchat batch --connect URL` on a remote engine: every line a streamed /v1/chat/completions,
-sent in cache-aware order (`kvchat.batch.order`) with at most --concurrency in flight.
+"""`kvchat batch --connect URL` on an engine other than kvchat serve: every line a streamed
+/v1/chat/completions, sent in cache-aware order (`kvchat.batch.order`) with at most
+--concurrency in flight.
 
 Rows, progress, crash safety and --resume are the standalone run's: each reply becomes a row
 (the fields the engine reports: `cache_hit_tokens` is its `cached_tokens`, null where it
@@ -13,9 +14,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvchat.batch.order import SendQueue, input_order, prompt_text, shared_prefix_groups
+from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure
+from kvchat.batch.requests import BatchItem
 from kvchat.client.http import ServerGone
 from kvchat.client.openai_http import Completion, OpenAIClient
 from kvchat.client.remote_turns import begin, conversation, record, request_body
@@ -23,19 +26,17 @@ from kvchat.config import SamplingParams
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    from kvchat.batch import BatchItem, BatchProgress, ItemResult, SaveFailure
     from kvchat.batch.order import Group
     from kvchat.client.engines import EngineInfo
     from kvchat.client.ledger import Ledger
-    from kvchat.engine.sequence import GenerationResult
     from kvchat.sessions import SessionStore
 
-NOT_FINISHED = "not run: the batch stopped before this line finished"
 Message = dict[str, str]
 
 
 class EngineReply(NamedTuple):
-    """A reply as the engine reported it, read where a batch reads a GenerationResult."""
+    """A reply as another engine reported it: a row holds only what it reported (its own
+    OpenAI body for an OpenAI batch line), not the fields of kvchat's own result."""
 
     text: str
     finish_reason: str
@@ -79,30 +80,26 @@ class EngineReply(NamedTuple):
         return self.body
 
 
-class EngineRun:
-    """The lines of a batch file through a remote engine. Offers what the summary needs of a
-    BatchRun: `progress`, `results`, `ordered()`, `not_started()`."""
+class EngineRun(LineRun):
+    """The lines of a batch file through a remote engine, each result reported as soon as it
+    is in (from the thread that sent it)."""
+
+    not_run = NOT_FINISHED
 
     def __init__(self, client: OpenAIClient, engine: EngineInfo, items: list[BatchItem],
                  defaults: tuple[int, float, int | None], fail_fast: bool,
                  on_update: Callable[[ItemResult], None], store: SessionStore,
                  ledger: Ledger, order: str = "cache-aware", concurrency: int = 4) -> None:
-        from kvchat.batch import BatchProgress
-
-        self.client, self.engine, self.items = client, engine, items
-        self.defaults, self.fail_fast, self.on_update = defaults, fail_fast, on_update
+        self._cond = threading.Condition()
+        super().__init__(items, fail_fast, on_update, self._cond)
+        self.client, self.engine = client, engine
+        self.defaults = defaults
         self.store, self.ledger = store, ledger
         self.order, self.concurrency = order, max(1, concurrency)
-        self.results: dict[int, ItemResult] = {}
-        self.progress: BatchProgress = BatchProgress()
-        self.save_errors: list[SaveFailure] = []
         self._behind: dict[str, int] = {}  # session -> turns its file lacks
-        self.pinned: dict[str, int] = {}
-        self.pin_errors: list[str] = []
         self.stopped = threading.Event()
         self.gone: ServerGone | None = None
         self.groups: list[Group] = []
-        self._cond = threading.Condition()
         self._in_flight = 0
         self._crash: BaseException | None = None
 
@@ -167,8 +164,6 @@ class EngineRun:
         return msgs
 
     def _send(self, item: BatchItem, queue: SendQueue) -> None:
-        from kvchat.batch import ItemResult
-
         if self.stopped.is_set():
             return
         session, saved = None, None
@@ -215,32 +210,14 @@ class EngineRun:
                 self.store.save(session)
                 self._behind.pop(session.name, None)
             except KvchatError as exc:  # the reply is still written; only the transcript not
-                from kvchat.batch import SaveFailure
-
                 self.save_errors.append(SaveFailure(item.line, session.name, str(exc)))
                 self._behind[session.name] = self._behind.get(session.name, 0) + 1
-        result = cast("GenerationResult", EngineReply.of(reply, self.engine.kind))
-        self._record(ItemResult(item, result=result))
+        self._record(ItemResult(item, result=EngineReply.of(reply, self.engine.kind)))
 
     def _stop(self, exc: ServerGone) -> None:
         if not self.stopped.is_set():  # not Ctrl-C closing the connections
             self.gone = self.gone or exc
         self.stopped.set()
-
-    def _record(self, res: ItemResult) -> None:
-        with self._cond:
-            self.results[res.item.line] = res
-            p = self.progress
-            p.done += 1
-            if res.error is not None:
-                p.failed += 1
-                if self.fail_fast:
-                    self.stopped.set()
-            elif res.result is not None:
-                p.prompt_tokens += res.result.prompt_tokens
-                p.hit_tokens += res.result.cache_hit_tokens
-                p.completion_tokens += res.result.completion_tokens
-            self.on_update(res)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -256,18 +233,7 @@ class EngineRun:
                 self.store.save(self.store.open(name))
                 del self._behind[name]
             except KvchatError as exc:
-                from kvchat.batch import SaveFailure
-
                 self.save_errors.append(SaveFailure(None, name, str(exc)))
-
-    def ordered(self) -> list[ItemResult]:
-        return [self.results[i.line] for i in self.items if i.line in self.results]
-
-    def not_started(self) -> list[ItemResult]:
-        from kvchat.batch import ItemResult
-
-        return [ItemResult(i, error=NOT_FINISHED, not_started=True) for i in self.items
-                if i.line not in self.results]
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """The summary's own lines for a remote engine: which, in what order, how reported."""
@@ -278,7 +244,8 @@ class EngineRun:
                f"{sum(len(g.lines) for g in shared)} lines, each group's first line alone, "
                f"{then}" if self.order == "cache-aware" else "input order")
         done = [r.result for r in self.results.values() if r.result is not None]
-        reported = sum(cast("EngineReply", r).reported_cached is not None for r in done)
+        reported = sum(isinstance(r, EngineReply) and r.reported_cached is not None
+                       for r in done)
         rows = [("engine", self.engine.name()), ("order", how),
                 ("in flight", f"at most {self.concurrency}")]
         if reported < len(done):
