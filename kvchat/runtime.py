@@ -131,8 +131,8 @@ class Runtime:
         if self.cache is None or not self.options.disk_budget_bytes:
             return None
         from kvchat.cache.block_file import BlockLayout
+        from kvchat.cache.block_store import BlockStore
         from kvchat.cache.redis_store import RedisStore
-        from kvchat.cache.store import BlockStore
         from kvchat.sessions import SessionWriteError
 
         layout, budget = BlockLayout.of(self.cache.manager), self.options.disk_budget_bytes

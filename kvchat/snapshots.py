@@ -1,7 +1,7 @@
 """The cache's index in a sessions dir: `cache/index.json`, the snapshot's tree index (the radix
 tree with each node's tokens and block keys, counters, fingerprint; its schema and reader are
 `kvchat.cache.tree_index`'s, readable without torch). The K/V live in the disk tier
-(`kvchat.cache.store`, `cache/store/` by default). Saves are atomic and private like every
+(`kvchat.cache.block_store`, `cache/store/` by default). Saves are atomic and private like every
 file of a sessions dir; an index that does not match, parse or fit is set aside with a notice,
 never deleted."""
 

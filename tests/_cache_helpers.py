@@ -75,7 +75,7 @@ def make_tiered_cache(
     """A cache whose evicted blocks spill to a BlockStore in `root` (close it: cache.disk);
     `shared`: other caches use the same folder (`shared_tier`)."""
     from kvchat.cache.block_file import BlockLayout
-    from kvchat.cache.store import BlockStore
+    from kvchat.cache.block_store import BlockStore
 
     cache = make_cache(num_blocks, block_size, policy)
     store = BlockStore(root, BlockLayout.of(cache.manager), budget_bytes, index_every_s=0.05,

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from kvchat.cache.block_file import BlockLayout
+from kvchat.cache.block_index import BLOCK_INDEX, block_path
 from kvchat.cache.block_keys import block_keys, chain_keys, next_key, root_key
-from kvchat.cache.store import BlockStore, ReadStatus, read_disk_tier
-from kvchat.cache.store_index import BLOCK_INDEX, block_path
+from kvchat.cache.block_store import BlockStore, ReadStatus, read_disk_tier
 
 BS = 4
 FP = {"model": "tiny", "config": "abc", "tokenizer": "def", "dtype": "float32", "block_size": BS}
@@ -381,7 +381,7 @@ def test_budget_evicts_least_recently_used(store_dir: Path) -> None:
 
 def test_a_block_being_read_is_not_evicted(store_dir: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvchat.cache.store as store_module
+    import kvchat.cache.block_store as store_module
 
     a, b, c = chain(3)
     with BlockStore(store_dir, LAYOUT, 1 << 20) as probe:
@@ -520,7 +520,7 @@ def test_file_modes_are_private_whatever_the_umask(store_dir: Path) -> None:
 
 
 def test_index_and_stats_import_no_torch() -> None:
-    code = ("import sys; import kvchat.cache.store, kvchat.cache.store_index, "
+    code = ("import sys; import kvchat.cache.block_store, kvchat.cache.block_index, "
             "kvchat.cache.block_keys; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -532,7 +532,7 @@ WRITER = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, {tests!r})
     from test_block_store import LAYOUT, chain, make_kv
-    from kvchat.cache.store import BlockStore
+    from kvchat.cache.block_store import BlockStore
     root, n, order = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     blocks = chain(n)
     if order == "reverse":

@@ -15,9 +15,9 @@ import pytest
 import torch
 from _cache_helpers import fetch, make_tiered_cache, store
 
+from kvchat.cache.block_index import block_path
 from kvchat.cache.explain import MissReason
 from kvchat.cache.kvcache import HitSource
-from kvchat.cache.store_index import block_path
 from kvchat.cache.tree_index import exact_logits, export_index, import_index
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine

@@ -3,7 +3,7 @@
 A CacheState (`kvchat.cache.state`) as JSON, written by `export_index` and read back by
 `read_state` / `import_index`; `kvchat inspect`, the server and `kvchat.snapshots` read its tree
 with `read_tree`, so the records are parsed in one place. No K/V: those live in the disk tier
-(whose own `index.json`, the block index, is `kvchat.cache.store_index`'s). Torch-free.
+(whose own `index.json`, the block index, is `kvchat.cache.block_index`'s). Torch-free.
 
     {"version": 2, "block_size": N, "shape": [layers, kv heads, head dim],
      "policy": name, "policy_state": {...}, "counters": {...},

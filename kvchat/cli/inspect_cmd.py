@@ -231,8 +231,8 @@ def _inspect_server(server: Attachment, as_json: bool, depth: int | None,
 
 def _disk_tier(meta: dict[str, Any], sessions_dir: Path) -> dict[str, Any]:
     """The disk tier's files from its own index (torch-free: no block file is opened)."""
+    from kvchat.cache.block_index import read_disk_tier
     from kvchat.cache.redis_store import is_store_url
-    from kvchat.cache.store_index import read_disk_tier
 
     where = str(meta.get("store_dir") or "")
     if is_store_url(where):  # its blocks are the server's to count: none read here

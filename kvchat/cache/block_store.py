@@ -1,7 +1,7 @@
 """BlockStore: the disk tier of the cache. Content-addressed, checksummed, write-behind.
 
 Layout of a store dir (folders 0700, files 0600, whatever the umask):
-    index.json                   the files, their sizes and last use (`store_index`)
+    index.json                   the files, their sizes and last use (`block_index`)
     blocks/<key[:2]>/<key>.kvb   one immutable block file each (`block_file` says what is inside)
     quarantine/                  the last few files that failed their checks, kept to inspect
 
@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvchat.cache.block_backend import ReadResult, ReadStatus, StoreStats
 from kvchat.cache.block_file import BlockFileError, BlockKV, BlockLayout, read_block_bytes
-from kvchat.cache.block_keys import is_key
-from kvchat.cache.store_index import (
+from kvchat.cache.block_index import (
     BLOCK_INDEX,
     DiskTier,
     StoreIndex,
@@ -48,6 +47,7 @@ from kvchat.cache.store_index import (
     read_index,
     scan_blocks,
 )
+from kvchat.cache.block_keys import is_key
 from kvchat.files import FILE_MODE, WriteError, atomic_write, private_dir
 
 if TYPE_CHECKING:
