@@ -198,6 +198,37 @@ def write_tiny_gguf(
     return path
 
 
+def make_engine(model: Any, tokenizer: Any, *, batch_size: int = 8, prefill_chunk: int = 512,
+                **cache: Any) -> Any:
+    """An Engine over a fresh pool: the tests' one way to build one (`cache`: CacheConfig's
+    fields, defaults as in cache_config)."""
+    from kvchat.engine.engine import Engine
+
+    return Engine.create(model, tokenizer, cache_config(**cache), batch_size=batch_size,
+                         prefill_chunk=prefill_chunk)
+
+
+def cache_config(block_size: int = 4, num_blocks: int = 400, policy: str = "lru",
+                 **fields: Any) -> Any:
+    from kvchat.config import CacheConfig
+
+    return CacheConfig(block_size, num_blocks=num_blocks, policy=policy, **fields)
+
+
+def make_runtime(model: Any, tokenizer: Any, root: Path, *, restore: bool = True,
+                 **cache: Any) -> Any:
+    """A Runtime over make_engine(...) with its sessions dir at `root`, its saved cache restored
+    (as the CLI does) unless `restore` is False."""
+    from kvchat.runtime import Runtime, RuntimeOptions
+
+    engine = make_engine(model, tokenizer, **cache)
+    options = RuntimeOptions(cache=cache_config(**cache), sessions_dir=root)
+    rt = Runtime(engine, options, "tiny")
+    if restore:
+        rt.restore()
+    return rt
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test reaches the network or the user's cache dir, or sees the user's policy choice."""

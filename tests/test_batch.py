@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import make_engine
 
 from kvchat.batch import (
     BatchRun,
@@ -17,7 +18,7 @@ from kvchat.batch import (
     read_batch,
     result_row,
 )
-from kvchat.config import CacheConfig, SamplingParams
+from kvchat.config import SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.sessions import SessionStore
 
@@ -25,7 +26,7 @@ SYSTEM = "You answer in one short sentence and never more."
 
 
 def backend(model, tokenizer, blocks: int = 600) -> Engine:
-    return Engine.create(model, tokenizer, CacheConfig(4, num_blocks=blocks))
+    return make_engine(model, tokenizer, num_blocks=blocks)
 
 
 def write_file(tmp_path, rows: list[object]) -> object:

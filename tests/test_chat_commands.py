@@ -8,14 +8,13 @@ import json
 import re
 import signal
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
+from conftest import make_runtime
 from rich.console import Console
 
-from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.engine import Engine
-from kvchat.runtime import Runtime, RuntimeOptions
+from kvchat.config import SamplingParams
+from kvchat.runtime import Runtime
 from kvchat.sessions import Session
 from kvchat.snapshots import read_snapshot_meta
 from kvchat.ui.repl import (
@@ -45,14 +44,6 @@ class Script:
         if isinstance(item, BaseException):
             raise item
         return item() if callable(item) else item
-
-
-def make_runtime(model, tokenizer, root: Path) -> Runtime:
-    cfg = CacheConfig(4, num_blocks=400)
-    options = RuntimeOptions(cache=cfg, sessions_dir=root)
-    rt = Runtime(Engine.create(model, tokenizer, cfg), options, "tiny")
-    rt.restore()
-    return rt
 
 
 def run_chat(rt: Runtime, *lines: Line, name: str = "demo", max_tokens: int = 6,
@@ -342,9 +333,7 @@ def test_retry_rewind_fork_and_branches_reuse_the_tree(tiny_model, tiny_tokenize
 
 def test_a_pinned_system_prompt_survives_pressure_and_the_panel_says_why(
         tiny_model, tiny_tokenizer, tmp_path):
-    cfg = CacheConfig(4, num_blocks=60)
-    rt = Runtime(Engine.create(tiny_model, tiny_tokenizer, cfg),
-                 RuntimeOptions(cache=cfg, sessions_dir=tmp_path), "tiny")
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path, restore=False, num_blocks=60)
     out, chat = run_chat(rt, "/system You are a terse assistant for kvchat tests.",
                          "hello there", "/pin", "/pins", name="pinned")
     flat = " ".join(out.split())
@@ -370,9 +359,9 @@ def test_a_pinned_system_prompt_survives_pressure_and_the_panel_says_why(
 
 
 def test_pin_refuses_past_max_pinned(tiny_model, tiny_tokenizer, tmp_path):
-    cfg = CacheConfig(4, num_blocks=200, max_pinned=0.01)  # 2 blocks: less than any prompt
-    rt = Runtime(Engine.create(tiny_model, tiny_tokenizer, cfg),
-                 RuntimeOptions(cache=cfg, sessions_dir=tmp_path), "tiny")
+    # max_pinned: 2 blocks, less than any prompt
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path, restore=False, num_blocks=200,
+                      max_pinned=0.01)
     out, _ = run_chat(rt, "hello there", "/pin all", name="big", panels="off")
     flat = " ".join(out.split())
     assert "Not pinned:" in flat and "--max-pinned" in flat and len(rt.cache.pins) == 0

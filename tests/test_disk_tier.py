@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _cache_helpers import fetch, make_tiered_cache, store
+from conftest import make_runtime
 
 from kvchat.cache.block_index import block_path
 from kvchat.cache.explain import MissReason
@@ -206,11 +207,8 @@ def assert_same(cold: GenerationResult, warm: GenerationResult) -> None:
 
 def tiered_runtime(model: Any, tokenizer: Any, root: Path, num_blocks: int = 24,
                    policy: str = "lru") -> Runtime:
-    config = CacheConfig(BS, num_blocks=num_blocks, policy=policy)
-    engine = Engine.create(model, tokenizer, config)
-    rt = Runtime(engine, RuntimeOptions(cache=config, sessions_dir=root), "tiny")
-    rt.restore()
-    return rt
+    return make_runtime(model, tokenizer, root, block_size=BS, num_blocks=num_blocks,
+                        policy=policy)
 
 
 @pytest.mark.parametrize("policy", ["lru", "sink-lru", "h2o"])

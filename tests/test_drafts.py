@@ -5,10 +5,11 @@ the draft is right, half right or wrong, alone or in a batch, at every precision
 from __future__ import annotations
 
 import pytest
+from conftest import make_engine
 
 from kvchat.cache.drafts import continuation
 from kvchat.cache.radix import RadixTree
-from kvchat.config import CacheConfig, SamplingParams
+from kvchat.config import SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import Request
 from kvchat.models.precision import QUANTIZED
@@ -50,7 +51,7 @@ def test_continuation_descends_into_the_longest_child():
 
 
 def _engine(model, tokenizer, batch_size: int = 8) -> Engine:
-    return Engine.create(model, tokenizer, CacheConfig(4, num_blocks=512), batch_size=batch_size)
+    return make_engine(model, tokenizer, num_blocks=512, batch_size=batch_size)
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -127,8 +128,7 @@ def test_sampled_rows_never_draft(tiny_model, tiny_tokenizer):
 
 def test_h2o_never_drafts(tiny_model, tiny_tokenizer):
     """H2O sums the attention every column received; a rejected draft's columns would count."""
-    engine = Engine.create(tiny_model, tiny_tokenizer, CacheConfig(4, num_blocks=256,
-                                                                    policy="h2o"))
+    engine = make_engine(tiny_model, tiny_tokenizer, num_blocks=256, policy="h2o")
     ids = prompt(230, 12)
     engine.generate(Request(ids, _greedy(10)))
     assert engine.generate(Request(ids, _greedy(10))).draft_tokens == 0

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from conftest import make_engine
 
 from kvchat.config import POLICY_NAMES, CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
@@ -23,8 +24,8 @@ BLOCK = 4
 
 def make_backend(model, tokenizer, policy: str, num_blocks: int = 256, chunk: int = 512,
                  batch_size: int = 8) -> Engine:
-    config = CacheConfig(BLOCK, num_blocks=num_blocks, policy=policy)
-    return Engine.create(model, tokenizer, config, batch_size=batch_size, prefill_chunk=chunk)
+    return make_engine(model, tokenizer, block_size=BLOCK, num_blocks=num_blocks, policy=policy,
+                       batch_size=batch_size, prefill_chunk=chunk)
 
 
 def prompt(seed: int, n: int) -> list[int]:

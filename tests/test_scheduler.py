@@ -9,16 +9,17 @@ import random
 
 import pytest
 import torch
+from conftest import make_engine
 
-from kvchat.config import CacheConfig, SamplingParams
+from kvchat.config import SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.scheduler import common_prefix
 from kvchat.engine.sequence import Finished, Request, TextDelta
 
 
 def backend(model, tokenizer, policy="lru", block=4, blocks=400, batch_size=8) -> Engine:
-    config = CacheConfig(block, num_blocks=blocks, policy=policy)
-    return Engine.create(model, tokenizer, config, batch_size=batch_size)
+    return make_engine(model, tokenizer, block_size=block, num_blocks=blocks, policy=policy,
+                       batch_size=batch_size)
 
 
 def drain(engine: Engine) -> None:

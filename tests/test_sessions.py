@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_runtime
 
-from kvchat.config import CacheConfig, SamplingParams
-from kvchat.engine.engine import Engine
+from kvchat.config import SamplingParams
 from kvchat.engine.sequence import Request
-from kvchat.runtime import Runtime, RuntimeOptions
+from kvchat.runtime import Runtime
 from kvchat.sessions import (
     Session,
     SessionError,
@@ -28,11 +28,8 @@ from kvchat.turns import next_prompt, prepare_turn
 
 
 def runtime(model, tokenizer, root: Path, block_size: int = 4, policy: str = "lru") -> Runtime:
-    cfg = CacheConfig(block_size, num_blocks=200, policy=policy)
-    engine = Engine.create(model, tokenizer, cfg)
-    rt = Runtime(engine, RuntimeOptions(cache=cfg, sessions_dir=root), "tiny")
-    rt.restore()
-    return rt
+    return make_runtime(model, tokenizer, root, block_size=block_size, num_blocks=200,
+                        policy=policy)
 
 
 def fill(rt: Runtime, n: int = 3) -> list[list[int]]:
