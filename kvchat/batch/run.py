@@ -4,7 +4,7 @@ after another, each result reported as soon as it is in."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvchat.batch.recorder import NOT_STARTED, ItemResult, LineRun, SaveFailure
@@ -14,9 +14,11 @@ from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionStore
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run starts in this process
+    from kvchat.engine.autobatch import Status
     from kvchat.engine.codec import ChatCodec
     from kvchat.engine.engine import Engine
     from kvchat.engine.sequence import Event
+    from kvchat.runtime import Runtime
     from kvchat.turns import PreparedTurn
 
 
@@ -206,3 +208,35 @@ class BatchRun(LineRun):
         finally:
             if self.stopped:
                 self.engine.abort()
+
+
+def choose_size(runtime: Runtime, fixed: int | None, items: Sequence[BatchItem], max_tokens: int,
+                prepared: Mapping[int, PreparedTurn], status: Status | None = None) -> str:
+    """Set the engine's batch size for these lines: `fixed`, or --batch-size auto's choice
+    (decode steps measured once per model, device and thread count, remembered in the kvchat
+    cache dir, bounded so the longest row's K/V fits the pool). Returns how it was chosen, for
+    the summary. `prepared`: the turns already tokenised, by line (a session line's prompt waits
+    for its history: its messages alone stand for it here)."""
+    import torch
+
+    from kvchat.engine.autobatch import choose_batch_size
+    from kvchat.models.gguf import cache_dir
+
+    engine = runtime.engine
+    if fixed is not None:
+        engine.batch_size = fixed
+        return str(fixed)
+
+    def prompt_length(item: BatchItem) -> int:
+        turn = prepared.get(item.line)
+        return len(turn.prompt_ids if turn is not None else engine.codec.encode_chat(item.messages))
+
+    longest = max((prompt_length(i) + (i.max_tokens or max_tokens) for i in items), default=1)
+    pool = runtime.cache.stats().pool.capacity_tokens or 0
+    facts = runtime.fingerprint
+    key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
+          f"{torch.get_num_threads()}"
+    choice = choose_batch_size(engine.runner, key, cache_dir() / "batch-size.json", pool,
+                               longest, status=status)
+    engine.batch_size = choice.size
+    return choice.describe()

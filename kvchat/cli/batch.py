@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from kvchat.client.engines import EngineInfo
     from kvchat.client.openai_http import OpenAIClient
     from kvchat.runtime import Runtime
-    from kvchat.turns import PreparedTurn
 
 
 @dataclass
@@ -263,47 +262,13 @@ def _batch_size_option(value: str) -> int | None:
     return size
 
 
-def _choose_batch_size(runtime: Runtime, fixed: int | None, plan: _Plan, max_tokens: int,
-                       ui: Console, prepared: dict[int, PreparedTurn]) -> str:
-    """Set the engine's batch size; returns how it was chosen, for the summary. `prepared`:
-    the turns already tokenised, by line (a session line's prompt waits for its history: its
-    messages alone stand for it here)."""
-    from kvchat.engine.autobatch import choose_batch_size
-    from kvchat.models.gguf import cache_dir
-
-    engine = runtime.engine
-    if fixed is not None:
-        engine.batch_size = fixed
-        return str(fixed)
-    def prompt_length(item: BatchItem) -> int:
-        turn = prepared.get(item.line)
-        return len(turn.prompt_ids if turn is not None else engine.codec.encode_chat(item.messages))
-
-    longest = max((prompt_length(i) + (i.max_tokens or max_tokens) for i in plan.to_run),
-                  default=1)
-    pool = runtime.cache.stats().pool.capacity_tokens or 0
-    facts = runtime.fingerprint
-    key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
-          f"{torch_threads()}"
-    choice = choose_batch_size(engine.runner, key, cache_dir() / "batch-size.json", pool,
-                               longest, status=ui.status)
-    engine.batch_size = choice.size
-    return choice.describe()
-
-
-def torch_threads() -> int:
-    import torch
-
-    return int(torch.get_num_threads())
-
-
 def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
                     defaults: tuple[int, float, int | None], fixed_size: int | None,
                     flags: tuple[bool, bool], ui: Console) -> tuple[LineRun, bool]:
     """The lines through an engine in this process, under the sessions dir's lock. `flags`:
     (--fail-fast, --pin-system)."""
     from kvchat.batch import BatchRun
-    from kvchat.batch.run import prepare_independent
+    from kvchat.batch.run import choose_size, prepare_independent
     from kvchat.config import SamplingParams
     from kvchat.runtime import Runtime
     from kvchat.sessions import sessions_lock
@@ -320,7 +285,7 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
             ui.print(f"[yellow]{escape(runtime.model_label)} {escape(NO_TEMPLATE)}[/yellow]",
                      soft_wrap=True)
         prepared = prepare_independent(runtime.engine.codec, plan.to_run, params)
-        size = _choose_batch_size(runtime, fixed_size, plan, max_tokens, ui, prepared)
+        size = choose_size(runtime, fixed_size, plan.to_run, max_tokens, prepared, ui.status)
 
         def start(update: Callable[[ItemResult], None]) -> BatchRun:
             return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
