@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cache_helpers import HEAD_DIM, N_KV_HEADS, N_LAYERS, assert_kv_equal, make_manager, ref_kv
+from _cache_helpers import (
+    HEAD_DIM,
+    N_KV_HEADS,
+    N_LAYERS,
+    assert_kv_equal,
+    in_node,
+    make_manager,
+    ref_kv,
+)
 
 from kvchat.cache.blocks import Block, BlockManager
 
@@ -51,13 +59,13 @@ def test_block_release_below_zero_raises() -> None:
 
 def test_block_clear_resets_every_field() -> None:
     b = Block(5, 4)
-    b.token_ids = [1, 2, 3]
+    in_node([b], [1, 2, 3])
     b.acquire()
     b.last_accessed = 17
-    b.is_first_block = True
     b.attn_score = 2.5
+    assert (b.token_ids, b.num_tokens, b.is_first_block) == ([1, 2, 3], 3, True)
     b.clear()
-    assert b.token_ids == []
+    assert (b.node, b.token_ids, b.num_tokens) == (None, [], 0)
     assert (b.ref_count, b.last_accessed, b.is_first_block, b.attn_score) == (0, 0, False, 0.0)
     assert b.block_id == 5 and b.block_size == 4
 
@@ -99,12 +107,12 @@ def test_allocate_more_than_free_raises_and_changes_nothing() -> None:
 def test_free_returns_blocks_and_clears_them() -> None:
     m = make_manager(num_blocks=4)
     (b,) = m.allocate(1)
-    b.token_ids = [9, 9]
-    b.is_first_block = True
+    in_node([b], [9, 9])
+    assert b.is_first_block
     b.release()
     m.free([b])
     assert m.is_free(b.block_id)
-    assert b.token_ids == [] and not b.is_first_block
+    assert b.node is None and b.token_ids == [] and not b.is_first_block
     assert m.stats().used_blocks == 0
     assert list(m.free_ids)[-1] == b.block_id  # goes to the back: least recently freed first
 
@@ -136,7 +144,7 @@ def test_never_allocated_block_cannot_be_freed() -> None:
 def test_allocate_clears_previous_contents() -> None:
     m = make_manager(num_blocks=1)
     (b,) = m.allocate(1)
-    b.token_ids = [1]
+    in_node([b], [1])
     b.attn_score = 3.0
     b.release()
     m.free([b])

@@ -12,6 +12,7 @@ from _cache_helpers import (
     assert_hit_correct,
     assert_kv_equal,
     fetch,
+    in_node,
     make_cache,
     ref_kv,
     store,
@@ -546,7 +547,7 @@ def test_check_integrity_catches_an_exact_entry_on_a_block_outside_the_tree() ->
     cache = make_cache()
     store(cache, seq(0, 6))
     stray = cache.manager.allocate(1)[0]
-    stray.token_ids = [9]
+    in_node([stray], [9])  # holds the entry's tokens, but in a node the tree lacks
     stray.release()
     cache.exact.put([9], [stray])
     with pytest.raises(CacheIntegrityError):
