@@ -70,6 +70,24 @@ def test_block_clear_resets_every_field() -> None:
     assert b.block_id == 5 and b.block_size == 4
 
 
+def test_a_block_reads_its_tokens_from_its_node_and_holds_no_copy() -> None:
+    b0, b1, b2 = Block(0, 4), Block(1, 4), Block(2, 4)
+    node = in_node([b0, b1, b2], list(range(10)))
+    assert [b.token_ids for b in (b0, b1, b2)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [b.num_tokens for b in (b0, b1, b2)] == [4, 4, 2]
+    assert [b.is_first_block for b in (b0, b1, b2)] == [True, False, False]
+    node.tokens.append(10)  # the edge grows: the block holding its end reads the new token
+    assert b2.token_ids == [8, 9, 10]
+    b1.token_ids[0] = 99  # a fresh slice: writing into it leaves the edge alone
+    assert node.tokens[4] == 4
+    with pytest.raises(AttributeError):
+        b1.token_ids = [7]  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        b1.is_first_block = True  # type: ignore[misc]
+    assert not hasattr(b1, "__dict__")  # no room for a stray copy either
+    assert not in_node([b0], [1], start=4).blocks[0].is_first_block  # not at position 0
+
+
 # ---- allocation bookkeeping ------------------------------------------------------------------
 
 
