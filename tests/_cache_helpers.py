@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from kvchat.cache.blocks import KV, BlockManager
+from kvchat.cache.blocks import KV, Block, BlockManager
 from kvchat.cache.eviction import EvictionPolicy
 from kvchat.cache.kvcache import Lookup, PagedKVCache, StoreResult
+from kvchat.cache.radix import Node
 
 N_LAYERS = 2
 N_KV_HEADS = 2
@@ -52,6 +53,15 @@ def make_manager(
     num_blocks: int = 16, block_size: int = 4, n_layers: int = N_LAYERS
 ) -> BlockManager:
     return BlockManager(num_blocks, block_size, n_layers, N_KV_HEADS, HEAD_DIM)
+
+
+def in_node(blocks: Sequence[Block], tokens: Sequence[int], start: int = 0) -> Node:
+    """A detached node holding `tokens` in `blocks`, each block pointing back at it as the
+    radix tree places blocks: where a block reads its tokens and first-block flag from."""
+    node = Node(None, start, list(tokens), list(blocks))
+    for i, block in enumerate(blocks):
+        block.node, block.index = node, i
+    return node
 
 
 def make_cache(

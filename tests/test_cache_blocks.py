@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cache_helpers import HEAD_DIM, N_KV_HEADS, N_LAYERS, assert_kv_equal, make_manager, ref_kv
+from _cache_helpers import (
+    HEAD_DIM,
+    N_KV_HEADS,
+    N_LAYERS,
+    assert_kv_equal,
+    in_node,
+    make_manager,
+    ref_kv,
+)
 
 from kvchat.cache.blocks import Block, BlockManager
 
@@ -51,15 +59,33 @@ def test_block_release_below_zero_raises() -> None:
 
 def test_block_clear_resets_every_field() -> None:
     b = Block(5, 4)
-    b.token_ids = [1, 2, 3]
+    in_node([b], [1, 2, 3])
     b.acquire()
     b.last_accessed = 17
-    b.is_first_block = True
     b.attn_score = 2.5
+    assert (b.token_ids, b.num_tokens, b.is_first_block) == ([1, 2, 3], 3, True)
     b.clear()
-    assert b.token_ids == []
+    assert (b.node, b.token_ids, b.num_tokens) == (None, [], 0)
     assert (b.ref_count, b.last_accessed, b.is_first_block, b.attn_score) == (0, 0, False, 0.0)
     assert b.block_id == 5 and b.block_size == 4
+
+
+def test_a_block_reads_its_tokens_from_its_node_and_holds_no_copy() -> None:
+    b0, b1, b2 = Block(0, 4), Block(1, 4), Block(2, 4)
+    node = in_node([b0, b1, b2], list(range(10)))
+    assert [b.token_ids for b in (b0, b1, b2)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [b.num_tokens for b in (b0, b1, b2)] == [4, 4, 2]
+    assert [b.is_first_block for b in (b0, b1, b2)] == [True, False, False]
+    node.tokens.append(10)  # the edge grows: the block holding its end reads the new token
+    assert b2.token_ids == [8, 9, 10]
+    b1.token_ids[0] = 99  # a fresh slice: writing into it leaves the edge alone
+    assert node.tokens[4] == 4
+    with pytest.raises(AttributeError):
+        b1.token_ids = [7]  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        b1.is_first_block = True  # type: ignore[misc]
+    assert not hasattr(b1, "__dict__")  # no room for a stray copy either
+    assert not in_node([b0], [1], start=4).blocks[0].is_first_block  # not at position 0
 
 
 # ---- allocation bookkeeping ------------------------------------------------------------------
@@ -99,12 +125,12 @@ def test_allocate_more_than_free_raises_and_changes_nothing() -> None:
 def test_free_returns_blocks_and_clears_them() -> None:
     m = make_manager(num_blocks=4)
     (b,) = m.allocate(1)
-    b.token_ids = [9, 9]
-    b.is_first_block = True
+    in_node([b], [9, 9])
+    assert b.is_first_block
     b.release()
     m.free([b])
     assert m.is_free(b.block_id)
-    assert b.token_ids == [] and not b.is_first_block
+    assert b.node is None and b.token_ids == [] and not b.is_first_block
     assert m.stats().used_blocks == 0
     assert list(m.free_ids)[-1] == b.block_id  # goes to the back: least recently freed first
 
@@ -136,7 +162,7 @@ def test_never_allocated_block_cannot_be_freed() -> None:
 def test_allocate_clears_previous_contents() -> None:
     m = make_manager(num_blocks=1)
     (b,) = m.allocate(1)
-    b.token_ids = [1]
+    in_node([b], [1])
     b.attn_score = 3.0
     b.release()
     m.free([b])

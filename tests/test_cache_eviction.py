@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _cache_helpers import in_node
 
 from kvchat.cache.blocks import Block
 from kvchat.cache.eviction import H2O, LRU, POLICIES, SinkLRU, make_policy
@@ -48,7 +49,7 @@ def test_lru_evicts_first_blocks_but_sink_lru_does_not() -> None:
     for p in (LRU(), SinkLRU()):
         for b in bs:
             p.on_access(b)
-    bs[0].is_first_block = True
+    in_node([bs[0]], [1, 2])  # a sequence's first block
     assert LRU().select_victim(bs) is bs[0]
     assert SinkLRU().select_victim(bs) is bs[1]
     assert SinkLRU().select_victim([bs[0]]) is None
@@ -82,7 +83,7 @@ def test_h2o_protects_first_blocks_and_breaks_ties_by_age() -> None:
     bs = blocks(3)
     for b in [bs[2], bs[1], bs[0]]:
         h.on_access(b)
-    bs[2].is_first_block = True  # the oldest and unscored, yet protected
+    in_node([bs[2]], [1, 2])  # a first block: the oldest and unscored, yet protected
     assert h.select_victim(bs) is bs[1]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _cache_helpers import in_node
 
 from kvchat.cache.blocks import Block
 from kvchat.cache.exact import ExactIndex
@@ -12,11 +13,9 @@ BS = 4
 
 
 def blocks_for(tokens: list[int], first_id: int) -> list[Block]:
-    out = []
-    for i in range(0, len(tokens), BS):
-        b = Block(first_id + i // BS, BS)
-        b.token_ids = tokens[i : i + BS]
-        out.append(b)
+    """Blocks holding `tokens`, as one tree node would."""
+    out = [Block(first_id + i // BS, BS) for i in range(0, len(tokens), BS)]
+    in_node(out, tokens)
     return out
 
 
@@ -110,7 +109,9 @@ def test_check_catches_an_entry_whose_blocks_changed() -> None:
     blocks = blocks_for([1, 2, 3, 4, 5], 0)
     idx.put([1, 2, 3, 4, 5], blocks)
     idx.check(BS)
-    blocks[1].token_ids = [6]
+    node = blocks[1].node
+    assert node is not None
+    node.tokens[4:] = [6]  # the edge holding the entry's last block now ends otherwise
     with pytest.raises(AssertionError, match="no longer hold"):
         idx.check(BS)
 

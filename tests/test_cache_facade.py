@@ -12,6 +12,7 @@ from _cache_helpers import (
     assert_hit_correct,
     assert_kv_equal,
     fetch,
+    in_node,
     make_cache,
     ref_kv,
     store,
@@ -542,11 +543,20 @@ def test_check_integrity_catches_a_freed_block_still_in_the_tree() -> None:
         cache.check_integrity()
 
 
+def test_check_integrity_catches_a_free_block_pointing_at_a_node() -> None:
+    cache = make_cache()
+    res = store(cache, seq(0, 6))
+    free = cache.manager.blocks[cache.manager.free_ids[0]]
+    free.node, free.index = res.blocks[0].node, 0  # would read that edge's tokens
+    with pytest.raises(CacheIntegrityError, match="points at a tree node"):
+        cache.check_integrity()
+
+
 def test_check_integrity_catches_an_exact_entry_on_a_block_outside_the_tree() -> None:
     cache = make_cache()
     store(cache, seq(0, 6))
     stray = cache.manager.allocate(1)[0]
-    stray.token_ids = [9]
+    in_node([stray], [9])  # holds the entry's tokens, but in a node the tree lacks
     stray.release()
     cache.exact.put([9], [stray])
     with pytest.raises(CacheIntegrityError):

@@ -281,6 +281,42 @@ def test_spilled_blocks_stay_matched_on_disk_and_truncate_drops_them() -> None:
     assert shape(tree) == [(1, 0, 10, 3)]
 
 
+def _assert_blocks_read_their_edges(tree: RadixTree) -> None:
+    bs = tree.block_size
+    for node, _ in tree.nodes():
+        for i, block in enumerate(node.blocks):
+            assert block.node is node and block.index == i
+            assert block.token_ids == node.tokens[i * bs : (i + 1) * bs]
+            assert block.is_first_block == (node.start == 0 and i == 0)
+
+
+def test_blocks_read_the_tree_tokens_through_split_merge_spill_and_attach() -> None:
+    tree, pool = RadixTree(4), Pool(4)
+    a = cache_store(tree, pool, list(range(12)))
+    b = cache_store(tree, pool, list(range(9)) + [50, 51])  # splits a's edge at 8
+    _assert_blocks_read_their_edges(tree)
+    upper = a[0].node
+    assert upper is not None and upper is a[1].node and upper.tokens == list(range(8))
+    assert a[2].node is not upper and a[2].index == 0 and a[2].token_ids == [8, 9, 10, 11]
+    assert [blk.is_first_block for blk in a] == [True, False, False]
+    assert b[2].token_ids == [8, 50, 51] and not b[2].is_first_block
+    leaf_b = b[2].node
+    assert leaf_b is not None
+    assert tree.pop_block(leaf_b) is b[2]  # [0, 8) keeps one child: merged back into one edge
+    assert tree.merges == 1 and (b[2].node, b[2].token_ids) == (None, [])
+    tree.check_integrity()
+    _assert_blocks_read_their_edges(tree)
+    assert a[2].node is upper and a[2].index == 2 and a[2].token_ids == [8, 9, 10, 11]
+    assert tree.spill_block(upper) is a[2]
+    assert (a[2].node, a[2].token_ids, a[2].num_tokens) == (None, [], 0)
+    tree.check_integrity()
+    fresh = pool.new(1)[0]
+    tree.attach_block(upper, fresh)
+    tree.check_integrity()
+    _assert_blocks_read_their_edges(tree)
+    assert (fresh.node, fresh.index, fresh.token_ids) == (upper, 2, [8, 9, 10, 11])
+
+
 def test_check_catches_a_resident_block_below_one_on_disk() -> None:
     tree, pool = RadixTree(4), Pool(4)
     cache_store(tree, pool, list(range(10)))
@@ -310,10 +346,10 @@ def _two_branch_tree() -> tuple[RadixTree, list[Block], list[Block]]:
     return tree, a, b
 
 
-def test_check_catches_block_tokens_disagreeing_with_the_edge() -> None:
+def test_check_catches_a_block_pointing_at_another_place_of_its_node() -> None:
     tree, a, _ = _two_branch_tree()
-    a[2].token_ids[1] = 999
-    with pytest.raises(AssertionError, match="disagree"):
+    a[2].index = 1  # would read the tokens of the block before it
+    with pytest.raises(AssertionError, match="point back"):
         tree.check_integrity()
 
 
@@ -340,10 +376,10 @@ def test_check_catches_a_stale_leaf_set() -> None:
         tree.check_integrity()
 
 
-def test_check_catches_a_wrong_first_block_flag() -> None:
+def test_check_catches_a_block_pointing_at_another_node() -> None:
     tree, a, _ = _two_branch_tree()
-    a[1].is_first_block = True
-    with pytest.raises(AssertionError, match="first-block"):
+    a[1].node = a[2].node  # would read (and call itself first of) another edge
+    with pytest.raises(AssertionError, match="point back"):
         tree.check_integrity()
 
 

@@ -44,7 +44,6 @@ def test_block_manager_exports_and_imports_blocks() -> None:
     src = make_manager(num_blocks=6, block_size=BS)
     blocks = src.allocate(2)
     src.write([b.block_id for b in blocks], 0, ref_kv(A[:7]))
-    blocks[0].token_ids, blocks[1].token_ids = A[:4], A[4:7]
     blocks[1].last_accessed, blocks[1].attn_score = 5, 0.25
     kv = src.export_blocks([b.block_id for b in blocks])
     assert [tuple(k.shape) for k, _ in kv] == [(2, 2, BS, 4)] * 2
@@ -53,7 +52,7 @@ def test_block_manager_exports_and_imports_blocks() -> None:
     dst.allocate(3)  # the imported blocks land elsewhere in the pool
     got = dst.import_blocks([b.record() for b in blocks], kv)
     assert [b.ref_count for b in got] == [0, 0]
-    assert [b.token_ids for b in got] == [A[:4], A[4:7]]
+    assert [b.node for b in got] == [None, None]  # their tokens come with the tree's node
     assert (got[1].last_accessed, got[1].attn_score) == (5, 0.25)
     assert_kv_equal(dst.gather([b.block_id for b in got], 7), ref_kv(A[:7]))
 
@@ -61,10 +60,10 @@ def test_block_manager_exports_and_imports_blocks() -> None:
 def test_a_failed_import_gives_its_blocks_back() -> None:
     m = make_manager(num_blocks=6, block_size=BS)
     with pytest.raises(KeyError):
-        m.import_blocks([{"tokens": [1]}, {}], make_manager().export_blocks([0, 1]))
-    with pytest.raises(ValueError, match="holds 5 tokens"):
-        m.import_blocks([{"tokens": [1] * 5, "last_accessed": 0, "attn_score": 0.0}],
-                        make_manager().export_blocks([0]))
+        m.import_blocks([{"attn_score": 0.0}, {}], make_manager().export_blocks([0, 1]))
+    with pytest.raises(RuntimeError):  # K/V for two blocks, one record
+        m.import_blocks([{"last_accessed": 0, "attn_score": 0.0}],
+                        make_manager().export_blocks([0, 1]))
     assert m.num_free == 6 and all(b.ref_count == 0 for b in m.blocks)
 
 

@@ -9,35 +9,41 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvchat.cache.stats import PoolStats
 
+if TYPE_CHECKING:
+    from kvchat.cache.radix import Node
+
 KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (1, n_kv_heads, T, head_dim)
 
 
 class Block:
-    """A handle on one slot of the pool: which tokens it holds and who is reading it."""
+    """A handle on one slot of the pool: where the radix tree put it and who is reading it.
+
+    The tree is the only owner of the tokens: a block placed in a node (`RadixTree._place`)
+    holds block `index` of that node's edge, and reads its tokens from there."""
 
     __slots__ = (
         "block_id",
         "block_size",
-        "token_ids",
+        "node",
+        "index",
         "ref_count",
         "last_accessed",
-        "is_first_block",
         "attn_score",
     )
 
     def __init__(self, block_id: int, block_size: int) -> None:
         self.block_id = block_id
         self.block_size = block_size
-        self.token_ids: list[int] = []
+        self.node: Node | None = None  # the tree node holding this block, None if in none
+        self.index = 0  # which of node.blocks this is
         self.ref_count = 0
         self.last_accessed = 0
-        self.is_first_block = False
         self.attn_score = 0.0  # attention mass received, accumulated for H2O
 
     def acquire(self) -> None:
@@ -49,25 +55,39 @@ class Block:
         self.ref_count -= 1
 
     def clear(self) -> None:
-        self.token_ids = []
+        self.node = None
+        self.index = 0
         self.ref_count = 0
         self.last_accessed = 0
-        self.is_first_block = False
         self.attn_score = 0.0
 
     @property
+    def token_ids(self) -> list[int]:
+        """The tokens this block holds: a fresh slice of its node's edge ([] in no node)."""
+        if self.node is None:
+            return []
+        lo = self.index * self.block_size
+        return self.node.tokens[lo : lo + self.block_size]
+
+    @property
+    def is_first_block(self) -> bool:
+        """The block holds position 0 of a sequence (the attention sink eviction protects)."""
+        return self.index == 0 and self.node is not None and self.node.start == 0
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        if self.node is None:
+            return 0
+        return max(min(len(self.node.tokens) - self.index * self.block_size, self.block_size), 0)
 
     def record(self) -> dict[str, Any]:
-        """What a snapshot keeps of the block besides its K/V (the first-block flag follows
-        from the tree)."""
-        return {"tokens": list(self.token_ids), "last_accessed": self.last_accessed,
-                "attn_score": self.attn_score}
+        """What a snapshot keeps of the block besides its K/V and the tree's tokens: the
+        eviction policy's metadata."""
+        return {"last_accessed": self.last_accessed, "attn_score": self.attn_score}
 
     def __repr__(self) -> str:
         return (
-            f"Block(id={self.block_id}, tokens={len(self.token_ids)}/{self.block_size}, "
+            f"Block(id={self.block_id}, tokens={self.num_tokens}/{self.block_size}, "
             f"ref={self.ref_count}, first={self.is_first_block})"
         )
 
@@ -231,21 +251,18 @@ class BlockManager:
         return out
 
     def import_blocks(self, records: Sequence[Mapping[str, Any]], kv: Sequence[KV]) -> list[Block]:
-        """Allocate one block per record (as `Block.record` wrote it), restore its tokens and
-        policy metadata, and write its K/V (export_blocks' layout). The blocks come back
-        unreferenced: whoever registers them (the radix tree) owns them without a reference.
-        On any error the blocks allocated here are freed again."""
+        """Allocate one block per record (as `Block.record` wrote it), restore its policy
+        metadata, and write its K/V (export_blocks' layout). The blocks come back unreferenced
+        and in no node: whoever registers them (the radix tree) owns them without a reference
+        and gives them their tokens. On any error the blocks allocated here are freed again."""
         if len(kv) != self.n_layers:
             raise ValueError(f"expected K/V for {self.n_layers} layers, got {len(kv)}")
         blocks = self.allocate(len(records))
         try:
             for block, rec in zip(blocks, records, strict=True):
                 block.release()
-                block.token_ids = [int(t) for t in rec["tokens"]]
                 block.last_accessed = int(rec["last_accessed"])
                 block.attn_score = float(rec["attn_score"])
-                if len(block.token_ids) > self.block_size:
-                    raise ValueError(f"a block record holds {len(block.token_ids)} tokens")
             ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
             for layer, ((k, v), dev) in enumerate(zip(kv, self.devices, strict=True)):
                 on_dev = ids.to(dev)

@@ -87,7 +87,7 @@ def load(store: BlockBackend, manager: BlockManager, tree: RadixTree,
                 notices.append(f"Disk cache block {item.key[:12]} holds other tokens; not used.")
             tree.truncate(item.node, item.nth)
             return Loaded(out, True, notices)
-        record = {"tokens": expected, "last_accessed": 0, "attn_score": 0.0}
+        record = {"last_accessed": 0, "attn_score": 0.0}
         (block,) = manager.import_blocks([record], [(k[None], v[None]) for k, v in got.kv])
         tree.attach_block(item.node, block)
         out.append(block)

@@ -31,6 +31,7 @@ def check_cache(mgr: BlockManager, tree: RadixTree, exact: ExactIndex, pins: Pin
             assert bid in free, f"block {bid} marked free but not in free list"
             assert bid not in in_tree, f"block {bid} both free and in the tree"
             assert block.ref_count == 0, f"free block {bid} is referenced"
+            assert block.node is None, f"free block {bid} still points at a tree node"
         else:
             assert bid in in_tree, f"block {bid} allocated but owned by nothing"
     assert len(free) + len(in_tree) == mgr.num_blocks, "free + used != total"

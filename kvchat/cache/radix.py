@@ -7,7 +7,8 @@ Invariants (checked by `check_integrity`):
 - no resident block lies below an on-disk one, so a path from a root is resident up to some
   point and on disk after it;
 - a node that ends mid-block is a leaf (children start at block boundaries);
-- each block belongs to exactly one node;
+- each block belongs to exactly one node, and points back at it (`Block.node`, `Block.index`):
+  block i of a node holds node.tokens[i*bs:(i+1)*bs], which only the node keeps;
 - every node belongs to one namespace, that of the root it hangs from.
 
 Namespaces keep caches apart inside one pool: each has its own root (created by its first
@@ -85,6 +86,14 @@ class Node:
 
 def _tokens(node: Node) -> list[int]:
     return node.tokens
+
+
+def _place(blocks: Sequence[Block], node: Node | None, first: int = 0) -> None:
+    """Tell each block where it now lies: block `first + i` of node's edge (None: out of the
+    tree). Every move of blocks between nodes goes through here, so a block's tokens and
+    first-block flag, read from its node, are always those of the edge holding it."""
+    for i, block in enumerate(blocks, first):
+        block.node, block.index = node, i
 
 
 class DiskBlock(NamedTuple):
@@ -237,7 +246,7 @@ class RadixTree:
         """Register `tokens` whose K/V live in `blocks` (block i covers positions
         [i*bs, (i+1)*bs)). Blocks for the already cached part must be the tree's own blocks (as
         `find_prefix` returned them, or a fresh copy where the branch diverges mid-block).
-        Writes each new block's token_ids and first-block flag. Nodes are `namespace`'s."""
+        The new blocks then read their tokens from their node. Nodes are `namespace`'s."""
         bs = self.block_size
         n = len(tokens)
         if len(blocks) != -(-n // bs):
@@ -281,14 +290,9 @@ class RadixTree:
         blocks: Sequence[Block],
         owner: str | None,
     ) -> None:
-        bs = self.block_size
-        new_blocks = list(blocks[pos // bs :])
-        for i, block in enumerate(new_blocks):
-            lo = pos + i * bs
-            block.token_ids = list(tokens[lo : lo + bs])
-        if pos == 0:
-            new_blocks[0].is_first_block = True
+        new_blocks = list(blocks[pos // self.block_size :])
         leaf = Node(parent, pos, list(tokens[pos:]), new_blocks, parent.namespace)
+        _place(new_blocks, leaf)
         if owner is not None:
             leaf.owners.add(owner)
         self._leaves.discard(parent)
@@ -300,14 +304,11 @@ class RadixTree:
         bs = self.block_size
         old_end = leaf.end
         first = leaf.start // bs
-        for i in range(len(leaf.blocks) - 1, len(blocks) - first):
-            block = blocks[first + i]
-            if i >= len(leaf.blocks):
-                leaf.blocks.append(block)
-            elif block is not leaf.blocks[i]:
-                raise AssertionError("extension must reuse the leaf's last block")
-            lo = leaf.start + i * bs
-            block.token_ids = list(tokens[lo : lo + bs])
+        held = len(leaf.blocks)
+        if blocks[first + held - 1] is not leaf.blocks[-1]:
+            raise AssertionError("extension must reuse the leaf's last block")
+        leaf.blocks.extend(blocks[first + held :])
+        _place(leaf.blocks[held:], leaf, held)
         # no re-sort among siblings: a leaf is never a prefix of a sibling (it would have been
         # extended instead), so growing it cannot move it past one
         leaf.tokens.extend(tokens[old_end:])
@@ -329,6 +330,8 @@ class RadixTree:
         node.blocks = node.blocks[cut // bs :]
         node.start = at
         upper.add_child(node)
+        _place(upper.blocks, upper)
+        _place(node.blocks, node)
         return upper
 
     def pop_block(self, node: Node) -> Block:
@@ -345,23 +348,24 @@ class RadixTree:
         caller frees it), its tokens and key stay."""
         if node.is_root or not node.blocks or any(c.blocks for c in node.child_list()):
             raise ValueError("only a last resident block can be spilled")
-        return node.blocks.pop()
+        block = node.blocks.pop()
+        _place([block], None)
+        return block
 
     def attach_block(self, node: Node, block: Block) -> None:
         """Make the node's first on-disk block resident again, in `block` (a disk hit)."""
         i = len(node.blocks)
         if i >= len(node.keys):
             raise ValueError("the node has no block on disk")
-        bs = self.block_size
-        block.token_ids = node.tokens[i * bs : (i + 1) * bs]
-        block.is_first_block = node.start == 0 and i == 0
         node.blocks.append(block)
+        _place([block], node, i)
 
     def truncate(self, node: Node, n_blocks: int) -> None:
         """Keep the node's first n_blocks blocks (all resident ones among them stay); the
         rest of its edge and every descendant go, none of which may hold resident blocks
         beyond those kept. A node left empty is removed."""
         key = node.tokens[0]
+        _place(node.blocks[n_blocks:], None)
         del node.blocks[n_blocks:]
         for child in node.child_list():
             self._drop_subtree(child)
@@ -398,6 +402,7 @@ class RadixTree:
         (child,) = node.child_list()
         node.remove_child(child)
         node.tokens.extend(child.tokens)
+        _place(child.blocks, node, len(node.blocks))
         node.blocks.extend(child.blocks)  # a parent with blocks on disk has no resident child
         node.keys.extend(child.keys)
         node.owners |= child.owners
@@ -458,18 +463,13 @@ class RadixTree:
             assert len(node.blocks) <= len(node.keys), "more blocks than keys"
             if node.on_disk:
                 assert not any(c.blocks for c in node.child_list()), "resident below on-disk"
-            joined: list[int] = []
+            # blocks hold no tokens of their own: where they point is all there is to check
             for i, block in enumerate(node.blocks):
                 assert block.block_id not in seen, f"block {block.block_id} in two nodes"
                 seen.add(block.block_id)
                 assert block.ref_count >= 0
-                assert block.is_first_block == (node.start == 0 and i == 0), "first-block flag"
-                joined.extend(block.token_ids)
-            assert joined == node.tokens[: len(joined)], "block tokens disagree with the edge"
-            if len(node.blocks) == len(node.keys):
-                assert len(joined) == len(node.tokens), "resident blocks do not cover the edge"
-            else:
-                assert len(joined) == len(node.blocks) * bs, "a partial block before disk"
+                assert block.node is node and block.index == i, (
+                    f"{block!r} does not point back at block {i} of its node")
             if node.children:
                 assert node.end % bs == 0, "inner node ends mid-block"
                 for key, group in node.children.items():
