@@ -50,10 +50,11 @@ def small_q_attention(
     query (B, H, Q, D), key / value (B, KH, K, D); the mask is SDPA's (B, 1, Q, K) boolean
     (True: attend) or additive float, or None (no padding: causal, bottom-right aligned)."""
     n_queries = query.shape[2]
-    if n_queries > SMALL_Q or (query.shape[0] == 1 and n_queries == 1) or dropout \
-            or any(kwargs.get(k) is not None for k in _FUSED_ONLY):
+    if n_queries > SMALL_Q or dropout or any(kwargs.get(k) is not None for k in _FUSED_ONLY):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    if query.shape[0] == 1 and n_queries == 1:
+        return one_query(module, query, key, value, attention_mask, scaling, **kwargs)
     if query.shape[0] == 1:
         return _one_query_at_a_time(module, query, key, value, attention_mask, scaling, **kwargs)
     b, heads, _, dim = query.shape
@@ -79,6 +80,33 @@ def small_q_attention(
     return out.view(b, heads, n_queries, dim).transpose(1, 2).contiguous(), None  # (B, Q, H, D)
 
 
+def one_query(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """One row's one query: SDPA, computed in float32 on a CPU when K/V are 16-bit.
+
+    On a CPU without bfloat16 arithmetic the fused kernel is several times slower in bfloat16
+    than in float32 for one query (SmolLM2's 3 KV heads, 2 threads: 85 vs 23 µs a layer over
+    190 keys, 270 vs 48 over 600, casts included), and float32 rounds no less exactly. Every
+    one-query call (a decode step, transformers' `generate` on the same model, each query of a
+    draft being verified) comes here, so they stay bitwise alike."""
+    if query.device.type != "cpu" or query.dtype == torch.float32:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, **kwargs)
+    mask = attention_mask
+    if mask is not None and mask.is_floating_point():
+        mask = mask.float()
+    out, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask,
+                                    scaling=scaling, **kwargs)
+    return out.to(query.dtype), None
+
+
 def _one_query_at_a_time(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -99,8 +127,8 @@ def _one_query_at_a_time(
             mask = attention_mask[:, :, i : i + 1, :seen]
             if bool((mask if mask.dtype == torch.bool else mask == 0).all()):
                 mask = None
-        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], key[:, :, :seen],
-                                        value[:, :, :seen], mask, scaling=scaling, **kwargs)
+        out, _ = one_query(module, query[:, :, i : i + 1], key[:, :, :seen],
+                           value[:, :, :seen], mask, scaling, **kwargs)
         outs.append(out)  # (1, 1, H, D)
     return torch.cat(outs, dim=1), None  # (1, Q, H, D)
 
