@@ -1,11 +1,12 @@
 """llama.cpp as a peer in the benches: `llama-bench` for single-stream decode and prefill, and a
 `llama-server` for whole request files, run on the same GGUF file in the same sitting.
 
-The binaries come from a folder the user names (`--llama-cpp DIR`, the build folder of
-../shared/PEERS.md's recipe: DIR/bin/llama-bench or DIR/llama-bench, with its shared libraries
-beside them). Prompts are sent as token ids, so both runners read the same tokens whatever
-llama.cpp's tokenizer would make of the text. Its worker threads spin on a barrier, so it is
-measured on the same 2 threads as kvchat and never at the same time as kvchat.
+The binaries come from a folder the user names (`--llama-cpp DIR`: DIR/bin/llama-bench or
+DIR/llama-bench, with its shared libraries beside them; `python scripts/llama_server.py --bench`
+builds both into ~/.cache/kvchat/llama-server/<version>). Prompts are sent as token ids, so both
+runners read the same tokens whatever llama.cpp's tokenizer would make of the text. Its worker
+threads spin on a barrier, so it is measured on the same 2 threads as kvchat and never at the
+same time as kvchat.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class LlamaCpp:
                 return candidate
         raise LlamaCppError(
             f"No {name} in {self.folder} (looked in {self.folder}/bin and {self.folder}). "
-            "--llama-cpp takes llama.cpp's build folder; ../shared/PEERS.md in the kvchat "
-            "repository says how to build it from the llama-cpp-python sdist.")
+            "--llama-cpp takes llama.cpp's build folder: `python scripts/llama_server.py "
+            "--bench` in the kvchat repository builds llama-server and llama-bench (from the "
+            "llama-cpp-python sdist) into ~/.cache/kvchat/llama-server/<version>.")
 
     def _env(self, binary: Path) -> dict[str, str]:
         env = dict(os.environ)
