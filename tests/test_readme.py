@@ -17,7 +17,8 @@ from kvchat.cli import app
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 DOCS = README + (ROOT / "sessions" / "README.md").read_text()
-BENCH = ("ttft", "overhead", "cache", "batch", "multiturn", "policies", "tiers", "fleet")
+BENCH = ("ttft", "overhead", "cache", "batch", "decode", "multiturn", "policies", "tiers",
+         "fleet")
 
 
 COMMANDS = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
