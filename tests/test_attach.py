@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from kvchat.client import Client, ServerError
-from kvchat.sessions import lock_holder
+from kvchat.session_lock import lock_holder
 
 SYSTEM = "You are a terse assistant who answers in one short sentence about the sea."
 TIMEOUT_S = 120
@@ -361,7 +361,7 @@ def test_a_lock_naming_a_live_server_that_does_not_answer_says_it_is_running(
     from typer.testing import CliRunner
 
     from kvchat.cli import app
-    from kvchat.sessions import sessions_lock
+    from kvchat.session_lock import sessions_lock
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -27,7 +27,7 @@ from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.sequence import Request
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.server import bind_warning, create_app, serving
-from kvchat.sessions import SessionsLocked, sessions_lock
+from kvchat.session_lock import SessionsLocked, sessions_lock
 from kvchat.snapshots import read_snapshot_meta
 
 T = TypeVar("T")

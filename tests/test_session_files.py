@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvchat.session_lock import sessions_lock
 from kvchat.sessions import (
     Session,
     SessionError,
@@ -23,7 +24,6 @@ from kvchat.sessions import (
     SessionWriteError,
     atomic_write,
     private_dir,
-    sessions_lock,
     set_aside,
     validate_name,
 )

@@ -16,14 +16,8 @@ from conftest import make_runtime
 from kvchat.config import SamplingParams
 from kvchat.engine.sequence import Request
 from kvchat.runtime import Runtime
-from kvchat.sessions import (
-    Session,
-    SessionError,
-    SessionsLocked,
-    SessionStore,
-    sessions_lock,
-    validate_name,
-)
+from kvchat.session_lock import SessionsLocked, sessions_lock
+from kvchat.sessions import Session, SessionError, SessionStore, validate_name
 from kvchat.turns import next_prompt, prepare_turn
 
 

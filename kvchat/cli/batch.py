@@ -271,7 +271,7 @@ def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
     from kvchat.batch.run import choose_size, prepare_independent
     from kvchat.config import SamplingParams
     from kvchat.runtime import Runtime
-    from kvchat.sessions import sessions_lock
+    from kvchat.session_lock import sessions_lock
 
     max_tokens, temperature, seed = defaults
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)

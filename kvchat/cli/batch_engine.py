@@ -51,7 +51,8 @@ def run_on_engine(client: OpenAIClient, engine: EngineInfo, plan: _Plan, session
     from kvchat.batch.remote_engine import EngineRun
     from kvchat.client import ServerGone
     from kvchat.client.ledger import Ledger
-    from kvchat.sessions import SessionStore, sessions_lock
+    from kvchat.session_lock import sessions_lock
+    from kvchat.sessions import SessionStore
 
     if flags[1]:
         raise KvchatError(f"--pin-system pins in kvchat's own cache; {engine.kind} keeps its "

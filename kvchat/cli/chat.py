@@ -66,7 +66,8 @@ def chat(
     what that engine reports."""
     from kvchat.cli.attach_options import find_server
     from kvchat.config import SamplingParams
-    from kvchat.sessions import SessionStore, sessions_lock, validate_name
+    from kvchat.session_lock import sessions_lock
+    from kvchat.sessions import SessionStore, validate_name
     from kvchat.text_input import check_text
     from kvchat.ui.views import PANEL_MODES
 
@@ -118,7 +119,8 @@ def _engine_chat(client: OpenAIClient, engine: EngineInfo, options: LazyRuntimeO
     """The REPL on a remote engine; its sessions are this sessions dir's, under its lock."""
     from kvchat.client.engine_chat import EngineBackend
     from kvchat.client.ledger import Ledger
-    from kvchat.sessions import SessionStore, sessions_lock
+    from kvchat.session_lock import sessions_lock
+    from kvchat.sessions import SessionStore
     from kvchat.ui.repl import Chat
     from kvchat.ui.terminal import make_reader
 

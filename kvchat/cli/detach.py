@@ -30,7 +30,8 @@ STOP_TIMEOUT_S = 120.0
 def start_detached(sessions_dir: Path) -> None:
     """Run this same `kvchat serve` command line without --detach in a child process of its
     own session, its output in <sessions-dir>/serve.log (0600); return once it answers."""
-    from kvchat.sessions import lock_holder, open_private, private_dir
+    from kvchat.session_lock import lock_holder
+    from kvchat.sessions import open_private, private_dir
 
     holder = lock_holder(sessions_dir)
     if holder is not None:
@@ -57,7 +58,7 @@ def start_detached(sessions_dir: Path) -> None:
 
 def _wait_until_up(child: subprocess.Popen[bytes], sessions_dir: Path, log_path: Path) -> str:
     from kvchat.client import Client, ServerGone
-    from kvchat.sessions import lock_holder
+    from kvchat.session_lock import lock_holder
 
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -84,7 +85,7 @@ def token(sessions_dir: SessionsDirOption = Path("sessions")) -> None:
     """Print the access token of the kvchat server holding --sessions-dir, for curl, OpenAI
     clients or --token elsewhere. It is read from the dir's lock file (<sessions-dir>/.lock,
     0600, one JSON object), so only the dir's owner can read it."""
-    from kvchat.sessions import lock_holder
+    from kvchat.session_lock import lock_holder
 
     holder = lock_holder(sessions_dir)
     if holder is None or holder.url is None:
@@ -107,7 +108,7 @@ def stop(
 ) -> None:
     """Stop the kvchat server holding --sessions-dir (SIGTERM: replies in flight finish or
     stop, the cache snapshot is saved), and wait until it has exited."""
-    from kvchat.sessions import lock_holder
+    from kvchat.session_lock import lock_holder
 
     holder = lock_holder(sessions_dir)
     if holder is None:

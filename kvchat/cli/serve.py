@@ -104,7 +104,7 @@ def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_t
     from kvchat.cli.batch import terminate_as_interrupt
     from kvchat.runtime import Runtime
     from kvchat.server import Server, create_app, log_to_stderr
-    from kvchat.sessions import sessions_lock
+    from kvchat.session_lock import sessions_lock
 
     # uvicorn re-raises the signal it stopped on: as KeyboardInterrupt, the lock is left cleanly
     with sessions_lock(options.sessions_dir, "kvchat serve") as lock, terminate_as_interrupt():

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from kvchat.client.http import Client
 from kvchat.errors import KvchatError
-from kvchat.sessions import lock_holder
+from kvchat.session_lock import lock_holder
 
 TOKEN_ENV_VAR = "KVCHAT_TOKEN"
 API_KEY_ENV_VAR = "OPENAI_API_KEY"
