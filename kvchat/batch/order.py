@@ -16,6 +16,7 @@ the previous one finished. The dispatcher keeps at most --concurrency lines in f
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -36,13 +37,6 @@ class Group(NamedTuple):
     shared: int
 
 
-def _common(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
 
 def shared_prefix_groups(prompts: Sequence[tuple[int, str]],
                          min_shared: int = MIN_SHARED_CHARS) -> list[Group]:
@@ -54,7 +48,7 @@ def shared_prefix_groups(prompts: Sequence[tuple[int, str]],
     groups: list[tuple[list[int], int]] = []
     previous = None
     for line, text in ordered:
-        shared = _common(previous, text) if previous is not None else 0
+        shared = len(os.path.commonprefix([previous, text])) if previous is not None else 0
         if groups and shared >= min_shared:
             lines, common = groups[-1]
             groups[-1] = ([*lines, line], min(common, shared))

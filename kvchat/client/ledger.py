@@ -14,6 +14,7 @@ bounded to MAX_NODES messages (the least recently sent leaves go first).
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -183,8 +184,8 @@ class Ledger:
             chars, near = 0, list[SentNode]()  # next messages sent sharing the most with it
             if rest is not None:
                 for c in level:
-                    n = _common_chars(c.content, rest["content"]) if c.role == rest["role"] \
-                        else 0
+                    same_role = c.role == rest["role"]
+                    n = len(os.path.commonprefix([c.content, rest["content"]])) if same_role else 0
                     if n and n >= chars:
                         near = [*near, c] if n == chars else [c]
                         chars = n
@@ -214,10 +215,3 @@ class Ledger:
         atomic_write(self.path, json.dumps(self.to_json(), ensure_ascii=False).encode(),
                      "the record of sent prompts")
 
-
-def _common_chars(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
