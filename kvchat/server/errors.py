@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kvchat.config import ConfigError
-from kvchat.engine.engine import PromptTooLongError
+from kvchat.engine.handle import PromptTooLongError
 from kvchat.errors import KvchatError
 from kvchat.server.worker import EngineStopped, RequestCancelled
 from kvchat.sessions import SessionError

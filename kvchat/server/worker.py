@@ -29,7 +29,8 @@ from prometheus_client import Histogram
 
 from kvchat.cache.stats import CacheStats
 from kvchat.engine.codec import ChatCodec
-from kvchat.engine.engine import Engine, RequestCancelled, RequestHandle
+from kvchat.engine.engine import Engine
+from kvchat.engine.handle import RequestCancelled, RequestHandle
 from kvchat.engine.sequence import Event, Finished, GenerationResult, Request, TextDelta
 from kvchat.errors import KvchatError
 from kvchat.inspect import documents as cv
