@@ -10,7 +10,7 @@ import pytest
 
 from kvchat.config import SamplingParams
 from kvchat.engine.codec import ChatCodec
-from kvchat.engine.engine import RequestCancelled
+from kvchat.engine.handle import RequestCancelled
 from kvchat.engine.sequence import Finished, GenerationResult
 from kvchat.errors import KvchatError
 from kvchat.sessions import Session, SessionStore

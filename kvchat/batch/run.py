@@ -98,7 +98,7 @@ class BatchRun(LineRun):
             self._advance_session(item)
 
     def _event(self, item: BatchItem, turn: PreparedTurn, event: Event) -> None:
-        from kvchat.engine.engine import RequestCancelled
+        from kvchat.engine.handle import RequestCancelled
         from kvchat.engine.sequence import Finished
         from kvchat.turns import finish
 

@@ -5,9 +5,9 @@
              decode()                          one batched forward -> sample -> finish the done
 
 A sequence's K/V is stored in one place (`_commit`) and its blocks are released in one place
-(`_finish`). Callers submit a `Request` and get a `RequestHandle`: iterate it to drive the engine
-from the calling thread (the REPL, batch, verify), or pass a listener and let another thread
-step (the server).
+(`_finish`). Callers submit a `Request` and get a `RequestHandle` (`engine/handle.py`): iterate
+it to drive the engine from the calling thread (the REPL, batch, verify), or pass a listener
+and let another thread step (the server).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from typing import Any
@@ -28,11 +27,11 @@ from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.codec import ChatCodec
 from kvchat.engine.decode_batch import DecodeBatch
 from kvchat.engine.drafting import DRAFT_MAX, plan_drafts
+from kvchat.engine.handle import Listener, PromptTooLongError, RequestCancelled, RequestHandle
 from kvchat.engine.model_runner import ModelRunner
 from kvchat.engine.past import kv_shape, layer_devices, past_kv, past_length
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import (
-    Event,
     Finished,
     GenerationResult,
     Request,
@@ -43,75 +42,6 @@ from kvchat.engine.sequence import (
 from kvchat.errors import KvchatError
 
 log = logging.getLogger("kvchat.engine")
-Listener = Callable[[Event], None]
-
-
-class PromptTooLongError(KvchatError):
-    pass
-
-
-class RequestCancelled(KvchatError):
-    """The request was cancelled (or the run stopped) before it started."""
-
-
-class RequestHandle:
-    """A submitted request. Events (text deltas, then one Finished) go to the listener if one
-    was given, else they queue here and iterating the handle yields the text while it drives
-    the engine from this thread."""
-
-    def __init__(self, engine: Engine, request: Request, listener: Listener | None) -> None:
-        self._engine = engine
-        self._listener = listener
-        self._events: deque[Event] = deque()
-        self.seq = Sequence(next(engine._ids), request, self._emit)
-
-    @property
-    def request_id(self) -> int:
-        return self.seq.seq_id
-
-    @property
-    def done(self) -> bool:
-        return self.seq.status is Status.FINISHED
-
-    @property
-    def result(self) -> GenerationResult | None:
-        return self.seq.result
-
-    @property
-    def error(self) -> Exception | None:
-        return self.seq.error
-
-    def _emit(self, event: Event) -> None:
-        if self._listener is not None:
-            self._listener(event)
-        else:
-            self._events.append(event)
-
-    def cancel(self) -> None:
-        """Stop at the next step (from any thread); what was computed stays cached."""
-        self.seq.cancel()
-
-    def close(self) -> None:
-        """Stop now, from the thread that steps the engine (e.g. after a second Ctrl-C)."""
-        self._engine.interrupt(self.seq)
-
-    def __iter__(self) -> Iterator[str]:
-        while True:
-            while self._events:
-                event = self._events.popleft()
-                if isinstance(event, TextDelta):
-                    yield event.text
-            if self.done:
-                return
-            self._engine.step()
-
-    def run(self) -> GenerationResult:
-        """Drive to the end; the result, or the error that kept the request from running."""
-        for _ in self:
-            pass
-        if self.result is None:
-            raise self.error or RequestCancelled("The request did not run.")
-        return self.result
 
 
 class Engine:
@@ -207,7 +137,7 @@ class Engine:
     def submit(self, request: Request, listener: Listener | None = None) -> RequestHandle:
         """Queue a request (raises KvchatError at once if it cannot run)."""
         self.check_request(request)
-        handle = RequestHandle(self, request, listener)
+        handle = RequestHandle(self, next(self._ids), request, listener)
         self.scheduler.add(handle.seq)
         return handle
 

@@ -1,7 +1,8 @@
 """`kvchat serve`: the HTTP front end over the engine (FastAPI on uvicorn).
 
 - `app`: create_app, the lifespan; `state`: what handlers share (`app.state.server`)
-- `worker`: the engine thread, the only code that touches the scheduler, runtime and cache
+- `worker`: the engine thread, the only code that touches the scheduler, runtime and cache;
+  `handle`: one request as the event loop sees it
 - `native`, `openai`, `cache_api`, `pins_api`, `sessions_api`, `moves_api`: one router per
   API family (`pinning`: pins as tenants own them)
 - `auth`: access token, API keys -> tenants and their cache namespaces (the AuthGate middleware)

@@ -14,11 +14,11 @@ from fastapi import APIRouter, Request
 from kvchat.responses import openai_finish_reason, text_completion, usage
 from kvchat.server.auth import Caller
 from kvchat.server.fleet_api import affinity
+from kvchat.server.handle import Handle
 from kvchat.server.openai import extension
 from kvchat.server.schemas import CompletionBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result
 from kvchat.server.state import State
-from kvchat.server.worker import Handle
 
 router = APIRouter()
 

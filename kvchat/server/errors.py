@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kvchat.config import ConfigError
-from kvchat.engine.engine import PromptTooLongError
+from kvchat.engine.handle import PromptTooLongError, RequestCancelled
 from kvchat.errors import KvchatError
-from kvchat.server.worker import EngineStopped, RequestCancelled
+from kvchat.server.worker import EngineStopped
 from kvchat.sessions import SessionError
 from kvchat.text_input import InvalidText, decode_utf8
 

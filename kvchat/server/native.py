@@ -12,13 +12,13 @@ from fastapi import APIRouter, Request
 from kvchat.responses import result_fields
 from kvchat.server.auth import Caller, Tenant
 from kvchat.server.errors import error_response
+from kvchat.server.handle import Handle
 from kvchat.server.pinning import PinJob
 from kvchat.server.pins_api import pin_job
 from kvchat.server.prepare import Sessions
 from kvchat.server.schemas import GenerateBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result
 from kvchat.server.state import State
-from kvchat.server.worker import Handle
 from kvchat.turns import PreparedTurn
 
 router = APIRouter()

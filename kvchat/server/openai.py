@@ -14,12 +14,12 @@ from kvchat.engine.sequence import GenerationResult
 from kvchat.responses import chat_completion, openai_finish_reason
 from kvchat.server.auth import Caller
 from kvchat.server.fleet_api import affinity
+from kvchat.server.handle import Handle
 from kvchat.server.pinning import PinJob
 from kvchat.server.pins_api import pin_job
 from kvchat.server.schemas import ChatCompletionBody
 from kvchat.server.sse import EventStream, error_event, sse, wait_result
 from kvchat.server.state import ServerState, State
-from kvchat.server.worker import Handle
 from kvchat.turns import PreparedTurn
 
 router = APIRouter()

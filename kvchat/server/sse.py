@@ -14,7 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvchat.engine.sequence import GenerationResult
 from kvchat.server.errors import ApiError, api_error
-from kvchat.server.worker import Handle
+from kvchat.server.handle import Handle
 
 
 def sse(data: Any, event: str | None = None) -> bytes:

@@ -17,8 +17,9 @@ from starlette.concurrency import run_in_threadpool
 from kvchat.engine.sequence import GenerationResult
 from kvchat.server.auth import Gate, Tenant
 from kvchat.server.errors import api_error
+from kvchat.server.handle import Handle
 from kvchat.server.prepare import Preparer, TenantSessions
-from kvchat.server.worker import EngineStopped, EngineWorker, Handle
+from kvchat.server.worker import EngineStopped, EngineWorker
 from kvchat.turns import PreparedTurn
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ there is none. Everything that touches the engine or the cache - submitting, ste
 the tree, integrity checks, the snapshot - runs on that thread between two steps (a handler
 posts a call and awaits its future), so no lock is ever held across a forward pass. The
 engine's events (text deltas, then the result) travel back to the event loop with
-`loop.call_soon_threadsafe`, into one asyncio queue per request (a `Handle`).
+`loop.call_soon_threadsafe`, into one asyncio queue per request (a `Handle`, server/handle.py).
 
 A request whose client goes away is cancelled: the engine stops it at the next step and stores
 the K/V it computed, like any interrupted request.
@@ -14,12 +14,11 @@ the K/V it computed, like any interrupted request.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,17 +28,19 @@ from prometheus_client import Histogram
 
 from kvchat.cache.stats import CacheStats
 from kvchat.engine.codec import ChatCodec
-from kvchat.engine.engine import Engine, RequestCancelled, RequestHandle
-from kvchat.engine.sequence import Event, Finished, GenerationResult, Request, TextDelta
+from kvchat.engine.engine import Engine
+from kvchat.engine.handle import RequestCancelled
+from kvchat.engine.sequence import Event, Finished, GenerationResult, TextDelta
 from kvchat.errors import KvchatError
 from kvchat.inspect import documents as cv
 from kvchat.runtime import Runtime, tokenizer_file
+from kvchat.server.handle import Handle
 from kvchat.sessions import SessionStore, cache_dir
 from kvchat.snapshots import TREE_INDEX as INDEX
-from kvchat.turns import PreparedTurn, finish, refused
+from kvchat.turns import finish, refused
 
-__all__ = ["DEFAULT_BATCH_SIZE", "CacheTree", "EngineStopped", "EngineWorker", "Handle",
-           "ModelInfo", "RequestCancelled", "ServerCounters", "TenantCounters"]
+__all__ = ["DEFAULT_BATCH_SIZE", "CacheTree", "EngineStopped", "EngineWorker", "ModelInfo",
+           "ServerCounters", "TenantCounters"]
 
 log = logging.getLogger(__name__)
 
@@ -52,78 +53,6 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 
 class EngineStopped(KvchatError):
     pass
-
-
-class Handle:
-    """One request as the event loop sees it. The engine thread calls `text`, `finish` and
-    `fail`; the loop reads `deltas` (None ends them), then `result` or `error`. `request` is
-    what the engine runs (the turn's, unless the caller's tenant set its namespace and session
-    id); `tenant` is whose counters it adds to. `after` runs on the engine thread once the
-    request's tokens are stored, before the result is delivered (a `pin` option uses it: the
-    prefix cannot be evicted in between)."""
-
-    def __init__(self, turn: PreparedTurn, store: SessionStore | None = None,
-                 request: Request | None = None, tenant: str = "",
-                 after: Callable[[GenerationResult], None] | None = None) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.turn = turn
-        self.request = request if request is not None else turn.request()
-        self.tenant = tenant
-        self.store = store  # where a session turn's transcript is saved
-        self.after = after
-        self.deltas: asyncio.Queue[str | None] = asyncio.Queue()
-        self.done = asyncio.Event()
-        self.result: GenerationResult | None = None
-        self.error: BaseException | None = None
-        self.cancel_event = threading.Event()
-        self.session_error: str | None = None  # the session's file could not be saved
-        self._callbacks: list[Callable[[], None]] = []
-        self._engine_handle: RequestHandle | None = None
-
-    # engine thread
-    def text(self, delta: str) -> None:
-        self._post(self.deltas.put_nowait, delta)
-
-    def finish(self, result: GenerationResult) -> None:
-        self._post(self._resolve, result, None)
-
-    def fail(self, error: BaseException) -> None:
-        self._post(self._resolve, None, error)
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-            self.loop.call_soon_threadsafe(fn, *args)
-
-    # event loop
-    def _resolve(self, result: GenerationResult | None, error: BaseException | None) -> None:
-        self.result, self.error = result, error
-        self.deltas.put_nowait(None)
-        self.done.set()
-        for callback in self._callbacks:
-            callback()
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        if self.done.is_set():
-            callback()
-        else:
-            self._callbacks.append(callback)
-
-    async def stream(self) -> AsyncIterator[str]:
-        while (delta := await self.deltas.get()) is not None:
-            yield delta
-
-    def attach(self, engine_handle: RequestHandle) -> None:
-        """The request is in the engine (engine thread); a cancel that came first still counts."""
-        self._engine_handle = engine_handle
-        if self.cancel_event.is_set():
-            engine_handle.cancel()
-
-    # any thread
-    def cancel(self) -> None:
-        """Stop at the next step (or before it starts); a no-op once finished."""
-        self.cancel_event.set()
-        if self._engine_handle is not None:
-            self._engine_handle.cancel()
 
 
 @dataclass

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from kvchat.cache.stats import CacheStats
     from kvchat.config import SamplingParams
-    from kvchat.engine.engine import RequestHandle
+    from kvchat.engine.handle import RequestHandle
     from kvchat.engine.result import GenerationResult
     from kvchat.inspect.documents import NodeView
     from kvchat.runtime import Runtime
@@ -231,7 +231,7 @@ class LocalBackend(CacheViews):
         return lines
 
     def start(self, session: Session, text: str, params: SamplingParams) -> Reply:
-        from kvchat.engine.engine import PromptTooLongError
+        from kvchat.engine.handle import PromptTooLongError
         from kvchat.turns import prepare_turn, refused
 
         engine = self.rt.engine
