@@ -80,6 +80,11 @@ class Handle:
         if self.cancel_event.is_set():
             engine_handle.cancel()
 
+    @property
+    def request_id(self) -> int | None:
+        """The engine's id for the request, once it is in the engine."""
+        return None if self._engine_handle is None else self._engine_handle.request_id
+
     # any thread
     def cancel(self) -> None:
         """Stop at the next step (or before it starts); a no-op once finished."""

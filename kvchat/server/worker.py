@@ -318,8 +318,8 @@ class EngineWorker:
             self._finished(handle, event)
 
     def _finished(self, handle: Handle, event: Finished) -> None:
-        if handle._engine_handle is not None:
-            self._handles.pop(handle._engine_handle.request_id, None)
+        if handle.request_id is not None:
+            self._handles.pop(handle.request_id, None)
         outcome = _outcome(handle, event)
         setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
         self._count(handle, **{outcome: 1})
