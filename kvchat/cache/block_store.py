@@ -31,13 +31,14 @@ import json
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from kvchat.cache.block_backend import ReadResult, ReadStatus, StoreStats
-from kvchat.cache.block_file import BlockFileError, BlockKV, BlockLayout, read_block_bytes
+from kvchat.cache.block_file import BlockFileError, BlockLayout, read_block_bytes
 from kvchat.cache.block_index import (
     BLOCK_INDEX,
     DiskTier,
@@ -48,6 +49,7 @@ from kvchat.cache.block_index import (
     scan_blocks,
 )
 from kvchat.cache.block_keys import is_key
+from kvchat.cache.write_queue import Queued, Settle, WriteQueue
 from kvchat.files import FILE_MODE, WriteError, atomic_write, private_dir
 
 if TYPE_CHECKING:
@@ -57,13 +59,6 @@ QUARANTINE_KEEP = 8  # damaged files kept for inspection; older ones are deleted
 
 __all__ = ["BlockLayout", "BlockStore", "DiskTier", "ReadResult", "ReadStatus", "StoreStats",
            "read_disk_tier"]
-
-
-class _Pending(NamedTuple):
-    key: str
-    tokens: tuple[int, ...]
-    kv: BlockKV
-    nbytes: int
 
 
 class BlockStore:
@@ -82,22 +77,18 @@ class BlockStore:
         self.budget_bytes = budget_bytes
         self.max_pending_bytes = max_pending_bytes
         self.index_every_s = index_every_s
-        self._cond = threading.Condition()  # guards the state below
+        self._queue = WriteQueue(self._write, max_bytes=max_pending_bytes,
+                                 name="kvchat-block-store", first=self._start,
+                                 idle=(self._save_due, self._save_index))
+        self._cond = self._queue.cond  # guards the state below
+        self._counts = self._queue.counts
         self._index_lock = threading.Lock()  # orders index saves only
         self._index = StoreIndex()
-        self._pending: dict[str, _Pending] = {}
-        self._queue: deque[_Pending] = deque()  # its head is written while it stays queued
-        self._pending_bytes = 0
         self._readers: Counter[str] = Counter()  # keys a get is reading: never evicted
         self._notices: list[str] = []
-        self._counts: Counter[str] = Counter()
-        self._busy = True  # the writer is reconciling or writing
-        self._stopping = False
         self._last_save = time.monotonic()
         self._shards: set[str] = set()
-        self._thread: threading.Thread | None = None
         if not self.enabled:
-            self._busy = False
             return
         private_dir(self.root, "the disk cache folder")
         loaded = read_index(self.root)
@@ -106,8 +97,7 @@ class BlockStore:
                                  "it is rebuilt from the block files.")
         self._index = StoreIndex.of(loaded[0] if loaded else {})
         self._index.dirty = loaded is None  # written at the first save, even when empty
-        self._thread = threading.Thread(target=self._run, name="kvchat-block-store", daemon=True)
-        self._thread.start()
+        self._queue.start()
 
     @property
     def enabled(self) -> bool:
@@ -129,17 +119,15 @@ class BlockStore:
         off, the block is already stored or queued (then it only counts as used), or it alone
         exceeds the budget. Waits only when max_pending_bytes are already queued (without
         `wait`, the block is dropped instead)."""
-        from kvchat.cache.block_file import copy_block_kv
-
         if not is_key(key):
             raise ValueError(f"not a block key: {key!r}")
-        if self.enabled and self._thread is None:
+        if self.enabled and not self._queue.running:
             raise RuntimeError("the block store is closed")
         if not self.enabled or self.layout.payload_bytes > self.budget_bytes:
             return False
         with self._cond:
             listed = key in self._index
-            if key in self._pending:
+            if key in self._queue:
                 return False
         if listed:  # one stat: another process sharing the dir may have evicted it
             present = block_path(self.root, key).exists()
@@ -148,20 +136,9 @@ class BlockStore:
                     self._index.touch(key)
                     return False
                 self._index.drop(key)
-        item = _Pending(key, tuple(int(t) for t in tokens),
-                        copy_block_kv(kv, self.layout, len(tokens)), self.layout.payload_bytes)
-        with self._cond:
-            while self._queue and self._pending_bytes + item.nbytes > self.max_pending_bytes:
-                if not wait:
-                    return False
-                self._cond.wait()
-            if self._index.touch(key) or key in self._pending:  # queued meanwhile
-                return False
-            self._pending[key] = item
-            self._queue.append(item)
-            self._pending_bytes += item.nbytes
-            self._cond.notify_all()
-        return True
+        # listed or queued meanwhile: not queued again
+        return self._queue.add(Queued.of(key, tokens, kv, self.layout), wait,
+                               skip=lambda: self._index.touch(key))
 
     def describe(self) -> str:
         return str(self.root)
@@ -175,7 +152,7 @@ class BlockStore:
         if not self.enabled or not is_key(key):
             return False
         with self._cond:
-            if key in self._pending or key in self._index:
+            if key in self._queue or key in self._index:
                 return True
         try:
             size = block_path(self.root, key).stat().st_size
@@ -190,11 +167,9 @@ class BlockStore:
         if not self.enabled or not is_key(key):
             return ReadResult(None, ReadStatus.MISSING)
         with self._cond:
-            item = self._pending.get(key)
-            if item is not None:
-                self._counts["reads"] += 1
-                return ReadResult([(k.clone(), v.clone()) for k, v in item.kv],
-                                  ReadStatus.HIT, item.tokens)
+            queued = self._queue.read(key)
+            if queued is not None:
+                return queued
             self._readers[key] += 1
         try:
             return self._read(key)
@@ -252,23 +227,17 @@ class BlockStore:
     def flush(self) -> None:
         """Wait until the queue is empty, every block in it on disk (and the start-up
         reconciliation done), then save the index."""
-        if self._thread is None:
+        if not self._queue.running:
             return
-        with self._cond:
-            while self._queue or self._busy:
-                self._cond.wait()
+        self._queue.flush()
         self._save_index()
 
     def close(self) -> None:
         """Flush, then stop the writer thread. The store takes no puts afterwards."""
-        if self._thread is None:
+        if not self._queue.running:
             return
         self.flush()
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
-        self._thread = None
+        self._queue.close()
         self._save_index()
 
     def take_notices(self) -> list[str]:
@@ -285,37 +254,27 @@ class BlockStore:
                 blocks=len(self._index), bytes=self._index.total_bytes,
                 budget_bytes=self.budget_bytes, writes=counts["writes"], reads=counts["reads"],
                 read_failures=counts["read_failures"], write_failures=counts["write_failures"],
-                evictions=counts["evictions"], pending=len(self._pending),
+                evictions=counts["evictions"], pending=len(self._queue),
             )
 
     # ---- the writer thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _start(self) -> None:
         try:
             self._reconcile()
         except Exception as exc:  # the store still works; the next start-up tries again
             with self._cond:
                 self._notices.append(f"Disk cache folder {self.root} not reconciled ({exc}).")
-        while True:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-                while not self._queue and not self._stopping:
-                    wait = self.index_every_s - (time.monotonic() - self._last_save)
-                    if self._index.dirty and wait <= 0:
-                        break
-                    self._cond.wait(timeout=wait if self._index.dirty else None)
-                if not self._queue and self._stopping:
-                    return
-                item = self._queue[0] if self._queue else None
-                self._busy = item is not None
-            if item is None:
-                self._save_index()
-            else:
-                self._write(item)
 
-    def _write(self, item: _Pending) -> None:
-        """Write one queued block into place, list it, and keep the store within its budget."""
+    def _save_due(self) -> float | None:
+        """Seconds until the index is to be saved; None while it has nothing new (lock held)."""
+        if not self._index.dirty:
+            return None
+        return self.index_every_s - (time.monotonic() - self._last_save)
+
+    def _write(self, item: Queued) -> Settle:
+        """Write one queued block into place; what it returns lists it (or counts the failure)
+        and keeps the store within its budget as the block leaves the queue."""
         path = block_path(self.root, item.key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
         try:
@@ -328,18 +287,19 @@ class BlockStore:
         except Exception as exc:  # any: a dead writer thread would leave flush() waiting forever
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            with self._cond:
-                self._notices.append(f"Disk cache block {path} not written ({exc}).")
-                self._counts["write_failures"] += 1
-                self._unqueue(item)
-            return
-        with self._cond:
-            self._index.use(item.key, size)
-            self._counts["writes"] += 1
-            self._unqueue(item)
-            self._evict_over_budget()
+            return partial(self._not_written, f"Disk cache block {path} not written ({exc}).")
+        return partial(self._written, item.key, size)
 
-    def _write_file(self, tmp: Path, item: _Pending) -> int:
+    def _written(self, key: str, size: int) -> None:
+        self._index.use(key, size)
+        self._counts["writes"] += 1
+        self._evict_over_budget()
+
+    def _not_written(self, notice: str) -> None:
+        self._notices.append(notice)
+        self._counts["write_failures"] += 1
+
+    def _write_file(self, tmp: Path, item: Queued) -> int:
         """Write the block to `tmp` (0600) and fsync it; returns its size."""
         from kvchat.cache.block_file import encode_block
 
@@ -356,12 +316,6 @@ class BlockStore:
         finally:
             os.close(fd)
         return size
-
-    def _unqueue(self, item: _Pending) -> None:
-        self._queue.popleft()
-        del self._pending[item.key]
-        self._pending_bytes -= item.nbytes
-        self._cond.notify_all()
 
     def _evict_over_budget(self) -> None:
         """Delete least recently used files until the store fits its budget (lock held)."""

@@ -19,16 +19,16 @@ memory meanwhile, and "answering again" is a second line when it is back.
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.parse
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from kvchat.cache.block_backend import ReadResult, ReadStatus, StoreStats
-from kvchat.cache.block_file import BlockFileError, BlockKV, BlockLayout
+from kvchat.cache.block_file import BlockFileError, BlockLayout
 from kvchat.cache.block_keys import is_key
+from kvchat.cache.write_queue import Queued, WriteQueue
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
@@ -55,13 +55,6 @@ def public_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
-class _Pending(NamedTuple):
-    key: str
-    tokens: tuple[int, ...]
-    kv: BlockKV
-    nbytes: int
-
-
 class RedisStore:
     """The block tier on a Redis/Valkey server (see the module docstring). Thread-safe."""
 
@@ -83,22 +76,18 @@ class RedisStore:
         self._client = redis.Redis.from_url(
             url.replace("valkey", "redis", 1), socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s, retry=None, health_check_interval=0)
-        self._cond = threading.Condition()
-        self._queue: deque[_Pending] = deque()
-        self._pending: dict[str, _Pending] = {}
-        self._pending_bytes = 0
+        self._queue = WriteQueue(self._write, max_bytes=max_pending_bytes,
+                                 name="kvchat-redis-store")
+        self._cond = self._queue.cond
+        self._counts = self._queue.counts
+        self._count = self._queue.count
         self._known: OrderedDict[str, None] = OrderedDict()
-        self._counts: Counter[str] = Counter()
         self._notices: list[str] = []
         self._down_until = 0.0
         self._down = False
         self._configured = False
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         if self.enabled:
-            self._thread = threading.Thread(target=self._run, name="kvchat-redis-store",
-                                            daemon=True)
-            self._thread.start()
+            self._queue.start()
 
     @property
     def enabled(self) -> bool:
@@ -169,30 +158,15 @@ class RedisStore:
 
     def put(self, key: str, tokens: Sequence[int],
             kv: Sequence[tuple[torch.Tensor, torch.Tensor]], wait: bool = True) -> bool:
-        from kvchat.cache.block_file import copy_block_kv
-
         if not is_key(key):
             raise ValueError(f"not a block key: {key!r}")
         if not self.enabled or self.layout.payload_bytes > self.budget_bytes \
                 or time.monotonic() < self._down_until:
             return False
         with self._cond:
-            if key in self._known or key in self._pending or self._stopping:
+            if key in self._known or key in self._queue or self._queue.stopping:
                 return False
-        item = _Pending(key, tuple(int(t) for t in tokens),
-                        copy_block_kv(kv, self.layout, len(tokens)), self.layout.payload_bytes)
-        with self._cond:
-            while self._queue and self._pending_bytes + item.nbytes > self.max_pending_bytes:
-                if not wait:
-                    return False
-                self._cond.wait()
-            if key in self._pending:
-                return False
-            self._pending[key] = item
-            self._queue.append(item)
-            self._pending_bytes += item.nbytes
-            self._cond.notify_all()
-        return True
+        return self._queue.add(Queued.of(key, tokens, kv, self.layout), wait)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -201,7 +175,7 @@ class RedisStore:
         if not self.enabled or not keys:
             return 0
         with self._cond:
-            queued = [k in self._pending for k in keys]
+            queued = [k in self._queue for k in keys]
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
             pipe.exists(PREFIX + k)
@@ -216,12 +190,9 @@ class RedisStore:
 
         if not self.enabled or not is_key(key):
             return ReadResult(None, ReadStatus.MISSING)
-        with self._cond:
-            item = self._pending.get(key)
-            if item is not None:
-                self._counts["reads"] += 1
-                return ReadResult([(k.clone(), v.clone()) for k, v in item.kv],
-                                  ReadStatus.HIT, item.tokens)
+        queued = self._queue.read(key)
+        if queued is not None:
+            return queued
         data = self._ask(lambda: self._client.get(PREFIX + key))
         if data is _DOWN or data is None:
             return ReadResult(None, ReadStatus.MISSING)
@@ -239,19 +210,12 @@ class RedisStore:
         return ReadResult(block.kv, ReadStatus.HIT, block.tokens)
 
     def flush(self) -> None:
-        with self._cond:
-            while self._queue and self._thread is not None:
-                self._cond.wait()
+        self._queue.flush()
 
     def close(self) -> None:
-        if self._thread is None:
+        if not self._queue.running:
             return
-        self.flush()
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
-        self._thread = None
+        self._queue.close()  # flushes first
         self._client.close()
 
     def take_notices(self) -> list[str]:
@@ -270,26 +234,11 @@ class RedisStore:
                               writes=c["writes"], reads=c["reads"],
                               read_failures=c["read_failures"],
                               write_failures=c["write_failures"], evictions=0,
-                              pending=len(self._pending))
+                              pending=len(self._queue))
 
     # ---- the writer thread ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                item = self._queue[0]
-            self._write(item)
-            with self._cond:
-                self._queue.popleft()
-                del self._pending[item.key]
-                self._pending_bytes -= item.nbytes
-                self._cond.notify_all()
-
-    def _write(self, item: _Pending) -> None:
+    def _write(self, item: Queued) -> None:
         from kvchat.cache.block_file import encode_block
 
         if not self._configured and not self._configure():
@@ -311,7 +260,3 @@ class RedisStore:
         self._remember(item.key)
         if done:
             self._count("writes")
-
-    def _count(self, name: str) -> None:
-        with self._cond:
-            self._counts[name] += 1
