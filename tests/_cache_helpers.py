@@ -10,7 +10,8 @@ import torch
 
 from kvchat.cache.blocks import KV, Block, BlockManager
 from kvchat.cache.eviction import EvictionPolicy
-from kvchat.cache.kvcache import Lookup, PagedKVCache, StoreResult
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.lookup import Lookup, StoreResult
 from kvchat.cache.radix import Node
 
 N_LAYERS = 2

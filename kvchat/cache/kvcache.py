@@ -21,8 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +33,7 @@ from kvchat.cache.eviction import EvictionPolicy, leaf_first, make_policy
 from kvchat.cache.exact import ExactEntry, ExactIndex
 from kvchat.cache.explain import Explanation, explain
 from kvchat.cache.integrity import check_cache
+from kvchat.cache.lookup import CacheIntegrityError, HitSource, Lookup, StoreResult
 from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinError, PinTable, pin_prefix
 from kvchat.cache.radix import Node, PrefixMatch, RadixTree
 from kvchat.cache.state import (
@@ -51,44 +51,6 @@ from kvchat.config import CacheConfig
 
 if TYPE_CHECKING:
     from kvchat.cache.block_backend import BlockBackend
-
-
-class CacheIntegrityError(AssertionError):
-    """The cache's bookkeeping contradicts itself (a bug, never a user error)."""
-
-
-class HitSource(StrEnum):
-    EXACT = "exact"
-    RADIX = "radix"
-    DISK = "disk"  # part of the hit was loaded back from the disk tier
-    SHARED = "shared"  # part of it came from blocks other instances put in a shared store
-    MISS = "miss"
-
-
-class Lookup(NamedTuple):
-    """A lookup's hit. `blocks` are acquired for the caller, who releases them (`release`)
-    when its request ends; until then no eviction touches them."""
-
-    matched: int  # prompt tokens whose K/V come from the cache
-    blocks: tuple[Block, ...]  # cover positions [0, matched)
-    source: HitSource
-    logits: torch.Tensor | None  # last position's logits (exact hits only): no forward needed
-    prompt_tokens: int
-    disk_tokens: int = 0  # of `matched`, tokens whose blocks were loaded from the disk tier
-    why: Explanation | None = None  # where the cached prefix ended, and why (`explain`)
-    shared_tokens: int = 0  # of `matched`, tokens from blocks other instances stored (shared)
-
-
-class StoreResult(NamedTuple):
-    """What a store cached. `blocks` cover positions [0, stored). They are acquired for the
-    caller only when it passed hold=True (then it releases them); otherwise they are the
-    tree's, valid until the next call that mutates the cache (write_kv, evict, clear, reset)."""
-
-    stored: int  # leading tokens of the sequence now cached
-    new_tokens: int  # of which this call wrote
-    blocks: tuple[Block, ...]
-    complete: bool  # False when the pool could not hold the whole sequence
-    evicted: int  # blocks evicted to make room
 
 
 def _ceil_div(a: int, b: int) -> int:
