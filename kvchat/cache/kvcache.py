@@ -29,13 +29,13 @@ from kvchat.cache import disk_tier, shared_tier
 from kvchat.cache.block_keys import root_key
 from kvchat.cache.blocks import KV, Block, BlockManager, fill_span
 from kvchat.cache.drafts import continuation
-from kvchat.cache.eviction import EvictionPolicy, leaf_first, make_policy
+from kvchat.cache.eviction import EvictionPolicy, Rank, evict_leaves, make_policy
 from kvchat.cache.exact import ExactEntry, ExactIndex
 from kvchat.cache.explain import Explanation, explain
 from kvchat.cache.integrity import check_cache
 from kvchat.cache.lookup import CacheIntegrityError, HitSource, Lookup, StoreResult
 from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinError, PinTable, pin_prefix
-from kvchat.cache.radix import Node, PrefixMatch, RadixTree
+from kvchat.cache.radix import PrefixMatch, RadixTree
 from kvchat.cache.state import (
     CacheState,
     SavedExact,
@@ -308,40 +308,14 @@ class PagedKVCache:
 
     # ---- eviction ----------------------------------------------------------------------------
 
-    def _evict(
-        self,
-        n: int,
-        rank: Callable[[Block], tuple[float, ...] | None] | None = None,
-        spill: bool | None = None,
-        why: str | None = None,
-    ) -> int:
-        """Evict up to n unpinned blocks, leaf first, in the policy's order (`leaf_first`);
-        returns how many went. With a disk tier (and `spill` not False) each goes to disk and
-        stays in the tree; else it is dropped, and remembered as a tombstone naming `why`
-        (default: the policy) so a later miss can say it was evicted."""
-        base = rank or self.policy.rank
-        pins = self.pins
-        to_disk = spill is not False and disk_tier.spills(self.disk)
-        tree, why = self.tree, why or self.policy.name
-
-        def ranked(block: Block) -> tuple[float, ...] | None:
-            return None if pins.holds(block.block_id) else base(block)
-
-        def take(node: Node) -> None:
-            victim = node.blocks[-1]
-            gone = self.exact.take_block(victim)
-            if to_disk and self.disk is not None:
-                self.exact.park(gone)  # exact again once the path loads back
-                disk_tier.spill(self.disk, self.manager, tree, node)
-            else:
-                self.tombstones.record_node_block(tree, node, len(node.blocks) - 1, why)
-                tree.pop_block(node)
-            self.manager.free([victim])
-
-        done = leaf_first(tree, n, ranked, take)
-        self._counters = self._counters.plus(eviction_count=done,
-                                             spilled_blocks=done if to_disk else 0)
-        return done
+    def _evict(self, n: int, rank: Rank | None = None, spill: bool | None = None,
+               why: str | None = None) -> int:
+        """Evict up to n unpinned blocks, leaf first (`eviction.evict_leaves`); returns how
+        many went."""
+        done = evict_leaves(self, n, rank, spill, why)
+        self._counters = self._counters.plus(eviction_count=done.taken,
+                                             spilled_blocks=done.spilled)
+        return done.taken
 
     def evict(self, n: int) -> int:  # the policy's order, pins kept
         return self._evict(n)
