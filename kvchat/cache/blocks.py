@@ -16,7 +16,7 @@ import torch
 from kvchat.cache.stats import PoolStats
 
 if TYPE_CHECKING:
-    from kvchat.cache.radix import Node
+    from kvchat.cache.radix_node import Node
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (1, n_kv_heads, T, head_dim)
 
@@ -24,7 +24,7 @@ KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (1, n_kv_heads, T, head_d
 class Block:
     """A handle on one slot of the pool: where the radix tree put it and who is reading it.
 
-    The tree is the only owner of the tokens: a block placed in a node (`RadixTree._place`)
+    The tree is the only owner of the tokens: a block placed in a node (`radix_node.place`)
     holds block `index` of that node's edge, and reads its tokens from there."""
 
     __slots__ = (

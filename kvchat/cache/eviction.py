@@ -19,7 +19,8 @@ from kvchat.config import normalise_policy
 if TYPE_CHECKING:
     from kvchat.cache.blocks import Block
     from kvchat.cache.kvcache import PagedKVCache
-    from kvchat.cache.radix import Node, RadixTree
+    from kvchat.cache.radix import RadixTree
+    from kvchat.cache.radix_node import Node
 
 
 class EvictionPolicy(Protocol):

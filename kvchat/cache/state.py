@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvchat.cache.radix import Node, RadixTree
+from kvchat.cache.radix import RadixTree
+from kvchat.cache.radix_node import Node
 from kvchat.cache.stats import Counters
 from kvchat.cache.tombstones import Tombstone
 
