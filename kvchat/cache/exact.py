@@ -163,6 +163,14 @@ class ExactIndex:
         return {k: loader.row for k, loader in self._saved.items()
                 if isinstance(loader, HeldLogits)}
 
+    def logits_rows(self) -> dict[tuple[str, Key], Any]:
+        """Logits rows of the live entries and of those parked while their blocks are on disk,
+        by (namespace, tokens): what a save writes beside the index."""
+        rows = self.held_rows()
+        rows.update({(e.namespace, tuple(t)): e.logits for t, e in self.items()
+                     if e.logits is not None})
+        return rows
+
     def items(self) -> Iterator[tuple[Key, ExactEntry]]:
         """(tokens, entry) per entry, oldest first; the entry names its namespace."""
         return ((tokens, entry) for (_, tokens), entry in self._entries.items())

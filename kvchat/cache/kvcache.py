@@ -38,10 +38,9 @@ from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinError, PinTable, pin_p
 from kvchat.cache.radix import PrefixMatch, RadixTree
 from kvchat.cache.state import (
     CacheState,
-    SavedExact,
     SavedPin,
     SnapshotMismatch,
-    exact_name,
+    exact_to_save,
     graft,
     records_of,
 )
@@ -398,32 +397,10 @@ class PagedKVCache:
             counters=replace(self._counters, sessions=dict(self._sessions)),
             pins=tuple(SavedPin(p.namespace, tuple(p.tokens), p.label) for p in self.pins),
             tombstones=self.tombstones.rows(),
-            exact=self._exact_to_save(),
+            exact=exact_to_save(self.tree, self.exact),
             resident_blocks=mgr.num_blocks - mgr.num_free,
             disk_tokens=stats.disk_tokens,
         )
-
-    def _exact_to_save(self) -> tuple[SavedExact, ...]:
-        """The exact entries to save, oldest first, at most the index's capacity: the live
-        ones, and those saved earlier that no prompt has hit since (their logits file stays as
-        it is) while the tree still holds their tokens, so a file run again gets exact hits."""
-        bs, tree, exact = self.block_size, self.tree, self.exact
-        live = [(e.namespace, tokens, len(e.blocks)) for tokens, e in exact.items()
-                if e.logits is not None]
-        saved = [(ns, tokens, _ceil_div(len(tokens), bs)) for ns, tokens in exact.saved()
-                 if not exact.has(tokens, ns)
-                 and tree.find_prefix(tokens, ns).matched == len(tokens)]
-        kept = (saved + live)[-exact.max_entries:] if exact.max_entries else []
-        return tuple(SavedExact(ns, tuple(tokens), n_blocks, exact_name(tree, ns, tokens))
-                     for ns, tokens, n_blocks in kept)
-
-    def exact_rows(self) -> dict[tuple[str, tuple[int, ...]], Any]:
-        """Logits rows of the live exact entries and of those parked while their blocks are
-        on disk, by (namespace, tokens): what a save writes beside the index."""
-        rows = self.exact.held_rows()
-        rows.update({(e.namespace, tuple(t)): e.logits for t, e in self.exact.items()
-                     if e.logits is not None})
-        return rows
 
     def restore(self, state: CacheState,
                 logits: Callable[[str], Any] = lambda name: None) -> None:
