@@ -101,26 +101,11 @@ class PagedKVCache:
         return out + (self.disk.take_notices() if self.disk is not None else [])
 
     @classmethod
-    def create(
-        cls,
-        config: CacheConfig,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        devices: Sequence[torch.device | str] | torch.device | str = "cpu",
-    ) -> PagedKVCache:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_token = 2 * n_layers * n_kv_heads * head_dim * itemsize
-        manager = BlockManager(
-            config.blocks_for(per_token),
-            config.block_size,
-            n_layers,
-            n_kv_heads,
-            head_dim,
-            dtype,
-            devices,
-        )
+    def create(cls, config: CacheConfig, n_layers: int, n_kv_heads: int, head_dim: int,
+               dtype: torch.dtype = torch.float32,
+               devices: Sequence[torch.device | str] | torch.device | str = "cpu",
+               ) -> PagedKVCache:
+        manager = BlockManager.for_config(config, n_layers, n_kv_heads, head_dim, dtype, devices)
         return cls(manager, config.policy, config.max_exact_entries, config.max_pinned)
 
     # ---- lookup ------------------------------------------------------------------------------
