@@ -30,7 +30,7 @@ from kvchat.cache.block_keys import root_key
 from kvchat.cache.blocks import KV, Block, BlockManager, fill_span
 from kvchat.cache.drafts import continuation
 from kvchat.cache.eviction import EvictionPolicy, Rank, evict_leaves, make_policy
-from kvchat.cache.exact import ExactEntry, ExactIndex
+from kvchat.cache.exact import ExactIndex
 from kvchat.cache.explain import Explanation, explain
 from kvchat.cache.integrity import check_cache
 from kvchat.cache.lookup import CacheIntegrityError, HitSource, Lookup, StoreResult
@@ -121,7 +121,7 @@ class PagedKVCache:
         entry = self.exact.get(tokens, namespace) if n else None
         disk = shared = 0
         if entry is None and self.exact.is_saved(tokens, namespace):
-            entry, disk = self._revive_exact(tokens, namespace)
+            entry, disk = self.exact.revive(tokens, namespace, self.tree, self.load)
         if entry is not None and entry.logits is not None:
             matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
             why = explain(self.tree, tokens, exact=True)
@@ -431,20 +431,3 @@ class PagedKVCache:
             check_cache(self.manager, self.tree, self.exact, self.pins, self.disk is not None)
         except AssertionError as exc:
             raise CacheIntegrityError(str(exc)) from exc
-
-    def _revive_exact(self, tokens: Sequence[int],
-                      namespace: str) -> tuple[ExactEntry | None, int]:
-        """A saved exact entry made live again on its first hit: its path loaded from disk, its
-        logits read. Returns the entry (None when its blocks or logits cannot all be had: the
-        prompt is then a radix hit at most) and the tokens loaded from disk."""
-        loader = self.exact.take_saved(tokens, namespace)
-        row = loader() if loader is not None else None
-        if row is None:  # read first: a failed read leaves the path to the radix lookup
-            return None, 0
-        match = self.tree.find_prefix(tokens, namespace)
-        resident = match.resident(bs := self.block_size)
-        match = self.load(match)
-        if match.matched < len(tokens):
-            return None, max(len(match.blocks) * bs - resident, 0)
-        self.exact.put(tokens, match.blocks[: _ceil_div(len(tokens), bs)], row, namespace)
-        return self.exact.get(tokens, namespace), len(tokens) - resident
