@@ -10,8 +10,9 @@ import torch
 
 from kvchat.cache.blocks import KV, Block, BlockManager
 from kvchat.cache.eviction import EvictionPolicy
-from kvchat.cache.kvcache import Lookup, PagedKVCache, StoreResult
-from kvchat.cache.radix import Node
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.lookup import Lookup, StoreResult
+from kvchat.cache.radix_node import Node
 
 N_LAYERS = 2
 N_KV_HEADS = 2

@@ -15,7 +15,8 @@ import torch
 from _cache_helpers import fetch, make_cache, make_tiered_cache, store
 
 from kvchat.cache.explain import MissReason
-from kvchat.cache.kvcache import HitSource, PagedKVCache
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.lookup import HitSource
 from kvchat.cache.state import CacheState, SnapshotMismatch
 from kvchat.cache.tree_index import read_state, state_document
 

@@ -19,7 +19,8 @@ from _cache_helpers import (
 )
 
 from kvchat.cache.blocks import BlockManager
-from kvchat.cache.kvcache import CacheIntegrityError, HitSource, PagedKVCache
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.lookup import CacheIntegrityError, HitSource
 from kvchat.config import CacheConfig, ConfigError
 
 BS = 4

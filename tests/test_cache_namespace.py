@@ -13,7 +13,8 @@ import pytest
 import torch
 from _cache_helpers import assert_hit_correct, make_cache, make_tiered_cache, ref_kv
 
-from kvchat.cache.kvcache import CacheIntegrityError, HitSource, Lookup, PagedKVCache, StoreResult
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.lookup import CacheIntegrityError, HitSource, Lookup, StoreResult
 from kvchat.cache.radix import RadixTree
 from kvchat.cache.tree_index import export_index, import_index
 from kvchat.inspect import documents as cv

@@ -22,7 +22,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvchat.cache.kvcache import HitSource, Lookup, PagedKVCache
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.lookup import HitSource, Lookup
 
 NUM_BLOCKS = 12
 MAX_LEN = 24

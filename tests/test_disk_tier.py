@@ -18,7 +18,7 @@ from conftest import make_runtime
 
 from kvchat.cache.block_index import block_path
 from kvchat.cache.explain import MissReason
-from kvchat.cache.kvcache import HitSource
+from kvchat.cache.lookup import HitSource
 from kvchat.cache.tree_index import exact_logits, export_index, import_index
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine

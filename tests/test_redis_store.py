@@ -13,7 +13,8 @@ from test_block_store import LAYOUT, assert_same, chain, make_kv
 from kvchat.cache.block_backend import ReadStatus
 from kvchat.cache.block_file import BlockLayout
 from kvchat.cache.block_keys import chain_keys, root_key
-from kvchat.cache.kvcache import HitSource, PagedKVCache
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.lookup import HitSource
 from kvchat.cache.redis_store import PREFIX, RedisStore, public_url
 
 BIG = BlockLayout(n_layers=2, n_kv_heads=2, head_dim=64, block_size=16, dtype="float32")  # 32 KiB

@@ -14,7 +14,8 @@ from _cache_helpers import fetch, make_tiered_cache, ref_kv, store
 
 from kvchat.cache.block_index import block_path
 from kvchat.cache.block_keys import chain_keys
-from kvchat.cache.kvcache import HitSource, PagedKVCache
+from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.lookup import HitSource
 
 BS = 4
 T = list(range(1, 15))  # 14 tokens: 3 full blocks and a partial one

@@ -16,7 +16,8 @@ import torch
 from kvchat.cache.stats import PoolStats
 
 if TYPE_CHECKING:
-    from kvchat.cache.radix import Node
+    from kvchat.cache.radix_node import Node
+    from kvchat.config import CacheConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (1, n_kv_heads, T, head_dim)
 
@@ -24,7 +25,7 @@ KV = tuple[torch.Tensor, torch.Tensor]  # (K, V), each (1, n_kv_heads, T, head_d
 class Block:
     """A handle on one slot of the pool: where the radix tree put it and who is reading it.
 
-    The tree is the only owner of the tokens: a block placed in a node (`RadixTree._place`)
+    The tree is the only owner of the tokens: a block placed in a node (`radix_node.place`)
     holds block `index` of that node's edge, and reads its tokens from there."""
 
     __slots__ = (
@@ -125,6 +126,22 @@ class BlockManager:
         self.blocks = [Block(i, block_size) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._is_free = [True] * num_blocks
+
+    @classmethod
+    def for_config(
+        cls,
+        config: CacheConfig,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        devices: Sequence[torch.device | str] | torch.device | str = "cpu",
+    ) -> BlockManager:
+        """A pool of the blocks `config`'s budget holds at this K/V shape (`blocks_for`)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_token = 2 * n_layers * n_kv_heads * head_dim * itemsize
+        return cls(config.blocks_for(per_token), config.block_size, n_layers, n_kv_heads,
+                   head_dim, dtype, devices)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from kvchat.cache.radix import PrefixMatch
 if TYPE_CHECKING:
     from kvchat.cache.block_backend import BlockBackend
     from kvchat.cache.blocks import Block, BlockManager
-    from kvchat.cache.radix import DiskBlock, Node, RadixTree
+    from kvchat.cache.radix import DiskBlock, RadixTree
+    from kvchat.cache.radix_node import Node
 
 
 class Loaded(NamedTuple):

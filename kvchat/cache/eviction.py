@@ -1,21 +1,26 @@
-"""Eviction: policies (one Protocol, three small classes) and the leaf-first walk.
+"""Eviction: policies (one Protocol, three small classes), the leaf-first walk, and where
+each block it takes goes.
 
 Candidates handed to `select_victim` are always evictable leaf blocks (ref_count == 0, nothing
 cached after them), so no policy can orphan a longer cached prefix; the policy only ranks them.
-`leaf_first` takes them off the tree in the policy's order.
+`leaf_first` takes them off the tree in the policy's order; `evict_leaves` runs it over a
+cache, spilling each block to the disk tier or dropping it.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from kvchat.cache import disk_tier
 from kvchat.config import normalise_policy
 
 if TYPE_CHECKING:
     from kvchat.cache.blocks import Block
-    from kvchat.cache.radix import Node, RadixTree
+    from kvchat.cache.kvcache import PagedKVCache
+    from kvchat.cache.radix import RadixTree
+    from kvchat.cache.radix_node import Node
 
 
 class EvictionPolicy(Protocol):
@@ -158,3 +163,37 @@ def leaf_first(tree: RadixTree, n: int, rank: Rank, take: Callable[[Node], None]
             assert parent is not None
             push(heap, owner, parent)
     return done
+
+
+class Evicted(NamedTuple):
+    taken: int  # blocks that left the pool
+    spilled: int  # of which went to the disk tier (they stay in the tree)
+
+
+def evict_leaves(cache: PagedKVCache, n: int, rank: Rank | None = None,
+                 spill: bool | None = None, why: str | None = None) -> Evicted:
+    """Evict up to n of the cache's unpinned blocks, leaf first, in `rank`'s order (default:
+    the policy's; `leaf_first`). With a disk tier (and `spill` not False) each goes to disk and
+    stays in the tree; else it is dropped, and remembered as a tombstone naming `why`
+    (default: the policy) so a later miss can say it was evicted."""
+    base = rank or cache.policy.rank
+    pins, exact, manager, store = cache.pins, cache.exact, cache.manager, cache.disk
+    to_disk = spill is not False and disk_tier.spills(store)
+    tree, why = cache.tree, why or cache.policy.name
+
+    def ranked(block: Block) -> tuple[float, ...] | None:
+        return None if pins.holds(block.block_id) else base(block)
+
+    def take(node: Node) -> None:
+        victim = node.blocks[-1]
+        gone = exact.take_block(victim)
+        if to_disk and store is not None:
+            exact.park(gone)  # exact again once the path loads back
+            disk_tier.spill(store, manager, tree, node)
+        else:
+            cache.tombstones.record_node_block(tree, node, len(node.blocks) - 1, why)
+            tree.pop_block(node)
+        manager.free([victim])
+
+    done = leaf_first(tree, n, ranked, take)
+    return Evicted(done, done if to_disk else 0)

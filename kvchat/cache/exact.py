@@ -8,7 +8,7 @@ first), because each logits row is vocabulary-sized.
 Entries whose blocks are not in the pool wait as saved entries, each with a loader of its
 logits: those an earlier process saved (read from its file on first hit) and those parked when
 a block spilled to the disk tier (`park`: the row stays in memory). The cache makes one live
-again when its prompt is looked up and its path loads back (`take_saved`).
+again when its prompt is looked up and its path loads back (`revive`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvchat.cache.blocks import Block
+    from kvchat.cache.radix import PrefixMatch, RadixTree
 
 Key = tuple[int, ...]
 
@@ -154,6 +155,24 @@ class ExactIndex:
         """The saved entry's loader, no longer saved (None if there is none)."""
         return self._saved.pop((namespace, tuple(tokens)), None)
 
+    def revive(self, tokens: Sequence[int], namespace: str, tree: RadixTree,
+               load: Callable[[PrefixMatch], PrefixMatch]) -> tuple[ExactEntry | None, int]:
+        """A saved entry made live again on its first hit: its path in `tree` loaded back from
+        disk (`load`), its logits read. Returns the entry (None when its blocks or logits
+        cannot all be had: the prompt is then a radix hit at most) and the tokens loaded from
+        disk."""
+        loader = self.take_saved(tokens, namespace)
+        row = loader() if loader is not None else None
+        if row is None:  # read first: a failed read leaves the path to the radix lookup
+            return None, 0
+        match = tree.find_prefix(tokens, namespace)
+        resident = match.resident(bs := tree.block_size)
+        match = load(match)
+        if match.matched < len(tokens):
+            return None, max(len(match.blocks) * bs - resident, 0)
+        self.put(tokens, match.blocks[: -(-len(tokens) // bs)], row, namespace)
+        return self.get(tokens, namespace), len(tokens) - resident
+
     def saved(self) -> list[tuple[str, Key]]:
         """(namespace, tokens) of the saved entries, oldest first."""
         return list(self._saved)
@@ -162,6 +181,14 @@ class ExactIndex:
         """The parked entries' logits rows, for a save to write beside the index."""
         return {k: loader.row for k, loader in self._saved.items()
                 if isinstance(loader, HeldLogits)}
+
+    def logits_rows(self) -> dict[tuple[str, Key], Any]:
+        """Logits rows of the live entries and of those parked while their blocks are on disk,
+        by (namespace, tokens): what a save writes beside the index."""
+        rows = self.held_rows()
+        rows.update({(e.namespace, tuple(t)): e.logits for t, e in self.items()
+                     if e.logits is not None})
+        return rows
 
     def items(self) -> Iterator[tuple[Key, ExactEntry]]:
         """(tokens, entry) per entry, oldest first; the entry names its namespace."""

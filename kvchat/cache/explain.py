@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from kvchat.cache.visibility import Visibility, preview
 
 if TYPE_CHECKING:
-    from kvchat.cache.radix import Node, PrefixMatch, RadixTree
+    from kvchat.cache.radix import PrefixMatch, RadixTree
+    from kvchat.cache.radix_node import Node
     from kvchat.cache.tombstones import Tombstones
 
 CONTEXT = 8  # tokens shown on each side of a divergence

@@ -21,8 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,18 +29,18 @@ from kvchat.cache import disk_tier, shared_tier
 from kvchat.cache.block_keys import root_key
 from kvchat.cache.blocks import KV, Block, BlockManager, fill_span
 from kvchat.cache.drafts import continuation
-from kvchat.cache.eviction import EvictionPolicy, leaf_first, make_policy
-from kvchat.cache.exact import ExactEntry, ExactIndex
+from kvchat.cache.eviction import EvictionPolicy, Rank, evict_leaves, make_policy
+from kvchat.cache.exact import ExactIndex
 from kvchat.cache.explain import Explanation, explain
 from kvchat.cache.integrity import check_cache
+from kvchat.cache.lookup import CacheIntegrityError, HitSource, Lookup, StoreResult
 from kvchat.cache.pins import DEFAULT_MAX_PINNED, Pin, PinError, PinTable, pin_prefix
-from kvchat.cache.radix import Node, PrefixMatch, RadixTree
+from kvchat.cache.radix import PrefixMatch, RadixTree
 from kvchat.cache.state import (
     CacheState,
-    SavedExact,
     SavedPin,
     SnapshotMismatch,
-    exact_name,
+    exact_to_save,
     graft,
     records_of,
 )
@@ -51,44 +50,6 @@ from kvchat.config import CacheConfig
 
 if TYPE_CHECKING:
     from kvchat.cache.block_backend import BlockBackend
-
-
-class CacheIntegrityError(AssertionError):
-    """The cache's bookkeeping contradicts itself (a bug, never a user error)."""
-
-
-class HitSource(StrEnum):
-    EXACT = "exact"
-    RADIX = "radix"
-    DISK = "disk"  # part of the hit was loaded back from the disk tier
-    SHARED = "shared"  # part of it came from blocks other instances put in a shared store
-    MISS = "miss"
-
-
-class Lookup(NamedTuple):
-    """A lookup's hit. `blocks` are acquired for the caller, who releases them (`release`)
-    when its request ends; until then no eviction touches them."""
-
-    matched: int  # prompt tokens whose K/V come from the cache
-    blocks: tuple[Block, ...]  # cover positions [0, matched)
-    source: HitSource
-    logits: torch.Tensor | None  # last position's logits (exact hits only): no forward needed
-    prompt_tokens: int
-    disk_tokens: int = 0  # of `matched`, tokens whose blocks were loaded from the disk tier
-    why: Explanation | None = None  # where the cached prefix ended, and why (`explain`)
-    shared_tokens: int = 0  # of `matched`, tokens from blocks other instances stored (shared)
-
-
-class StoreResult(NamedTuple):
-    """What a store cached. `blocks` cover positions [0, stored). They are acquired for the
-    caller only when it passed hold=True (then it releases them); otherwise they are the
-    tree's, valid until the next call that mutates the cache (write_kv, evict, clear, reset)."""
-
-    stored: int  # leading tokens of the sequence now cached
-    new_tokens: int  # of which this call wrote
-    blocks: tuple[Block, ...]
-    complete: bool  # False when the pool could not hold the whole sequence
-    evicted: int  # blocks evicted to make room
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -140,26 +101,11 @@ class PagedKVCache:
         return out + (self.disk.take_notices() if self.disk is not None else [])
 
     @classmethod
-    def create(
-        cls,
-        config: CacheConfig,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        devices: Sequence[torch.device | str] | torch.device | str = "cpu",
-    ) -> PagedKVCache:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_token = 2 * n_layers * n_kv_heads * head_dim * itemsize
-        manager = BlockManager(
-            config.blocks_for(per_token),
-            config.block_size,
-            n_layers,
-            n_kv_heads,
-            head_dim,
-            dtype,
-            devices,
-        )
+    def create(cls, config: CacheConfig, n_layers: int, n_kv_heads: int, head_dim: int,
+               dtype: torch.dtype = torch.float32,
+               devices: Sequence[torch.device | str] | torch.device | str = "cpu",
+               ) -> PagedKVCache:
+        manager = BlockManager.for_config(config, n_layers, n_kv_heads, head_dim, dtype, devices)
         return cls(manager, config.policy, config.max_exact_entries, config.max_pinned)
 
     # ---- lookup ------------------------------------------------------------------------------
@@ -175,7 +121,7 @@ class PagedKVCache:
         entry = self.exact.get(tokens, namespace) if n else None
         disk = shared = 0
         if entry is None and self.exact.is_saved(tokens, namespace):
-            entry, disk = self._revive_exact(tokens, namespace)
+            entry, disk = self.exact.revive(tokens, namespace, self.tree, self.load)
         if entry is not None and entry.logits is not None:
             matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
             why = explain(self.tree, tokens, exact=True)
@@ -346,40 +292,14 @@ class PagedKVCache:
 
     # ---- eviction ----------------------------------------------------------------------------
 
-    def _evict(
-        self,
-        n: int,
-        rank: Callable[[Block], tuple[float, ...] | None] | None = None,
-        spill: bool | None = None,
-        why: str | None = None,
-    ) -> int:
-        """Evict up to n unpinned blocks, leaf first, in the policy's order (`leaf_first`);
-        returns how many went. With a disk tier (and `spill` not False) each goes to disk and
-        stays in the tree; else it is dropped, and remembered as a tombstone naming `why`
-        (default: the policy) so a later miss can say it was evicted."""
-        base = rank or self.policy.rank
-        pins = self.pins
-        to_disk = spill is not False and disk_tier.spills(self.disk)
-        tree, why = self.tree, why or self.policy.name
-
-        def ranked(block: Block) -> tuple[float, ...] | None:
-            return None if pins.holds(block.block_id) else base(block)
-
-        def take(node: Node) -> None:
-            victim = node.blocks[-1]
-            gone = self.exact.take_block(victim)
-            if to_disk and self.disk is not None:
-                self.exact.park(gone)  # exact again once the path loads back
-                disk_tier.spill(self.disk, self.manager, tree, node)
-            else:
-                self.tombstones.record_node_block(tree, node, len(node.blocks) - 1, why)
-                tree.pop_block(node)
-            self.manager.free([victim])
-
-        done = leaf_first(tree, n, ranked, take)
-        self._counters = self._counters.plus(eviction_count=done,
-                                             spilled_blocks=done if to_disk else 0)
-        return done
+    def _evict(self, n: int, rank: Rank | None = None, spill: bool | None = None,
+               why: str | None = None) -> int:
+        """Evict up to n unpinned blocks, leaf first (`eviction.evict_leaves`); returns how
+        many went."""
+        done = evict_leaves(self, n, rank, spill, why)
+        self._counters = self._counters.plus(eviction_count=done.taken,
+                                             spilled_blocks=done.spilled)
+        return done.taken
 
     def evict(self, n: int) -> int:  # the policy's order, pins kept
         return self._evict(n)
@@ -462,32 +382,10 @@ class PagedKVCache:
             counters=replace(self._counters, sessions=dict(self._sessions)),
             pins=tuple(SavedPin(p.namespace, tuple(p.tokens), p.label) for p in self.pins),
             tombstones=self.tombstones.rows(),
-            exact=self._exact_to_save(),
+            exact=exact_to_save(self.tree, self.exact),
             resident_blocks=mgr.num_blocks - mgr.num_free,
             disk_tokens=stats.disk_tokens,
         )
-
-    def _exact_to_save(self) -> tuple[SavedExact, ...]:
-        """The exact entries to save, oldest first, at most the index's capacity: the live
-        ones, and those saved earlier that no prompt has hit since (their logits file stays as
-        it is) while the tree still holds their tokens, so a file run again gets exact hits."""
-        bs, tree, exact = self.block_size, self.tree, self.exact
-        live = [(e.namespace, tokens, len(e.blocks)) for tokens, e in exact.items()
-                if e.logits is not None]
-        saved = [(ns, tokens, _ceil_div(len(tokens), bs)) for ns, tokens in exact.saved()
-                 if not exact.has(tokens, ns)
-                 and tree.find_prefix(tokens, ns).matched == len(tokens)]
-        kept = (saved + live)[-exact.max_entries:] if exact.max_entries else []
-        return tuple(SavedExact(ns, tuple(tokens), n_blocks, exact_name(tree, ns, tokens))
-                     for ns, tokens, n_blocks in kept)
-
-    def exact_rows(self) -> dict[tuple[str, tuple[int, ...]], Any]:
-        """Logits rows of the live exact entries and of those parked while their blocks are
-        on disk, by (namespace, tokens): what a save writes beside the index."""
-        rows = self.exact.held_rows()
-        rows.update({(e.namespace, tuple(t)): e.logits for t, e in self.exact.items()
-                     if e.logits is not None})
-        return rows
 
     def restore(self, state: CacheState,
                 logits: Callable[[str], Any] = lambda name: None) -> None:
@@ -533,20 +431,3 @@ class PagedKVCache:
             check_cache(self.manager, self.tree, self.exact, self.pins, self.disk is not None)
         except AssertionError as exc:
             raise CacheIntegrityError(str(exc)) from exc
-
-    def _revive_exact(self, tokens: Sequence[int],
-                      namespace: str) -> tuple[ExactEntry | None, int]:
-        """A saved exact entry made live again on its first hit: its path loaded from disk, its
-        logits read. Returns the entry (None when its blocks or logits cannot all be had: the
-        prompt is then a radix hit at most) and the tokens loaded from disk."""
-        loader = self.exact.take_saved(tokens, namespace)
-        row = loader() if loader is not None else None
-        if row is None:  # read first: a failed read leaves the path to the radix lookup
-            return None, 0
-        match = self.tree.find_prefix(tokens, namespace)
-        resident = match.resident(bs := self.block_size)
-        match = self.load(match)
-        if match.matched < len(tokens):
-            return None, max(len(match.blocks) * bs - resident, 0)
-        self.exact.put(tokens, match.blocks[: _ceil_div(len(tokens), bs)], row, namespace)
-        return self.exact.get(tokens, namespace), len(tokens) - resident

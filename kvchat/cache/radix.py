@@ -28,72 +28,13 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvchat.cache.block_keys import next_key, root_key
+from kvchat.cache.radix_node import Node, edge_tokens, place
+
 if TYPE_CHECKING:
     from kvchat.cache.blocks import Block
 
-from kvchat.cache.block_keys import next_key, root_key
-
 RootKey = Callable[[str], str]  # namespace -> the start of its key chain (`root_key`)
-
-
-class Node:
-    __slots__ = ("parent", "children", "tokens", "blocks", "keys", "start", "owners",
-                 "namespace")
-
-    def __init__(self, parent: Node | None, start: int, tokens: list[int], blocks: list[Block],
-                 namespace: str = ""):
-        self.parent = parent
-        self.namespace = namespace
-        self.start = start
-        self.tokens = tokens
-        self.blocks = blocks  # the resident ones: a prefix of the edge's blocks
-        self.keys: list[str] = []  # one per block of the edge, resident or on disk
-        self.children: dict[int, list[Node]] = {}
-        self.owners: set[str] = set()  # session ids whose sequences pass through this node
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-    @property
-    def on_disk(self) -> int:
-        """Blocks of this edge that are only on disk."""
-        return len(self.keys) - len(self.blocks)
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    def child_list(self) -> list[Node]:
-        return [c for group in self.children.values() for c in group]
-
-    def add_child(self, child: Node) -> None:
-        child.parent = self
-        # groups stay sorted by tokens so a lookup can bisect them (see RadixTree._best_child)
-        bisect.insort(self.children.setdefault(child.tokens[0], []), child, key=_tokens)
-
-    def remove_child(self, child: Node, key: int | None = None) -> None:
-        key = child.tokens[0] if key is None else key
-        group = self.children[key]
-        group.remove(child)
-        if not group:
-            del self.children[key]
-
-
-def _tokens(node: Node) -> list[int]:
-    return node.tokens
-
-
-def _place(blocks: Sequence[Block], node: Node | None, first: int = 0) -> None:
-    """Tell each block where it now lies: block `first + i` of node's edge (None: out of the
-    tree). Every move of blocks between nodes goes through here, so a block's tokens and
-    first-block flag, read from its node, are always those of the edge holding it."""
-    for i, block in enumerate(blocks, first):
-        block.node, block.index = node, i
 
 
 class DiskBlock(NamedTuple):
@@ -203,7 +144,7 @@ class RadixTree:
         # sharing most with the query sits next to the query's place in that order: comparing
         # two of them, not every session that branched off here, keeps lookup O(len(tokens)).
         head = list(tokens[pos : pos + self.block_size])
-        i = bisect.bisect_left(group, head, key=_tokens)
+        i = bisect.bisect_left(group, head, key=edge_tokens)
         best, best_len = None, 0
         for child in group[max(i - 1, 0) : i + 1]:
             n = common_prefix(child.tokens, tokens, pos)
@@ -292,7 +233,7 @@ class RadixTree:
     ) -> None:
         new_blocks = list(blocks[pos // self.block_size :])
         leaf = Node(parent, pos, list(tokens[pos:]), new_blocks, parent.namespace)
-        _place(new_blocks, leaf)
+        place(new_blocks, leaf)
         if owner is not None:
             leaf.owners.add(owner)
         self._leaves.discard(parent)
@@ -308,7 +249,7 @@ class RadixTree:
         if blocks[first + held - 1] is not leaf.blocks[-1]:
             raise AssertionError("extension must reuse the leaf's last block")
         leaf.blocks.extend(blocks[first + held :])
-        _place(leaf.blocks[held:], leaf, held)
+        place(leaf.blocks[held:], leaf, held)
         # no re-sort among siblings: a leaf is never a prefix of a sibling (it would have been
         # extended instead), so growing it cannot move it past one
         leaf.tokens.extend(tokens[old_end:])
@@ -330,8 +271,8 @@ class RadixTree:
         node.blocks = node.blocks[cut // bs :]
         node.start = at
         upper.add_child(node)
-        _place(upper.blocks, upper)
-        _place(node.blocks, node)
+        place(upper.blocks, upper)
+        place(node.blocks, node)
         return upper
 
     def pop_block(self, node: Node) -> Block:
@@ -349,7 +290,7 @@ class RadixTree:
         if node.is_root or not node.blocks or any(c.blocks for c in node.child_list()):
             raise ValueError("only a last resident block can be spilled")
         block = node.blocks.pop()
-        _place([block], None)
+        place([block], None)
         return block
 
     def attach_block(self, node: Node, block: Block) -> None:
@@ -358,14 +299,14 @@ class RadixTree:
         if i >= len(node.keys):
             raise ValueError("the node has no block on disk")
         node.blocks.append(block)
-        _place([block], node, i)
+        place([block], node, i)
 
     def truncate(self, node: Node, n_blocks: int) -> None:
         """Keep the node's first n_blocks blocks (all resident ones among them stay); the
         rest of its edge and every descendant go, none of which may hold resident blocks
         beyond those kept. A node left empty is removed."""
         key = node.tokens[0]
-        _place(node.blocks[n_blocks:], None)
+        place(node.blocks[n_blocks:], None)
         del node.blocks[n_blocks:]
         for child in node.child_list():
             self._drop_subtree(child)
@@ -402,7 +343,7 @@ class RadixTree:
         (child,) = node.child_list()
         node.remove_child(child)
         node.tokens.extend(child.tokens)
-        _place(child.blocks, node, len(node.blocks))
+        place(child.blocks, node, len(node.blocks))
         node.blocks.extend(child.blocks)  # a parent with blocks on disk has no resident child
         node.keys.extend(child.keys)
         node.owners |= child.owners

@@ -11,11 +11,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvchat.cache.radix import Node, RadixTree
+from kvchat.cache.radix import RadixTree
+from kvchat.cache.radix_node import Node
 from kvchat.cache.stats import Counters
 from kvchat.cache.tombstones import Tombstone
+
+if TYPE_CHECKING:
+    from kvchat.cache.exact import ExactIndex
 
 
 class SnapshotMismatch(ValueError):
@@ -134,3 +138,18 @@ def exact_name(tree: RadixTree, namespace: str, tokens: Sequence[int]) -> str:
     chain's root key (model fingerprint and namespace) and the prompt, as block keys do."""
     data = tree.root_key(namespace).encode() + b"\0" + ",".join(map(str, tokens)).encode()
     return hashlib.sha256(data).hexdigest()[:40]
+
+
+def exact_to_save(tree: RadixTree, exact: ExactIndex) -> tuple[SavedExact, ...]:
+    """The exact entries a snapshot saves, oldest first, at most the index's capacity: the live
+    ones, and those saved earlier that no prompt has hit since (their logits file stays as it
+    is) while the tree still holds their tokens, so a file run again gets exact hits."""
+    bs = tree.block_size
+    live = [(e.namespace, tokens, len(e.blocks)) for tokens, e in exact.items()
+            if e.logits is not None]
+    saved = [(ns, tokens, -(-len(tokens) // bs)) for ns, tokens in exact.saved()
+             if not exact.has(tokens, ns)
+             and tree.find_prefix(tokens, ns).matched == len(tokens)]
+    kept = (saved + live)[-exact.max_entries:] if exact.max_entries else []
+    return tuple(SavedExact(ns, tuple(tokens), n_blocks, exact_name(tree, ns, tokens))
+                 for ns, tokens, n_blocks in kept)

@@ -14,7 +14,8 @@ from kvchat.cache.block_keys import next_key
 from kvchat.cache.radix import common_prefix
 
 if TYPE_CHECKING:
-    from kvchat.cache.radix import Node, RadixTree
+    from kvchat.cache.radix import RadixTree
+    from kvchat.cache.radix_node import Node
 
 Tombstone = tuple[str, str, tuple[int, ...], float, str]  # key, key before, tokens, when, policy
 

@@ -212,7 +212,8 @@ def export_index(cache: PagedKVCache) -> dict[str, Any]:
 def exact_logits(cache: PagedKVCache) -> dict[str, Any]:
     """The exact entries' logits rows by file name (`exact_name`), those parked while their
     blocks are on disk too: what a save writes beside the index, once per entry."""
-    return {exact_name(cache.tree, ns, t): row for (ns, t), row in cache.exact_rows().items()}
+    rows = cache.exact.logits_rows()
+    return {exact_name(cache.tree, ns, t): row for (ns, t), row in rows.items()}
 
 
 def import_index(cache: PagedKVCache, meta: Mapping[str, Any],

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvchat.cache.kvcache import Lookup
+from kvchat.cache.lookup import Lookup
 from kvchat.cache.visibility import Visibility
 from kvchat.config import SamplingParams
 from kvchat.engine.result import GenerationResult
