@@ -96,15 +96,23 @@ def one_query(
     190 keys, 270 vs 48 over 600, casts included), and float32 rounds no less exactly. Every
     one-query call (a decode step, transformers' `generate` on the same model, each query of a
     draft being verified) comes here, so they stay bitwise alike."""
-    if query.device.type != "cpu" or query.dtype == torch.float32:
+    if query.device.type != "cpu" or query.dtype == torch.float32 \
+            or any(kwargs.get(k) is not None for k in _FUSED_ONLY):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, **kwargs)
+    # as transformers' SDPA path does for one query: the query heads that share a KV head are
+    # stacked as rows, so the kernel reads each K/V head once
+    b, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
     mask = attention_mask
     if mask is not None and mask.is_floating_point():
         mask = mask.float()
-    out, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask,
-                                    scaling=scaling, **kwargs)
-    return out.to(query.dtype), None
+    if mask is not None and mask.shape[1] != 1:  # a mask per head
+        mask = mask.reshape(b, kv_heads, heads // kv_heads, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float().reshape(b, kv_heads, heads // kv_heads, dim), key.float(), value.float(),
+        attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, 1, dim).transpose(1, 2).to(query.dtype), None
 
 
 def _one_query_at_a_time(

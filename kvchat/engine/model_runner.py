@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from kvchat.cache.blocks import KV
 from kvchat.engine.attention import attention_mass, track_attention
 from kvchat.engine.decode_attention import use_decode_attention
+from kvchat.engine.fused_decode import FusedDecoder
 from kvchat.engine.past import (
     empty_past,
     pack_right_aligned,
@@ -45,6 +46,8 @@ class ModelRunner:
             track_attention(model)
         self.forward_calls = 0
         self._decode_fn: Callable[..., Any] | None = None  # compiled forward of decode steps
+        # decode steps and drafts of Llama-family quantized models: the same logits, fewer ops
+        self.fused = FusedDecoder.build(model)
 
     def compile_decode(self) -> None:
         """Run one-token decode steps through `torch.compile` (dynamic shapes: one graph per
@@ -86,7 +89,14 @@ class ModelRunner:
         if columns is not None:
             keep = torch.tensor(list(columns), dtype=torch.long, device=input_ids.device)
         one_token = input_ids.shape[1] == 1 and columns is None and not self.track_mass
-        call = self._decode_fn if one_token and self._decode_fn is not None else self.model
+        self.forward_calls += 1
+        if one_token and self._decode_fn is not None:
+            call = self._decode_fn
+        elif self.fused is not None and not self.track_mass and self.fused.takes(input_ids):
+            logits = self.fused.forward(input_ids, past, attention_mask, position_ids, keep)
+            return (logits if columns is not None else logits[:, -1]), None
+        else:
+            call = self.model
         with attention_mass(self.track_mass) as rows:
             out = call(
                 input_ids=input_ids,
@@ -96,7 +106,6 @@ class ModelRunner:
                 use_cache=True,
                 logits_to_keep=keep,
             )
-        self.forward_calls += 1
         mass = torch.stack([r.to(self.device) for r in rows]).sum(0) if rows else None
         return (out.logits if columns is not None else out.logits[:, -1]), mass
 
