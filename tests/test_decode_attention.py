@@ -1,5 +1,5 @@
-"""One query's attention on a CPU: computed in float32 over 16-bit K/V, the same for a decode
-step and for each query of a verified draft."""
+"""One query's attention: the query heads that share a KV head stacked as rows of one SDPA call,
+in the K/V's own dtype, the same for a decode step and for each query of a verified draft."""
 
 from __future__ import annotations
 
@@ -22,12 +22,33 @@ def _qkv(n_queries: int, n_keys: int, dtype: torch.dtype) -> tuple[torch.Tensor,
     return q, k, v
 
 
-def test_one_bfloat16_query_is_computed_in_float32():
+def _stacked(q, k, v, mask=None):
+    b, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, heads // kv_heads, dim), k, v,
+                                         attn_mask=mask)
+    return out.reshape(b, heads, 1, dim).transpose(1, 2)
+
+
+def test_one_bfloat16_query_stacks_the_heads_that_share_a_kv_head():
     q, k, v = _qkv(1, 190, torch.bfloat16)
     out, _ = one_query(_Attn(), q, k, v, None, None)
-    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out, want.transpose(1, 2).to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 1, 9, 64)
+    assert torch.equal(out, _stacked(q, k, v))
+    grouped = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert torch.allclose(out.float(), grouped.transpose(1, 2), atol=2e-2)
+
+
+def test_a_masked_query_sees_only_its_columns():
+    q, k, v = _qkv(1, 60, torch.bfloat16)
+    mask = torch.ones(1, 1, 1, 60, dtype=torch.bool)
+    mask[..., 10:20] = False
+    out, _ = one_query(_Attn(), q, k, v, mask, None)
+    keep = torch.cat([torch.arange(10), torch.arange(20, 60)])
+    unmasked, _ = one_query(_Attn(), q, k[:, :, keep], v[:, :, keep], None, None)
+    assert torch.allclose(out.float(), unmasked.float(), atol=1e-2)
+    per_head, _ = one_query(_Attn(), q, k, v, mask.expand(1, 9, 1, 60), None)
+    assert torch.equal(per_head, out)
 
 
 def test_float32_queries_are_left_to_the_kernel_as_they_are():

@@ -5,8 +5,8 @@ it scanning the keys serially. Two batched matmuls do better on a batch: SmolLM2
 threads) decoding 16 rows took 54 ms per step over 1,000 keys this way against 69 ms with SDPA
 (36 vs 39 ms over 200 keys). For one row SDPA is as fast or faster (9.6 vs 10.8 ms per step at
 60 keys, 13.6 vs 13.8 at 1,000; 16.1 vs 14.7 at 2,000) and computes its scores in float32
-(the matmuls round them to bfloat16), and it is what transformers' `generate` runs, so a lone
-sequence decodes bitwise as `generate` does. Forwards of several rows with at most `SMALL_Q`
+(the matmuls round them to bfloat16), and `generate` over the same model runs it too (through
+`one_query`), so a lone sequence decodes bitwise as `generate` does. Forwards of several rows with at most `SMALL_Q`
 queries each therefore take the matmul path; one row, and longer forwards (prefill), keep the
 model's own kernel. Registered once per process under `NAME`; `use_decode_attention(model)`
 switches a model whose attention is SDPA to it.
@@ -89,30 +89,26 @@ def one_query(
     scaling: float | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """One row's one query: SDPA, computed in float32 on a CPU when K/V are 16-bit.
+    """One row's one query: SDPA with the query heads that share a KV head stacked as rows.
 
-    On a CPU without bfloat16 arithmetic the fused kernel is several times slower in bfloat16
-    than in float32 for one query (SmolLM2's 3 KV heads, 2 threads: 85 vs 23 µs a layer over
-    190 keys, 270 vs 48 over 600, casts included), and float32 rounds no less exactly. Every
-    one-query call (a decode step, transformers' `generate` on the same model, each query of a
-    draft being verified) comes here, so they stay bitwise alike."""
-    if query.device.type != "cpu" or query.dtype == torch.float32 \
-            or any(kwargs.get(k) is not None for k in _FUSED_ONLY):
+    transformers does that stacking only when a mask is given; with none it asks SDPA for
+    grouped-query attention, which on a CPU without bfloat16 arithmetic is several times slower
+    in bfloat16 (SmolLM2's 9 query / 3 KV heads, 2 threads: 90 vs 20 µs a layer over 190 keys,
+    285 vs 48 over 600; casting to float32 instead costs 29 and 64). Every one-query call (a
+    decode step, transformers' `generate` on the same model, each query of a draft being
+    verified) comes here, so they stay bitwise alike. float32 keeps transformers' own path."""
+    if query.dtype == torch.float32 or any(kwargs.get(k) is not None for k in _FUSED_ONLY):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, **kwargs)
-    # as transformers' SDPA path does for one query: the query heads that share a KV head are
-    # stacked as rows, so the kernel reads each K/V head once
     b, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     mask = attention_mask
-    if mask is not None and mask.is_floating_point():
-        mask = mask.float()
     if mask is not None and mask.shape[1] != 1:  # a mask per head
         mask = mask.reshape(b, kv_heads, heads // kv_heads, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.float().reshape(b, kv_heads, heads // kv_heads, dim), key.float(), value.float(),
-        attn_mask=mask, scale=scaling)
-    return out.reshape(b, heads, 1, dim).transpose(1, 2).to(query.dtype), None
+        query.reshape(b, kv_heads, heads // kv_heads, dim), key, value, attn_mask=mask,
+        scale=scaling)
+    return out.reshape(b, heads, 1, dim).transpose(1, 2), None
 
 
 def _one_query_at_a_time(
