@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from kvchat.engine.decode_attention import SMALL_Q, small_q_attention
+from kvchat.engine.decode_attention import SMALL_Q, one_query, small_q_attention
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
 _BF16 = torch.bfloat16
@@ -43,6 +43,10 @@ _SILU = frozenset({"SiLUActivation", "SiLU"})
 _ATTRIBUTE = "_kvchat_fused_decoder"  # where a model keeps its FusedDecoder (or None)
 
 
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+
+
 class _Stacked(NamedTuple):
     """Several quantized layers over one input, as one matmul where their packing allows (else
     one call each, concatenated); `split` gives each part's width."""
@@ -53,15 +57,18 @@ class _Stacked(NamedTuple):
 
 class _Layer(NamedTuple):
     attn: Any  # the attention module (the attention function reads its settings)
-    qkv: _Stacked
-    o: QuantLinear
-    gate_up: _Stacked
-    down: QuantLinear
-    norm1: tuple[torch.Tensor, float]
-    norm2: tuple[torch.Tensor, float]
+    qkv: Any  # (rows, hidden) -> (rows, q | k | v)
+    o: Any
+    gate_up: Any  # (rows, hidden) -> (rows, gate | up)
+    down: Any
+    norm1: tuple[torch.Tensor, tuple[int], float]
+    norm2: tuple[torch.Tensor, tuple[int], float]
     heads: int
     kv_heads: int
     head_dim: int
+    qk_width: int  # columns of q and k in the qkv output
+    intermediate: int  # columns of gate (and of up) in the gate_up output
+    scaling: float
 
 
 def _stack(layers: Sequence[QuantLinear]) -> _Stacked | None:
@@ -98,7 +105,7 @@ def _stack_int4(layers: Sequence[Int4Linear]) -> _Stacked:
     _share_rows(layers, "packed", packed)
 
     def int4_mm(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales)
+        return _INT4_MM(x, packed, group, scales)
 
     return _Stacked(int4_mm, tuple(layer.out_features for layer in layers))
 
@@ -109,15 +116,15 @@ def _stack_int8(layers: Sequence[Int8Linear]) -> _Stacked:
     _share_rows(layers, "qweight", qweight)
 
     def int8_mm(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, qweight, row_scales)
+        return _INT8_MM(x, qweight, row_scales)
 
     return _Stacked(int8_mm, tuple(layer.out_features for layer in layers))
 
 
-def _norm(module: Any) -> tuple[torch.Tensor, float] | None:
+def _norm(module: Any) -> tuple[torch.Tensor, tuple[int], float] | None:
     if type(module).__name__ != "LlamaRMSNorm":
         return None
-    return module.weight, float(module.variance_epsilon)
+    return module.weight, (int(module.weight.shape[-1]),), float(module.variance_epsilon)
 
 
 def _layer(layer: Any, config: Any) -> _Layer | None:
@@ -139,16 +146,17 @@ def _layer(layer: Any, config: Any) -> _Layer | None:
     if qkv is None or gate_up is None:
         return None
     head_dim = int(attn.head_dim)
-    return _Layer(attn, qkv, attn.o_proj, gate_up, mlp.down_proj, norm1, norm2,
-                  attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim,
-                  head_dim)
+    heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
+    return _Layer(attn, qkv.mm, attn.o_proj._mm, gate_up.mm, mlp.down_proj._mm, norm1, norm2,
+                  heads, kv_heads, head_dim, (heads + kv_heads) * head_dim,
+                  mlp.gate_proj.out_features, float(attn.scaling))
 
 
-def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, tuple[int], float]) -> torch.Tensor:
     """LlamaRMSNorm: float32 x * rsqrt(mean(x^2) + eps), cast back, times the weight
     (`torch.rms_norm` runs the same arithmetic in one call)."""
-    weight, eps = norm
-    return weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    weight, shape, eps = norm
+    return weight * torch.rms_norm(x.float(), shape, eps=eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -167,6 +175,10 @@ class FusedDecoder:
         self.model = model
         self.decoder = model.get_decoder()
         self.layers = layers
+        norm = _norm(self.decoder.norm)
+        assert norm is not None  # _build checked it
+        self.norm = norm
+        self.head = model.get_output_embeddings()
 
     @classmethod
     def build(cls, model: Any) -> FusedDecoder | None:
@@ -218,30 +230,29 @@ class FusedDecoder:
         cos, sin = decoder.rotary_emb(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         cache_layers = past.layers
+        hidden = hidden.view(b * q, -1)  # the layers work on (rows, hidden)
         for i, layer in enumerate(self.layers):
             hidden = self._layer(layer, hidden, cache_layers[i], mask, cos, sin, b, q)
-        hidden = _rms_norm(hidden, (decoder.norm.weight, float(decoder.norm.variance_epsilon)))
+        hidden = _rms_norm(hidden, self.norm).view(b, q, -1)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
             else logits_to_keep
-        head = self.model.get_output_embeddings()
-        return head(hidden[:, keep, :])
+        return self.head(hidden[:, keep, :])
 
     @staticmethod
     def _layer(layer: _Layer, hidden: torch.Tensor, cache: Any, mask: Any, cos: torch.Tensor,
                sin: torch.Tensor, b: int, q: int) -> torch.Tensor:
-        d = layer.head_dim
-        x = _rms_norm(hidden, layer.norm1).view(b * q, -1)
-        qk, value = layer.qkv.mm(x).split(layer.qkv.split[0] + layer.qkv.split[1], dim=-1)
-        qk = _rotate(qk.view(b, q, layer.heads + layer.kv_heads, d).transpose(1, 2), cos, sin)
-        query, key = qk[:, : layer.heads], qk[:, layer.heads :]
-        value = value.view(b, q, layer.kv_heads, d).transpose(1, 2)
-        key, value = cache.update(key, value)
-        attn = layer.attn
-        out, _ = small_q_attention(attn, query, key, value, mask, dropout=0.0,
-                                   scaling=attn.scaling)
-        out = layer.o._mm(out.reshape(b * q, -1).contiguous())
-        hidden = hidden + out.view(b, q, -1)
-        x = _rms_norm(hidden, layer.norm2).view(b * q, -1)
-        gate, up = layer.gate_up.mm(x).split(layer.gate_up.split, dim=-1)
-        x = layer.down._mm((nn.functional.silu(gate) * up).contiguous())
-        return hidden + x.view(b, q, -1)
+        """One decoder layer over hidden (b * q, width)."""
+        d, heads, qk_width = layer.head_dim, layer.heads, layer.qk_width
+        qkv = layer.qkv(_rms_norm(hidden, layer.norm1))
+        qk = _rotate(qkv[:, :qk_width].view(b, q, -1, d).transpose(1, 2), cos, sin)
+        value = qkv[:, qk_width:].view(b, q, layer.kv_heads, d).transpose(1, 2)
+        key, value = cache.update(qk[:, heads:], value)
+        if b == 1 and q == 1:  # where small_q_attention sends one query
+            out, _ = one_query(layer.attn, qk[:, :heads], key, value, mask, layer.scaling)
+        else:
+            out, _ = small_q_attention(layer.attn, qk[:, :heads], key, value, mask,
+                                       dropout=0.0, scaling=layer.scaling)
+        hidden = hidden + layer.o(out.reshape(b * q, -1).contiguous())
+        gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2))
+        n = layer.intermediate
+        return hidden + layer.down(nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:])
