@@ -141,3 +141,41 @@ def test_a_draft_never_runs_past_max_tokens(tiny_model, tiny_tokenizer):
     short = engine.generate(Request(ids, SamplingParams(max_new_tokens=5, ignore_eos=True)))
     assert short.token_ids == long.token_ids[:5] and short.finish_reason == "length"
     assert short.draft_tokens <= 3  # 5 tokens: the first from stored logits, at most 3 drafted
+
+
+def test_a_repeat_submitted_alongside_waits_and_decodes_as_drafts(tiny_model, tiny_tokenizer):
+    """Three copies of one greedy request and another request in one batch: the copies wait
+    while the first decodes, then draft its stored reply; every row's tokens are its cold ones."""
+    engine = _engine(tiny_model, tiny_tokenizer, batch_size=4)
+    ids, other = prompt(220, 19), prompt(221, 23)
+    _long = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    cold = engine.without_cache().generate(Request(ids, _long)).token_ids
+    cold_other = engine.without_cache().generate(Request(other, _long)).token_ids
+    handles = [engine.submit(Request(p, _long)) for p in (ids, other, ids, ids)]
+    most_running = 0
+    while not engine.idle:
+        engine.step()
+        most_running = max(most_running, engine.running)
+    first, second, *copies = [h.result for h in handles]
+    assert most_running == 2  # the copies never took a row next to the first
+    assert first.token_ids == cold and second.token_ids == cold_other
+    for copy in copies:
+        assert copy.token_ids == cold and copy.hit_source == "exact"
+        assert copy.decode_forwards * 4 <= len(copy.token_ids)  # drafted, not decoded
+    engine.cache.check_integrity()
+
+
+def test_sampled_or_uncached_repeats_run_alongside(tiny_model, tiny_tokenizer):
+    engine = _engine(tiny_model, tiny_tokenizer, batch_size=4)
+    ids = prompt(222, 19)
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.8, seed=1)
+    for _ in range(2):
+        engine.submit(Request(ids, sampled))
+    engine.step()
+    engine.step()
+    assert engine.running == 2
+    plain = engine.without_cache()
+    for _ in range(2):
+        plain.submit(Request(ids, _greedy(10)))
+    plain.step()
+    assert plain.running == 2

@@ -51,7 +51,10 @@ class Engine:
         self.codec = codec
         self.cache = cache
         peek = cache.peek if cache is not None else None
-        self.scheduler = Scheduler(batch_size, runner.prefill_chunk, peek)
+        # a repeat decodes as drafts of its twin's stored reply only with a cache and without
+        # H2O (which counts every column, so it never drafts)
+        self.scheduler = Scheduler(batch_size, runner.prefill_chunk, peek,
+                                   follow_repeats=cache is not None and not runner.track_mass)
         self.batch = DecodeBatch(runner)
         self.steps = 0  # decode forwards run (one per step, whatever the batch size)
         self._ids = itertools.count()
@@ -166,7 +169,8 @@ class Engine:
         the sequences it touched and nothing else; an interrupt (Ctrl-C) finishes the running
         sequences as interrupted, with their K/V cached, and propagates."""
         try:
-            plan = self.scheduler.schedule(self.running)
+            decoding = self.batch.live + self._admitting if self.draft_max else []
+            plan = self.scheduler.schedule(self.running, decoding)
             for seq in plan.cancelled:
                 self._fail(seq, RequestCancelled("The request was cancelled before it started."))
             if plan.admit:

@@ -7,7 +7,10 @@ leaves its row idle for one decode step, which costs its share of that step (the
 about the same for any number of rows); it is worth it when the prefix it would not compute
 takes longer to prefill (`StepCosts`, measured as the engine runs), whatever the block size.
 An exact repeat of a wave-mate always waits: it then needs no forward at all (the first one's
-stored logits give its first token). Admitted prompts are prefilled one by one (long
+stored logits give its first token). A greedy request identical to one still decoding (same
+prompt, same namespace, both greedy) waits until that one finishes (`follow_repeats`): its reply
+is then in the cache and decodes as drafts, several tokens per forward, instead of taking a
+row of its own to compute the same tokens alongside. Admitted prompts are prefilled one by one (long
 tails, exact hits, H2O, a wave of one) or together in one padded forward (short tails).
 """
 
@@ -65,12 +68,14 @@ class PrefillPlan(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, batch_size: int, prefill_chunk: int, peek: Peek | None = None) -> None:
+    def __init__(self, batch_size: int, prefill_chunk: int, peek: Peek | None = None,
+                 follow_repeats: bool = False) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
         self.peek = peek
+        self.follow_repeats = follow_repeats
         self.costs = StepCosts()
         self.waiting: deque[Sequence] = deque()
 
@@ -83,8 +88,9 @@ class Scheduler:
             return True
         return False
 
-    def schedule(self, running: int) -> Plan:
-        """The next admission wave, given how many sequences are running."""
+    def schedule(self, running: int, decoding: Seq[Sequence] = ()) -> Plan:
+        """The next admission wave, given how many sequences are running (`decoding`: those
+        sequences, for `follow_repeats`)."""
         cancelled = [s for s in self.waiting if s.cancel_event.is_set()]
         for seq in cancelled:
             self.waiting.remove(seq)
@@ -95,10 +101,14 @@ class Scheduler:
         hits = {s.seq_id: peek(s.prompt_ids, s.request.namespace) if peek else 0
                 for s in self.waiting}
         order = sorted(self.waiting, key=lambda s: (-hits[s.seq_id], s.seq_id))
+        leaders = {_repeat_key(s) for s in decoding if s.params.greedy} \
+            if self.follow_repeats else set()
         wave: list[Sequence] = []
         for seq in order:
             if len(wave) >= room:
                 break
+            if leaders and seq.params.greedy and _repeat_key(seq) in leaders:
+                continue  # the same greedy request is decoding: draft its reply once it is done
             if peek is not None and self._waits(seq, wave, hits[seq.seq_id], running):
                 continue  # its prefix is being computed in this wave: take it from the cache next
             wave.append(seq)
@@ -135,3 +145,7 @@ class Scheduler:
             alone += together
             together = []
         return PrefillPlan(alone, together)
+
+
+def _repeat_key(seq: Sequence) -> tuple[str, tuple[int, ...]]:
+    return seq.request.namespace, tuple(seq.prompt_ids)
