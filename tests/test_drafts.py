@@ -179,3 +179,13 @@ def test_sampled_or_uncached_repeats_run_alongside(tiny_model, tiny_tokenizer):
         plain.submit(Request(ids, _greedy(10)))
     plain.step()
     assert plain.running == 2
+
+
+def test_draft_length_fits_the_step():
+    from kvchat.engine.drafting import draft_length
+
+    assert draft_length(1, [8], 8) == 8  # one row: 9 query rows, within the budget
+    assert draft_length(8, [8] + [0] * 7, 8) == 1  # one drafting row must not pad seven
+    assert draft_length(20, [8] * 20, 8) == 8  # a batch of repeats: every query row is real
+    assert draft_length(20, [3] * 20, 8) == 3
+    assert draft_length(4, [0] * 4, 8) == 0 and draft_length(4, [], 8) == 0
