@@ -401,3 +401,24 @@ def test_a_noisy_measurement_is_repeated_and_never_kept(tiny_model, tiny_tokeniz
     monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): dict(CLEAN))
     again = autobatch.choose_batch_size(b.runner, "old", remember, 10**6, 100)
     assert not again.reused and json.loads(remember.read_text())["old"]["2"] == CLEAN[2]
+
+
+def test_prefill_groups_tails_of_similar_length():
+    """Short tails share a padded forward only with tails of similar length: one long tail
+    among short ones would pad every row to its length."""
+    from types import SimpleNamespace
+
+    from kvchat.engine.scheduler import Scheduler
+
+    def seq(prompt: int, matched: int):
+        return SimpleNamespace(prompt_ids=[0] * prompt, matched=matched, exact=False)
+
+    short = [seq(64, 47) for _ in range(7)]  # 17-token tails
+    long = seq(130, 0)
+    plan = Scheduler(8, 512).prefill_plan([*short, long], track_mass=False)
+    assert plan.alone == [long] and plan.together == [short]
+    pair = [seq(130, 0), seq(131, 0)]
+    plan = Scheduler(8, 512).prefill_plan([*short, *pair], track_mass=False)
+    assert plan.alone == [] and plan.together == [short, pair]
+    plan = Scheduler(8, 512).prefill_plan([seq(30, 0), seq(700, 0)], track_mass=False)
+    assert len(plan.alone) == 2 and plan.together == []

@@ -4,12 +4,12 @@ torch's fused SDPA kernel on CPU splits its work by query block, so a few querie
 it scanning the keys serially. Two batched matmuls do better on a batch: SmolLM2 (int4, 2
 threads) decoding 16 rows took 54 ms per step over 1,000 keys this way against 69 ms with SDPA
 (36 vs 39 ms over 200 keys). For one row SDPA is as fast or faster (9.6 vs 10.8 ms per step at
-60 keys, 13.6 vs 13.8 at 1,000; 16.1 vs 14.7 at 2,000) and computes its scores in float32
-(the matmuls round them to bfloat16), and `generate` over the same model runs it too (through
-`one_query`), so a lone sequence decodes bitwise as `generate` does. Forwards of several rows with at most `SMALL_Q`
-queries each therefore take the matmul path; one row, and longer forwards (prefill), keep the
-model's own kernel. Registered once per process under `NAME`; `use_decode_attention(model)`
-switches a model whose attention is SDPA to it.
+60 keys, 13.6 vs 13.8 at 1,000; 16.1 vs 14.7 at 2,000) and computes its scores in float32 (the
+matmuls round them to bfloat16), and `generate` over the same model runs it too (through
+`one_query`), so a lone sequence decodes bitwise as `generate` does. Forwards of several rows
+with at most `SMALL_Q` queries each therefore take the matmul path; one row, and longer
+forwards (prefill), keep the model's own kernel. Registered once per process under `NAME`;
+`use_decode_attention(model)` switches a model whose attention is SDPA to it.
 
 One row of a few queries (a draft being verified, a short prompt tail) runs SDPA once per
 query, over the keys that query may see, exactly as a one-token decode step at that position

@@ -200,9 +200,9 @@ class Engine:
             for seq in plan.alone:
                 with self._contained([seq]):
                     self._prefill_alone(seq)
-            if plan.together:
-                with self._contained(plan.together):
-                    self._prefill_together(plan.together)
+            for group in plan.together:
+                with self._contained(group):
+                    self._prefill_together(group)
 
     @contextmanager
     def _contained(self, seqs: list[Sequence]) -> Iterator[None]:

@@ -64,7 +64,7 @@ class StepCosts:
 
 class PrefillPlan(NamedTuple):
     alone: list[Sequence]
-    together: list[Sequence]
+    together: list[list[Sequence]]  # groups, each prefilled in one padded forward
 
 
 class Scheduler:
@@ -133,18 +133,32 @@ class Scheduler:
         return False
 
     def prefill_plan(self, wave: list[Sequence], track_mass: bool) -> PrefillPlan:
-        """Which looked-up prompts prefill on their own and which share one forward."""
-        alone, together = [], []
+        """Which looked-up prompts prefill on their own and which share one forward: short
+        tails of similar length, so that padding at most doubles the rows a group computes (on
+        CPU a forward's cost grows with its rows; one 130-token tail among 18-token ones would
+        pad them all to 130)."""
+        alone: list[Sequence] = []
+        short: list[Sequence] = []
         for seq in wave:
             tail = len(seq.prompt_ids) - seq.matched
             if seq.exact or tail > self.prefill_chunk or track_mass or len(wave) == 1:
                 alone.append(seq)
             else:
-                together.append(seq)
-        if len(together) == 1:
-            alone += together
-            together = []
-        return PrefillPlan(alone, together)
+                short.append(seq)
+        groups: list[list[Sequence]] = []
+        group: list[Sequence] = []
+        real = 0
+        for seq in sorted(short, key=lambda s: len(s.prompt_ids) - s.matched):
+            tail = len(seq.prompt_ids) - seq.matched
+            if group and (len(group) + 1) * tail > 2 * (real + tail):
+                groups.append(group)
+                group, real = [], 0
+            group.append(seq)
+            real += tail
+        if group:
+            groups.append(group)
+        alone += [g[0] for g in groups if len(g) == 1]
+        return PrefillPlan(alone, [g for g in groups if len(g) > 1])
 
 
 def _repeat_key(seq: Sequence) -> tuple[str, tuple[int, ...]]:
