@@ -385,3 +385,15 @@ def test_an_unexpected_error_is_one_paragraph_not_a_traceback(monkeypatch):
     assert "Traceback" not in result.output and "second line" not in result.output
     monkeypatch.setenv("KVCHAT_TRACEBACK", "1")
     assert isinstance(invoke("models").exception, RuntimeError)  # for whoever debugs it
+
+
+def test_a_closed_pipe_stops_quietly():
+    """`kvchat ... | head`: once the reader has gone, kvchat stops without an error report."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvchat", "bench", "decode", "--help"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before kvchat has written anything
+    err = proc.stderr.read().decode()
+    proc.wait(120)
+    assert "unexpected error" not in err and "Traceback" not in err, err
+    assert proc.returncode == 141

@@ -17,6 +17,7 @@ from kvchat.errors import KvchatError
 
 ERROR_EXIT_CODE = 2
 INTERRUPT_EXIT_CODE = 130
+CLOSED_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE: what a shell tool whose reader went away returns
 TRACEBACK_ENV = "KVCHAT_TRACEBACK"  # set: an unexpected error shows its traceback
 
 
@@ -54,6 +55,11 @@ class _KvchatGroup(TyperGroup):
         except KeyboardInterrupt:
             _report_interrupt()
             raise typer.Exit(INTERRUPT_EXIT_CODE) from None
+        except BrokenPipeError:
+            # the reader went away (`kvchat ... | head`): stop quietly, as shell tools do, and
+            # leave nothing for Python to fail flushing at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            raise typer.Exit(CLOSED_PIPE_EXIT_CODE) from None
         except Exception as error:
             # Exit, Abort and click's usage errors (they carry an exit code) are click's own
             if isinstance(error, (typer.Exit, typer.Abort)) or hasattr(error, "exit_code") \
