@@ -50,9 +50,11 @@ ChatTemplateOption = Annotated[
 ]
 CompileOption = Annotated[
     bool,
-    typer.Option("--compile", help="Run decode steps through torch.compile: fewer small-op "
-                 "launches per step, after a one-time compile of a minute or two; outputs then "
-                 "round like a batch's (see Precision in the README)."),
+    typer.Option("--compile", help="Run batched decode steps through torch.compile: fewer "
+                 "small-op launches per step, after a one-time compile of a minute or two; "
+                 "outputs then round like a batch's (see Precision in the README). A lone "
+                 "sequence of an int4/int8 Llama-family model keeps the fused eager step, "
+                 "which is faster."),
 ]
 DeviceOption = Annotated[
     str,
