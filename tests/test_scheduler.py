@@ -422,3 +422,32 @@ def test_prefill_groups_tails_of_similar_length():
     assert plan.alone == [] and plan.together == [short, pair]
     plan = Scheduler(8, 512).prefill_plan([seq(30, 0), seq(700, 0)], track_mass=False)
     assert len(plan.alone) == 2 and plan.together == []
+
+
+def test_tails_after_one_cached_past_share_one_row(tiny_model, tiny_tokenizer, monkeypatch):
+    """Prompts whose cached past is the same blocks prefill their tails side by side in one
+    row after it; each equals its cold run (float32: same tokens, logits within 1e-4)."""
+    from tests.test_engine import prompt
+
+    engine = backend(tiny_model, tiny_tokenizer)
+    header = prompt(400, 27)  # not block-aligned: the shared past ends inside a block
+    engine.generate(Request(header + prompt(401, 5), SamplingParams(max_new_tokens=1)))
+    calls = []
+    shared = engine.runner.prefill_shared
+
+    def counted(tails, past, p_len):
+        calls.append((len(tails), p_len))
+        return shared(tails, past, p_len)
+
+    monkeypatch.setattr(engine.runner, "prefill_shared", counted)
+    prompts = [header + prompt(410 + i, 3 + i) for i in range(4)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    handles = [engine.submit(Request(p, params, record_logits=True)) for p in prompts]
+    drain(engine)
+    assert calls == [(4, 27)]
+    for p, h in zip(prompts, handles, strict=True):
+        cold = engine.without_cache().generate(Request(p, params, record_logits=True))
+        assert h.result.token_ids == cold.token_ids and h.result.cache_hit_tokens == 27
+        diff = (torch.stack(h.result.step_logits) - torch.stack(cold.step_logits)).abs().max()
+        assert float(diff) <= 1e-4
+    engine.cache.check_integrity()

@@ -242,10 +242,17 @@ class Engine:
         self._first_token(seq)
 
     def _prefill_together(self, group: list[Sequence]) -> None:
-        tails = [s.prompt_ids[s.matched :] for s in group]
-        pasts = [self._gather(s) for s in group]
+        shared = self._shared_prefix(group)
         started = time.perf_counter()
-        done = self.runner.prefill_packed(tails, pasts, [s.matched for s in group])
+        if shared:  # one cached past for all: it goes into the forward once
+            assert self.cache is not None and group[0].lookup is not None
+            tails = [s.prompt_ids[shared:] for s in group]
+            past = self.cache.gather(group[0].lookup.blocks, shared)
+            done = self.runner.prefill_shared(tails, past, shared)
+        else:
+            tails = [s.prompt_ids[s.matched :] for s in group]
+            pasts = [self._gather(s) for s in group]
+            done = self.runner.prefill_packed(tails, pasts, [s.matched for s in group])
         now = time.perf_counter()
         self.scheduler.costs.prefill(sum(map(len, tails)), now - started)
         for seq, pre in zip(group, done, strict=True):
@@ -253,6 +260,28 @@ class Engine:
             seq.t_prefill = now
         for seq in group:
             self._first_token(seq)
+
+    def _shared_prefix(self, group: list[Sequence]) -> int:
+        """The length of the cached past every sequence of `group` starts with: the same
+        tokens, their whole blocks the same blocks (its K/V are read from the first sequence's),
+        or 0. A few tokens past it that some of them had cached are computed again: the forward
+        then carries one past instead of one per row."""
+        if self.cache is None or not self.runner.masks_by_position:
+            return 0
+        shared = min(s.matched for s in group)
+        if shared == 0:
+            return 0
+        full = shared // self.cache.block_size
+        first = group[0]
+        assert first.lookup is not None
+        ids = [b.block_id for b in first.lookup.blocks[:full]]
+        head = first.prompt_ids[:shared]
+        for seq in group[1:]:
+            assert seq.lookup is not None
+            if [b.block_id for b in seq.lookup.blocks[:full]] != ids \
+                    or seq.prompt_ids[:shared] != head:
+                return 0
+        return shared
 
     def _first_token(self, seq: Sequence) -> None:
         """Store the prompt right away (so the next wave hits it), then sample from it."""

@@ -171,3 +171,42 @@ class ModelRunner:
             row = [(k[i : i + 1, :, lo:hi], v[i : i + 1, :, lo:hi]) for k, v in full]
             out.append(Prefilled(logits[i, last_cols.index(len(tail) - 1)], row, hi - lo))
         return out
+
+    def prefill_shared(self, tails: Sequence[Sequence[int]], past: Sequence[KV],
+                       p_len: int) -> list[Prefilled]:
+        """One forward for the tails of several prompts that share one cached past (per layer
+        (1, H, p_len, D)): the tails side by side in one row after it, each seeing the past and
+        itself only (a block-diagonal causal mask). Against `prefill_packed` no row is padded
+        and the shared past is in the forward once, not once per row."""
+        starts = [0]
+        for tail in tails:
+            starts.append(starts[-1] + len(tail))
+        n = starts[-1]
+        width = p_len + n
+        dev = self.device
+        past_obj = reserved_past(pack_right_aligned([past], [p_len], p_len, width, like=past),
+                                 p_len, self.config)
+        ids = torch.tensor([[t for tail in tails for t in tail]], dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(p_len, p_len + len(t), device=dev) for t in tails])[None]
+        mask = torch.zeros(1, 1, n, width, dtype=torch.bool, device=dev)
+        mask[..., :p_len] = True
+        for lo, hi in zip(starts, starts[1:], strict=False):
+            mask[0, 0, lo:hi, p_len + lo : p_len + hi] = torch.ones(
+                hi - lo, hi - lo, dtype=torch.bool, device=dev).tril()
+        last = [hi - 1 for hi in starts[1:]]
+        logits, _ = self.forward(ids, past_obj, mask, pos, columns=last)
+        full = past_kv(past_obj, 0, width)
+        out = []
+        for i, (lo, hi) in enumerate(zip(starts, starts[1:], strict=False)):
+            row = [(torch.cat([k[:, :, :p_len], k[:, :, p_len + lo : p_len + hi]], dim=2),
+                    torch.cat([v[:, :, :p_len], v[:, :, p_len + lo : p_len + hi]], dim=2))
+                   for k, v in full]
+            out.append(Prefilled(logits[0, i], row, p_len + hi - lo))
+        return out
+
+    @property
+    def masks_by_position(self) -> bool:
+        """Whether a custom 4-D mask says all the model's attention needs (no sliding window,
+        which the model would apply from positions itself)."""
+        return not getattr(self.config, "sliding_window", None)
+
