@@ -51,10 +51,7 @@ class Engine:
         self.codec = codec
         self.cache = cache
         peek = cache.peek if cache is not None else None
-        # a repeat decodes as drafts of its twin's stored reply only with a cache and without
-        # H2O (which counts every column, so it never drafts)
-        self.scheduler = Scheduler(batch_size, runner.prefill_chunk, peek,
-                                   follow_repeats=cache is not None and not runner.track_mass)
+        self.scheduler = Scheduler(batch_size, runner.prefill_chunk, peek)
         self.batch = DecodeBatch(runner)
         self.steps = 0  # decode forwards run (one per step, whatever the batch size)
         self._ids = itertools.count()
@@ -115,6 +112,12 @@ class Engine:
         return self.runner.max_context
 
     @property
+    def drafting(self) -> bool:
+        """Whether decode steps may carry drafts: with a cache, drafting on, and not under H2O
+        (which counts the attention every column receives)."""
+        return self.cache is not None and self.draft_max > 0 and not self.runner.track_mass
+
+    @property
     def running(self) -> int:
         return len(self.batch.live) + len(self._admitting)
 
@@ -169,7 +172,8 @@ class Engine:
         the sequences it touched and nothing else; an interrupt (Ctrl-C) finishes the running
         sequences as interrupted, with their K/V cached, and propagates."""
         try:
-            decoding = self.batch.live + self._admitting if self.draft_max else []
+            # a waiting repeat follows its twin only if it will draft the twin's reply
+            decoding = self.batch.live + self._admitting if self.drafting else []
             plan = self.scheduler.schedule(self.running, decoding)
             for seq in plan.cancelled:
                 self._fail(seq, RequestCancelled("The request was cancelled before it started."))
@@ -302,7 +306,8 @@ class Engine:
         started = time.perf_counter()
         with torch.inference_mode():  # the batch's tensors are inference tensors, settle too
             drafts: list[list[int]] = []
-            if self.cache is not None and not self.runner.track_mass:  # H2O counts every column
+            if self.drafting:
+                assert self.cache is not None
                 drafts = plan_drafts(self.batch.prepare(), self.cache, self.draft_max)
             step = self.batch.step(drafts)
             self.scheduler.costs.decode(time.perf_counter() - started)

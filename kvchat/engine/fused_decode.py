@@ -23,17 +23,16 @@ could round differently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from kvchat.engine.decode_attention import SMALL_Q, one_query, small_q_attention
+from kvchat.engine.decode_attention import NAME, SMALL_Q, small_q_attention
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
-_BF16 = torch.bfloat16
 # decoder layers whose forward is Llama's: pre-norm attention and a SiLU-gated MLP, no biases
 _LAYER_CLASSES = frozenset({"LlamaDecoderLayer"})
 # `_convert_weight_to_int4pack_for_cpu` lays rows out in blocks of 64 output rows (a shorter
@@ -41,26 +40,17 @@ _LAYER_CLASSES = frozenset({"LlamaDecoderLayer"})
 _INT4_BLOCK_N = 64
 _SILU = frozenset({"SiLUActivation", "SiLU"})
 _ATTRIBUTE = "_kvchat_fused_decoder"  # where a model keeps its FusedDecoder (or None)
-
-
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
-
-
-class _Stacked(NamedTuple):
-    """Several quantized layers over one input, as one matmul where their packing allows (else
-    one call each, concatenated); `split` gives each part's width."""
-
-    mm: Any  # (rows, K) bfloat16 -> (rows, sum(split)) bfloat16
-    split: tuple[int, ...]
+Matmul = Callable[[torch.Tensor], torch.Tensor]  # (rows, K) bfloat16 -> (rows, N) bfloat16
 
 
 class _Layer(NamedTuple):
     attn: Any  # the attention module (the attention function reads its settings)
-    qkv: Any  # (rows, hidden) -> (rows, q | k | v)
-    o: Any
-    gate_up: Any  # (rows, hidden) -> (rows, gate | up)
-    down: Any
+    qkv: Matmul  # (rows, hidden) -> (rows, q | k | v)
+    o: Matmul
+    gate_up: Matmul  # (rows, hidden) -> (rows, gate | up)
+    down: Matmul
     norm1: tuple[torch.Tensor, tuple[int], float]
     norm2: tuple[torch.Tensor, tuple[int], float]
     heads: int
@@ -71,8 +61,9 @@ class _Layer(NamedTuple):
     scaling: float
 
 
-def _stack(layers: Sequence[QuantLinear]) -> _Stacked | None:
-    """One matmul for same-input layers, or None when they have biases."""
+def _stack(layers: Sequence[QuantLinear]) -> Matmul | None:
+    """One matmul for same-input layers where their packing allows (else one call each,
+    concatenated), or None when they have biases."""
     if any(layer.bias is not None for layer in layers):
         return None
     int4 = [layer for layer in layers if isinstance(layer, Int4Linear)]
@@ -86,7 +77,7 @@ def _stack(layers: Sequence[QuantLinear]) -> _Stacked | None:
     def each(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([layer._mm(x) for layer in layers], dim=-1)
 
-    return _Stacked(each, tuple(layer.out_features for layer in layers))
+    return each
 
 
 def _share_rows(layers: Sequence[QuantLinear], name: str, stacked: torch.Tensor) -> None:
@@ -97,7 +88,7 @@ def _share_rows(layers: Sequence[QuantLinear], name: str, stacked: torch.Tensor)
         start += layer.out_features
 
 
-def _stack_int4(layers: Sequence[Int4Linear]) -> _Stacked:
+def _stack_int4(layers: Sequence[Int4Linear]) -> Matmul:
     group = layers[0].group
     packed = torch.cat([layer.get_buffer("packed") for layer in layers], dim=0)
     scales = torch.cat([layer.get_buffer("scales_and_zeros") for layer in layers],
@@ -107,10 +98,10 @@ def _stack_int4(layers: Sequence[Int4Linear]) -> _Stacked:
     def int4_mm(x: torch.Tensor) -> torch.Tensor:
         return _INT4_MM(x, packed, group, scales)
 
-    return _Stacked(int4_mm, tuple(layer.out_features for layer in layers))
+    return int4_mm
 
 
-def _stack_int8(layers: Sequence[Int8Linear]) -> _Stacked:
+def _stack_int8(layers: Sequence[Int8Linear]) -> Matmul:
     qweight = torch.cat([layer.get_buffer("qweight") for layer in layers], dim=0)
     row_scales = torch.cat([layer.get_buffer("scales") for layer in layers])
     _share_rows(layers, "qweight", qweight)
@@ -118,7 +109,7 @@ def _stack_int8(layers: Sequence[Int8Linear]) -> _Stacked:
     def int8_mm(x: torch.Tensor) -> torch.Tensor:
         return _INT8_MM(x, qweight, row_scales)
 
-    return _Stacked(int8_mm, tuple(layer.out_features for layer in layers))
+    return int8_mm
 
 
 def _norm(module: Any) -> tuple[torch.Tensor, tuple[int], float] | None:
@@ -147,7 +138,7 @@ def _layer(layer: Any, config: Any) -> _Layer | None:
         return None
     head_dim = int(attn.head_dim)
     heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
-    return _Layer(attn, qkv.mm, attn.o_proj._mm, gate_up.mm, mlp.down_proj._mm, norm1, norm2,
+    return _Layer(attn, qkv, attn.o_proj._mm, gate_up, mlp.down_proj._mm, norm1, norm2,
                   heads, kv_heads, head_dim, (heads + kv_heads) * head_dim,
                   mlp.gate_proj.out_features, float(attn.scaling))
 
@@ -171,13 +162,11 @@ class FusedDecoder:
     """`FusedDecoder.build(model)`: the fused forward for `model`, or None if it has layers
     this forward does not cover (the caller then keeps the model's own forward)."""
 
-    def __init__(self, model: Any, layers: list[_Layer]) -> None:
-        self.model = model
+    def __init__(self, model: Any, layers: list[_Layer],
+                 norm: tuple[torch.Tensor, tuple[int], float]) -> None:
         self.decoder = model.get_decoder()
         self.layers = layers
-        norm = _norm(self.decoder.norm)
-        assert norm is not None  # _build checked it
-        self.norm = norm
+        self.norm = norm  # the final one
         self.head = model.get_output_embeddings()
 
     @classmethod
@@ -195,15 +184,15 @@ class FusedDecoder:
         config = getattr(model, "config", None)
         if decoder is None or config is None or type(model).__name__ != "LlamaForCausalLM":
             return None
-        if str(config._attn_implementation) != "kvchat_decode":
+        if str(config._attn_implementation) != NAME:  # use_decode_attention switched it
             return None
-        if not isinstance(model.get_output_embeddings(), QuantLinear) \
-                or _norm(decoder.norm) is None:
+        norm = _norm(decoder.norm)
+        if not isinstance(model.get_output_embeddings(), QuantLinear) or norm is None:
             return None
         layers = [_layer(layer, config) for layer in decoder.layers]
         if not layers or any(layer is None for layer in layers):
             return None
-        return cls(model, [layer for layer in layers if layer is not None])
+        return cls(model, [layer for layer in layers if layer is not None], norm)
 
     def takes(self, input_ids: torch.Tensor) -> bool:
         return input_ids.shape[1] <= SMALL_Q
@@ -247,11 +236,8 @@ class FusedDecoder:
         qk = _rotate(qkv[:, :qk_width].view(b, q, -1, d).transpose(1, 2), cos, sin)
         value = qkv[:, qk_width:].view(b, q, layer.kv_heads, d).transpose(1, 2)
         key, value = cache.update(qk[:, heads:], value)
-        if b == 1 and q == 1:  # where small_q_attention sends one query
-            out, _ = one_query(layer.attn, qk[:, :heads], key, value, mask, layer.scaling)
-        else:
-            out, _ = small_q_attention(layer.attn, qk[:, :heads], key, value, mask,
-                                       dropout=0.0, scaling=layer.scaling)
+        out, _ = small_q_attention(layer.attn, qk[:, :heads], key, value, mask,
+                                   scaling=layer.scaling)
         hidden = hidden + layer.o(out.reshape(b * q, -1).contiguous())
         gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2))
         n = layer.intermediate

@@ -8,10 +8,11 @@ about the same for any number of rows); it is worth it when the prefix it would 
 takes longer to prefill (`StepCosts`, measured as the engine runs), whatever the block size.
 An exact repeat of a wave-mate always waits: it then needs no forward at all (the first one's
 stored logits give its first token). A greedy request identical to one still decoding (same
-prompt, same namespace, both greedy) waits until that one finishes (`follow_repeats`): its reply
-is then in the cache and decodes as drafts, several tokens per forward, instead of taking a
-row of its own to compute the same tokens alongside. Admitted prompts are prefilled one by one (long
-tails, exact hits, H2O, a wave of one) or together in one padded forward (short tails).
+prompt, same namespace, both greedy; the engine names those it can draft from) waits until that
+one finishes: its reply is then in the cache and decodes as drafts, several tokens per forward,
+instead of taking a row of its own to compute the same tokens alongside. Admitted prompts are
+prefilled one by one (long tails, exact hits, H2O, a wave of one) or together in one forward
+(short tails of similar length).
 """
 
 from __future__ import annotations
@@ -68,14 +69,12 @@ class PrefillPlan(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, batch_size: int, prefill_chunk: int, peek: Peek | None = None,
-                 follow_repeats: bool = False) -> None:
+    def __init__(self, batch_size: int, prefill_chunk: int, peek: Peek | None = None) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.batch_size = batch_size
         self.prefill_chunk = prefill_chunk
         self.peek = peek
-        self.follow_repeats = follow_repeats
         self.costs = StepCosts()
         self.waiting: deque[Sequence] = deque()
 
@@ -89,8 +88,8 @@ class Scheduler:
         return False
 
     def schedule(self, running: int, decoding: Seq[Sequence] = ()) -> Plan:
-        """The next admission wave, given how many sequences are running (`decoding`: those
-        sequences, for `follow_repeats`)."""
+        """The next admission wave, given how many sequences are running; `decoding`: those
+        whose reply a waiting repeat would draft (none when the engine cannot draft)."""
         cancelled = [s for s in self.waiting if s.cancel_event.is_set()]
         for seq in cancelled:
             self.waiting.remove(seq)
@@ -101,13 +100,12 @@ class Scheduler:
         hits = {s.seq_id: peek(s.prompt_ids, s.request.namespace) if peek else 0
                 for s in self.waiting}
         order = sorted(self.waiting, key=lambda s: (-hits[s.seq_id], s.seq_id))
-        leaders = {_repeat_key(s) for s in decoding if s.params.greedy} \
-            if self.follow_repeats else set()
+        leaders = {s.prompt_key for s in decoding if s.params.greedy}
         wave: list[Sequence] = []
         for seq in order:
             if len(wave) >= room:
                 break
-            if leaders and seq.params.greedy and _repeat_key(seq) in leaders:
+            if leaders and seq.params.greedy and seq.prompt_key in leaders:
                 continue  # the same greedy request is decoding: draft its reply once it is done
             if peek is not None and self._waits(seq, wave, hits[seq.seq_id], running):
                 continue  # its prefix is being computed in this wave: take it from the cache next
@@ -138,18 +136,17 @@ class Scheduler:
         CPU a forward's cost grows with its rows; one 130-token tail among 18-token ones would
         pad them all to 130)."""
         alone: list[Sequence] = []
-        short: list[Sequence] = []
+        short: list[tuple[int, Sequence]] = []  # (uncached tokens, sequence): those that may share
         for seq in wave:
             tail = len(seq.prompt_ids) - seq.matched
             if seq.exact or tail > self.prefill_chunk or track_mass or len(wave) == 1:
                 alone.append(seq)
             else:
-                short.append(seq)
+                short.append((tail, seq))
         groups: list[list[Sequence]] = []
         group: list[Sequence] = []
         real = 0
-        for seq in sorted(short, key=lambda s: len(s.prompt_ids) - s.matched):
-            tail = len(seq.prompt_ids) - seq.matched
+        for tail, seq in sorted(short, key=lambda pair: pair[0]):
             if group and (len(group) + 1) * tail > 2 * (real + tail):
                 groups.append(group)
                 group, real = [], 0
@@ -159,7 +156,3 @@ class Scheduler:
             groups.append(group)
         alone += [g[0] for g in groups if len(g) == 1]
         return PrefillPlan(alone, [g for g in groups if len(g) > 1])
-
-
-def _repeat_key(seq: Sequence) -> tuple[str, tuple[int, ...]]:
-    return seq.request.namespace, tuple(seq.prompt_ids)

@@ -7,6 +7,7 @@ WAITING -> RUNNING -> FINISHED; `push()` samples a token and turns it into text.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +95,12 @@ class Sequence:
     @property
     def prompt_ids(self) -> list[int]:
         return self.request.prompt_ids
+
+    @functools.cached_property
+    def prompt_key(self) -> tuple[str, tuple[int, ...]]:
+        """(namespace, prompt): what two requests share when one is an exact repeat of the
+        other."""
+        return self.request.namespace, tuple(self.prompt_ids)
 
     @property
     def matched(self) -> int:
