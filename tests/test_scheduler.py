@@ -451,3 +451,37 @@ def test_tails_after_one_cached_past_share_one_row(tiny_model, tiny_tokenizer, m
         diff = (torch.stack(h.result.step_logits) - torch.stack(cold.step_logits)).abs().max()
         assert float(diff) <= 1e-4
     engine.cache.check_integrity()
+
+
+def test_tails_share_one_row_after_what_all_prompts_share(tiny_model, tiny_tokenizer,
+                                                         monkeypatch):
+    """Prompts cached further than they agree (each through its own earlier sibling) still
+    prefill after one past: the tokens they all share, here ending before any one's match."""
+    from tests.test_engine import prompt
+
+    engine = backend(tiny_model, tiny_tokenizer)
+    header = prompt(400, 27)
+    one = header + prompt(401, 6)
+    two = header[:-1] + prompt(402, 7)  # parts from the header one token early
+    for p in (one, two):
+        engine.generate(Request(p, SamplingParams(max_new_tokens=1)))
+    calls = []
+    shared = engine.runner.prefill_shared
+
+    def counted(tails, past, p_len):
+        calls.append((len(tails), p_len))
+        return shared(tails, past, p_len)
+
+    monkeypatch.setattr(engine.runner, "prefill_shared", counted)
+    prompts = [one[:30] + prompt(410, 4), two[:29] + prompt(411, 5)]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    handles = [engine.submit(Request(p, params, record_logits=True)) for p in prompts]
+    drain(engine)
+    assert [h.result.cache_hit_tokens for h in handles] == [30, 29]
+    assert calls == [(2, 26)]
+    for p, h in zip(prompts, handles, strict=True):
+        cold = engine.without_cache().generate(Request(p, params, record_logits=True))
+        assert h.result.token_ids == cold.token_ids
+        diff = (torch.stack(h.result.step_logits) - torch.stack(cold.step_logits)).abs().max()
+        assert float(diff) <= 1e-4
+    engine.cache.check_integrity()

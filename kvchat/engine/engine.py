@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvchat.cache.kvcache import PagedKVCache
+from kvchat.cache.radix import common_prefix
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.codec import ChatCodec
 from kvchat.engine.decode_batch import DecodeBatch
@@ -266,24 +267,25 @@ class Engine:
             self._first_token(seq)
 
     def _shared_prefix(self, group: list[Sequence]) -> int:
-        """The length of the cached past every sequence of `group` starts with: the same
-        tokens, their whole blocks the same blocks (its K/V are read from the first sequence's),
-        or 0. A few tokens past it that some of them had cached are computed again: the forward
-        then carries one past instead of one per row."""
+        """The length of the cached past every sequence of `group` starts with: the tokens all
+        their prompts share, no longer than any one's cached match, whose whole blocks are the
+        same blocks for all (its K/V are read from the first sequence's); or 0. A few tokens
+        past it that some of them had cached (through a sibling's blocks) are computed again:
+        the forward then carries one past instead of one per row."""
         if self.cache is None or not self.runner.masks_by_position:
             return 0
+        first = group[0]
         shared = min(s.matched for s in group)
+        for seq in group[1:]:
+            shared = common_prefix(seq.prompt_ids[:shared], first.prompt_ids)
         if shared == 0:
             return 0
         full = shared // self.cache.block_size
-        first = group[0]
         assert first.lookup is not None
         ids = [b.block_id for b in first.lookup.blocks[:full]]
-        head = first.prompt_ids[:shared]
         for seq in group[1:]:
             assert seq.lookup is not None
-            if [b.block_id for b in seq.lookup.blocks[:full]] != ids \
-                    or seq.prompt_ids[:shared] != head:
+            if [b.block_id for b in seq.lookup.blocks[:full]] != ids:
                 return 0
         return shared
 
