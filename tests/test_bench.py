@@ -181,6 +181,19 @@ def test_unaligned_groups_share_exactly_47_and_113_tokens(tiny_tokenizer):
     assert shared_prefix(prompts[0], prompts[5]) < 47
 
 
+def test_peers_warm_up_on_a_prompt_the_workload_does_not_start_with(tiny_tokenizer):
+    """llama-server keeps what it was warmed up on: that prompt must share nothing with the
+    timed file, so the peer starts as cold as kvchat's fresh cache."""
+    from kvchat.bench.batch import unrelated_prompt
+    from kvchat.bench.workloads import KINDS, build_workload
+
+    for kind in KINDS:
+        prompts = build_workload(kind, tiny_tokenizer)
+        warm = unrelated_prompt(prompts)
+        assert warm and all(shared_prefix(warm, p) == 0 for p in prompts)
+    assert unrelated_prompt([[1, 5], [2], [3, 3]])[0] == 4
+
+
 def test_ideal_hits_counts_the_best_earlier_prefix():
     lines = [
         [1, 2, 3, 4],  # nothing earlier: 0

@@ -108,12 +108,21 @@ def run_llama_server(llama: LlamaCpp, gguf: Path, prompts: Prompts, new: int,
                      parallel: int) -> Contender:
     """The workload through a fresh llama-server with `parallel` slots, as many at once."""
     with llama.server(gguf, parallel) as url:
-        serve_requests(url, prompts[:1], 2, 1)  # warm-up: not timed
+        serve_requests(url, [unrelated_prompt(prompts)], 2, 1)  # warm-up: not timed
         done = serve_requests(url, prompts, new, parallel, ignore_eos=False)
     return Contender(LLAMA_SERVER if parallel == 1 else LLAMA_SERVER_8, done.wall_s, (),
                      done.prompt - done.cached, done.cached,
                      f"{parallel} slot{'s' if parallel > 1 else ''}, {parallel} at once, "
                      "2 threads, cache_prompt")
+
+
+def unrelated_prompt(prompts: Prompts, length: int = 8) -> list[int]:
+    """A short prompt whose first token starts no prompt of the workload: a peer warmed up on
+    it starts the timed run with nothing of the workload cached, as kvchat's fresh cache does
+    (llama-server keeps its last prompt in the slot, and earlier ones in host memory)."""
+    firsts = {p[0] for p in prompts if p}
+    token = next(t for t in range(1, len(firsts) + 2) if t not in firsts)
+    return [token] * length
 
 
 def _request_index(request_id: str) -> int:
