@@ -485,3 +485,27 @@ def test_tails_share_one_row_after_what_all_prompts_share(tiny_model, tiny_token
         diff = (torch.stack(h.result.step_logits) - torch.stack(cold.step_logits)).abs().max()
         assert float(diff) <= 1e-4
     engine.cache.check_integrity()
+
+
+def test_long_cached_histories_after_a_short_shared_header_keep_their_hits(
+        tiny_model, tiny_tokenizer, monkeypatch):
+    """Conversations that share only a system prompt each prefill after their own cached
+    history: sharing the header's past would compute their histories again."""
+    from tests.test_engine import prompt
+
+    engine = backend(tiny_model, tiny_tokenizer)
+    system = prompt(420, 10)
+    histories = [system + prompt(421 + i, 40) for i in range(3)]
+    for h in histories:
+        engine.generate(Request(h, SamplingParams(max_new_tokens=1)))
+    calls = []
+    shared = engine.runner.prefill_shared
+    monkeypatch.setattr(engine.runner, "prefill_shared",
+                        lambda *a: calls.append(a) or shared(*a))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    handles = [engine.submit(Request(h + prompt(430 + i, 4), params))
+               for i, h in enumerate(histories)]
+    drain(engine)
+    assert calls == []
+    assert [h.result.cache_hit_tokens for h in handles] == [50, 50, 50]
+    engine.cache.check_integrity()

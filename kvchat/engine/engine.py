@@ -269,16 +269,17 @@ class Engine:
     def _shared_prefix(self, group: list[Sequence]) -> int:
         """The length of the cached past every sequence of `group` starts with: the tokens all
         their prompts share, no longer than any one's cached match, whose whole blocks are the
-        same blocks for all (its K/V are read from the first sequence's); or 0. A few tokens
-        past it that some of them had cached (through a sibling's blocks) are computed again:
-        the forward then carries one past instead of one per row."""
+        same blocks for all (its K/V are read from the first sequence's); or 0. Up to a block
+        of tokens past it that some of them had cached (through a sibling's blocks) are
+        computed again: the forward then carries one past instead of one per row. More than
+        that (conversations that share only a system prompt) is not worth it."""
         if self.cache is None or not self.runner.masks_by_position:
             return 0
         first = group[0]
         shared = min(s.matched for s in group)
         for seq in group[1:]:
             shared = common_prefix(seq.prompt_ids[:shared], first.prompt_ids)
-        if shared == 0:
+        if shared == 0 or any(s.matched - shared > self.cache.block_size for s in group):
             return 0
         full = shared // self.cache.block_size
         assert first.lookup is not None
