@@ -445,3 +445,88 @@ def test_sliding_window_model_keeps_whole_prefixes(tiny_tokenizer):
         b.step()
     assert all(h.result is not None and h.result.token_ids == expected for h in handles)
     b.cache.check_integrity()
+
+
+@pytest.mark.parametrize("precision", sorted(QUANTIZED))
+def test_rows_after_one_header_hold_its_kv_once(tiny_model, tiny_tokenizer, precision,
+                                                monkeypatch):
+    """Decode rows that all start with the same 75 tokens hold those K/V once (the batch's
+    head), drafts are verified through it, and every reply equals the same batch's with each
+    row holding its own copy (within the precision's rounding); the cache stays whole."""
+    from kvchat.engine import decode_batch
+
+    model = at_precision(tiny_model, precision)
+    header = prompt(500, 75)
+    prompts = [header + prompt(510 + i, 3 + i) for i in range(4)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    heads: list[int] = []
+    rebuild = decode_batch.DecodeBatch._rebuild
+
+    def seen(self):
+        rebuild(self)
+        heads.append(self._head_len)
+
+    monkeypatch.setattr(decode_batch.DecodeBatch, "_rebuild", seen)
+    runs = {}
+    for head_min in (10**9, decode_batch.HEAD_MIN):  # every row its own copy, then a head
+        monkeypatch.setattr(decode_batch, "HEAD_MIN", head_min)
+        b = make_backend(model, tiny_tokenizer, "lru")
+        assert b.runner.attends_heads
+        first = b.generate(Request(prompts[0], params))
+        # a continuation of the first reply: the tree drafts the rest of it
+        again = prompts[0] + first.token_ids[:3]
+        heads.clear()
+        handles = [b.submit(Request(p, params, record_logits=True)) for p in [again, *prompts]]
+        while not b.idle:
+            b.step()
+        results = [h.result for h in handles]
+        b.cache.check_integrity()
+        # nothing cached yet: each row stores the head's positions from the batch's K/V
+        fresh = make_backend(model, tiny_tokenizer, "lru")
+        cold = [fresh.submit(Request(p, params, record_logits=True)) for p in prompts[1:]]
+        while not fresh.idle:
+            fresh.step()
+        fresh.cache.check_integrity()
+        # a prompt that continues a finished one reads what it stored
+        reply = cold[0].result.token_ids
+        later = fresh.generate(Request(prompts[1] + reply[:6] + [7], params, record_logits=True))
+        assert later.cache_hit_tokens == len(prompts[1]) + 6
+        results += [h.result for h in cold] + [later]
+        runs[head_min] = results, list(heads)
+    (own, no_heads), (held, with_heads) = runs[10**9], runs[decode_batch.HEAD_MIN]
+    assert set(no_heads) == {0} and max(with_heads) >= 75
+    assert held[0].draft_accepted > 0
+    for a, b_ in zip(own, held, strict=True):
+        assert_same(a, b_, precision)
+
+
+@pytest.mark.parametrize("precision", ["int4"])
+def test_identical_prompts_decoding_together_are_all_head(tiny_model, tiny_tokenizer,
+                                                          precision, monkeypatch):
+    """Rows whose every position so far is the same (one prompt decoded several times at
+    once: here greedy with drafting off, so none waits for its twin; the later two hit the
+    first's stored prompt) have no columns of their own at first; they decode as with their
+    own copies."""
+    from kvchat.engine import decode_batch
+
+    model = at_precision(tiny_model, precision)
+    ids = prompt(600, 80)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    results, held = {}, decode_batch.HEAD_MIN
+    for head_min in (10**9, held):
+        monkeypatch.setattr(decode_batch, "HEAD_MIN", head_min)
+        b = make_backend(model, tiny_tokenizer, "lru")
+        b.draft_max = 0
+        b.generate(Request(ids, SamplingParams(max_new_tokens=1)))  # cached: the rows share it
+        handles = [b.submit(Request(ids + [5], params, record_logits=True)) for _ in range(3)]
+        for _ in range(3):  # the first prefills; the others then hit it exactly and join
+            b.step()
+        assert len(b.batch.rows) == 3
+        # the last to join had only the prompt's 81 positions: all of them in the head
+        assert b.batch._head_len == (81 if head_min == held else 0)
+        while not b.idle:
+            b.step()
+        results[head_min] = [h.result for h in handles]
+        b.cache.check_integrity()
+    for a, b_ in zip(results[10**9], results[held], strict=True):
+        assert_same(a, b_, precision)

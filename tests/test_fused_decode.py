@@ -133,3 +133,42 @@ def test_models_it_does_not_cover_keep_their_forward(tiny_model, tiny_tokenizer)
     quantize_model(other, "int4")
     other.model.layers[1].mlp.act_fn = torch.nn.GELU()
     assert FusedDecoder.build(other) is None
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_a_batch_holding_its_rows_shared_head_once(tiny_tokenizer, queries):
+    """Rows that start with the same 70 positions, held once beside their own columns (a
+    left-padded batch with a hole), give the logits of the same rows each holding a copy:
+    the attention differs only in how its matmuls split, so within a few bfloat16 steps."""
+    reference, fused = _pair(tiny_tokenizer, "int4", 128)
+    header = prompt(30, 70)
+    tails = [prompt(40 + i, n) for i, n in enumerate([4, 9, 6])]
+    rows = [_prefilled(reference, header + t) for t in tails]
+    lengths = [70 + len(t) for t in tails]
+    width, capacity = max(lengths), max(lengths) + 8
+    full = pack_right_aligned(rows, lengths, width, capacity, like=rows[0])
+    own = [len(t) for t in tails]
+    own_width = max(own)
+    held = pack_right_aligned([[(k[:, :, 70:], v[:, :, 70:]) for k, v in r] for r in rows], own,
+                              own_width, own_width + 8, like=rows[0])
+    head = [(k[:, :, :70].clone(), v[:, :, :70].clone()) for k, v in rows[0]]
+    masks = []
+    for w, cap, n_of in ((width, capacity, lengths), (own_width, own_width + 8, own)):
+        mask = torch.zeros(len(rows), cap, dtype=torch.bool)
+        for i, n in enumerate(n_of):
+            mask[i, w - n : w + queries] = True
+        mask[1, w - 3] = False  # a hole, as a rejected draft leaves (in row 1's own columns)
+        masks.append(mask)
+    pos = torch.tensor(lengths)[:, None] + torch.arange(queries)
+    ids = torch.tensor([prompt(50 + i, queries) for i in range(len(rows))])
+    columns = list(range(queries)) if queries > 1 else None
+    with torch.no_grad():
+        copies = reserved_past(_copy(full), width, fused.config)
+        once = reserved_past(_copy(held), own_width, fused.config, head=head)
+        a, _ = fused.forward(ids, copies, masks[0], pos, columns=columns)
+        b, _ = fused.forward(ids, once, masks[1], pos, columns=columns)
+        with pytest.raises(RuntimeError, match="shared head"):
+            reference.forward(ids, reserved_past(_copy(held), own_width, fused.config, head=head),
+                              masks[1], pos, columns=columns)
+    scale = float(a.abs().max())
+    assert a.shape == b.shape and float((a - b).abs().max()) <= scale * 2**-5

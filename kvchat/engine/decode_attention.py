@@ -80,6 +80,47 @@ def small_q_attention(
     return out.view(b, heads, n_queries, dim).transpose(1, 2).contiguous(), None  # (B, Q, H, D)
 
 
+def head_attention(
+    query: torch.Tensor,
+    head: tuple[torch.Tensor, torch.Tensor],
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """`small_q_attention` for a batch whose rows all start with the same K/V (`head`, per
+    layer (1, KH, P, D), held once) and then have their own (key / value (B, KH, C, D), the mask
+    over those columns only). Every row's queries meet the head in one matmul per KV head, as
+    one tall matrix, instead of a small matmul per row over its own copy of it; the softmax runs
+    over head and own scores together, as over one row's keys. Returns (B, Q, H, D)."""
+    head_k, head_v = head
+    b, heads, n_queries, dim = query.shape
+    kv_heads, n_own, n_head = key.shape[1], key.shape[2], head_k.shape[2]
+    rows = heads // kv_heads * n_queries  # the query rows that share a KV head, per batch row
+    q = query.reshape(b, kv_heads, rows, dim)
+    # (KH, B * rows, P): every batch row's queries against the one head
+    tall = q.transpose(0, 1).reshape(kv_heads, b * rows, dim)
+    s_head = torch.matmul(tall, head_k[0].transpose(1, 2)) * scaling
+    s_own = torch.matmul(q, key.transpose(2, 3)) * scaling  # (B, KH, rows, C)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, None, :, :n_own]  # (B, 1, 1, Q, C)
+        s_own = s_own.view(b, kv_heads, -1, n_queries, n_own)
+        s_own = torch.where(mask, s_own, float("-inf")) if mask.dtype == torch.bool \
+            else s_own + mask
+        s_own = s_own.view(b, kv_heads, rows, n_own)
+    elif n_queries > 1:  # query i sees its own columns up to C - Q + i
+        seen = torch.arange(n_queries, device=query.device)[:, None] + (n_own - n_queries)
+        hidden = torch.arange(n_own, device=query.device)[None, :] > seen
+        s_own = s_own.view(b, kv_heads, -1, n_queries, n_own).masked_fill(hidden, float("-inf"))
+        s_own = s_own.view(b, kv_heads, rows, n_own)
+    scores = torch.cat([s_head.view(kv_heads, b, rows, n_head).transpose(0, 1), s_own], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    p_head = probs[..., :n_head].transpose(0, 1).reshape(kv_heads, b * rows, n_head)
+    out = torch.matmul(p_head, head_v[0]).view(kv_heads, b, rows, dim).transpose(0, 1) \
+        + torch.matmul(probs[..., n_head:], value)  # (B, KH, rows, D)
+    return out.reshape(b, heads, n_queries, dim).transpose(1, 2).contiguous()
+
+
 def one_query(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -30,7 +30,7 @@ from kvchat.engine.decode_batch import DecodeBatch
 from kvchat.engine.drafting import DRAFT_MAX, plan_drafts
 from kvchat.engine.handle import Listener, PromptTooLongError, RequestCancelled, RequestHandle
 from kvchat.engine.model_runner import ModelRunner
-from kvchat.engine.past import kv_shape, layer_devices, past_kv, past_length
+from kvchat.engine.past import Pieces, kv_shape, layer_devices, past_kv, past_length
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import (
     Finished,
@@ -238,7 +238,7 @@ class Engine:
                 seq.prompt_ids, seq.matched, past, seq.check_cancel, seq.add_mass)
         finally:  # whole chunks stay usable even if a chunk was interrupted
             seq.kv_len = past_length(past)
-            seq.kv = past_kv(past, 0, seq.kv_len)
+            seq.kv = Pieces(past_kv(past, 0, seq.kv_len))
         if seq.prompt_logits is None:
             self._finish(seq)
             return
@@ -300,7 +300,7 @@ class Engine:
             self._finish(seq)
             return
         if seq.kv is None:  # a deferred exact hit needs its K/V from the second token on
-            seq.kv = self._gather(seq)
+            seq.kv = Pieces(self._gather(seq) or [])
             seq.kv_len = seq.matched
         self._admitting.remove(seq)
         self.batch.join(seq)

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from kvchat.engine.decode_attention import NAME, SMALL_Q, small_q_attention
+from kvchat.engine.decode_attention import NAME, SMALL_Q, head_attention, small_q_attention
+from kvchat.engine.past import shared_head
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
 # decoder layers whose forward is Llama's: pre-norm attention and a SiLU-gated MLP, no biases
@@ -236,8 +237,12 @@ class FusedDecoder:
         qk = _rotate(qkv[:, :qk_width].view(b, q, -1, d).transpose(1, 2), cos, sin)
         value = qkv[:, qk_width:].view(b, q, layer.kv_heads, d).transpose(1, 2)
         key, value = cache.update(qk[:, heads:], value)
-        out, _ = small_q_attention(layer.attn, qk[:, :heads], key, value, mask,
-                                   scaling=layer.scaling)
+        head = shared_head(cache)
+        if head is None:
+            out, _ = small_q_attention(layer.attn, qk[:, :heads], key, value, mask,
+                                       scaling=layer.scaling)
+        else:  # every row starts with the same K/V, held once
+            out = head_attention(qk[:, :heads], head, key, value, mask, layer.scaling)
         hidden = hidden + layer.o(out.reshape(b * q, -1).contiguous())
         gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2))
         n = layer.intermediate

@@ -18,7 +18,9 @@ from kvchat.engine.attention import attention_mass, track_attention
 from kvchat.engine.decode_attention import use_decode_attention
 from kvchat.engine.fused_decode import FusedDecoder
 from kvchat.engine.past import (
+    Pieces,
     empty_past,
+    has_head,
     pack_right_aligned,
     past_kv,
     reserved_past,
@@ -29,7 +31,7 @@ from kvchat.models.quant import precision_of
 
 class Prefilled(NamedTuple):
     logits: torch.Tensor  # (vocab,) at the prompt's last position
-    kv: list[KV]  # per layer (1, H, L, D) for positions [0, L)
+    kv: Pieces  # per layer (1, H, L, D) for positions [0, L), maybe in runs
     kv_len: int
 
 
@@ -60,6 +62,13 @@ class ModelRunner:
         import torch
 
         self._decode_fn = torch.compile(self.model.forward, dynamic=True)
+
+    @property
+    def attends_heads(self) -> bool:
+        """Whether a decode batch may hold the K/V its rows all start with once (a
+        `reserved_past` head): only the fused forward reads it, and it runs every decode step
+        and draft verification unless steps are compiled or attention mass is tracked."""
+        return self.fused is not None and not self.track_mass and self._decode_fn is None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,6 +110,8 @@ class ModelRunner:
             return (logits if columns is not None else logits[:, -1]), None
         else:
             call = self.model
+        if has_head(past):
+            raise RuntimeError("a past with a shared head needs the fused decode forward")
         with attention_mass(self.track_mass) as rows:
             out = call(
                 input_ids=input_ids,
@@ -169,7 +180,8 @@ class ModelRunner:
             # a row's real positions are one run: its past right-aligned, its tail after it
             lo, hi = p_len - matched[i], p_len + len(tail)
             row = [(k[i : i + 1, :, lo:hi], v[i : i + 1, :, lo:hi]) for k, v in full]
-            out.append(Prefilled(logits[i, last_cols.index(len(tail) - 1)], row, hi - lo))
+            out.append(Prefilled(logits[i, last_cols.index(len(tail) - 1)], Pieces(row),
+                                 hi - lo))
         return out
 
     def prefill_shared(self, tails: Sequence[Sequence[int]], past: Sequence[KV],
@@ -177,7 +189,8 @@ class ModelRunner:
         """One forward for the tails of several prompts that share one cached past (per layer
         (1, H, p_len, D)): the tails side by side in one row after it, each seeing the past and
         itself only (a block-diagonal causal mask). Against `prefill_packed` no row is padded
-        and the shared past is in the forward once, not once per row."""
+        and the shared past is in the forward once, not once per row; each row's K/V is that
+        past (the same tensors for all) and then its own tail."""
         starts = [0]
         for tail in tails:
             starts.append(starts[-1] + len(tail))
@@ -198,10 +211,9 @@ class ModelRunner:
         full = past_kv(past_obj, 0, width)
         out = []
         for i, (lo, hi) in enumerate(zip(starts, starts[1:], strict=False)):
-            row = [(torch.cat([k[:, :, :p_len], k[:, :, p_len + lo : p_len + hi]], dim=2),
-                    torch.cat([v[:, :, :p_len], v[:, :, p_len + lo : p_len + hi]], dim=2))
+            own = [(k[:, :, p_len + lo : p_len + hi], v[:, :, p_len + lo : p_len + hi])
                    for k, v in full]
-            out.append(Prefilled(logits[0, i], row, p_len + hi - lo))
+            out.append(Prefilled(logits[0, i], Pieces(past, own), p_len + hi - lo))
         return out
 
     @property

@@ -62,10 +62,12 @@ class _ReservedLayer(DynamicLayer):
     `get_mask_sizes`): a slice of several rows would be strided, which bfloat16 matmuls copy
     first (3x slower at 1,000 keys here)."""
 
-    def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
+    def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int,
+                 head: KV | None = None) -> None:
         super().__init__()
         self.lazy_initialization(k_buf, v_buf)
         self._len = length
+        self.head = head  # (1, H, P, D) K/V every row sees before its own columns, or None
         self._k, self._v = k_buf, v_buf
         self.keys, self.values = k_buf, v_buf
         if k_buf.shape[0] == 1:
@@ -105,14 +107,28 @@ class _ReservedLayer(DynamicLayer):
         return self._k.shape[-2], 0
 
 
-def reserved_past(buffers: Sequence[KV], length: int, config: Any) -> DynamicCache:
+def reserved_past(buffers: Sequence[KV], length: int, config: Any,
+                  head: Sequence[KV] | None = None) -> DynamicCache:
     """A DynamicCache over the first `length` positions of per-layer (B, H, capacity, D)
-    buffers; later positions are written in place as the batch runs."""
+    buffers; later positions are written in place as the batch runs. With `head` (per layer
+    (1, H, P, D)), every row's positions [0, P) are those, held once, and the buffers hold what
+    follows: only an attention that reads `shared_head(layer)` (the fused forward's) may run it."""
     past = DynamicCache(config=config)
-    if len(past.layers) != len(buffers):
+    if len(past.layers) != len(buffers) or (head is not None and len(head) != len(buffers)):
         raise ValueError(f"model has {len(past.layers)} cache layers, got {len(buffers)}")
-    past.layers = [_ReservedLayer(k, v, length) for k, v in buffers]
+    past.layers = [_ReservedLayer(k, v, length, head[i] if head is not None else None)
+                   for i, (k, v) in enumerate(buffers)]
     return past
+
+
+def shared_head(layer: Any) -> KV | None:
+    """The K/V every row of a `reserved_past` layer starts with, held once; None if none."""
+    return getattr(layer, "head", None)
+
+
+def has_head(past: Any) -> bool:
+    layers: list[Any] = list(getattr(past, "layers", ()))
+    return bool(layers) and shared_head(layers[0]) is not None
 
 
 def reserve(past: DynamicCache, columns: int) -> None:
@@ -134,6 +150,35 @@ def past_kv(past: DynamicCache, start: int, end: int) -> list[KV]:
     """Per layer (B, H, end - start, D) views of positions [start, end)."""
     layers: list[Any] = list(past.layers)
     return [(layer.keys[:, :, start:end], layer.values[:, :, start:end]) for layer in layers]
+
+
+class Pieces:
+    """One sequence's K/V for positions [0, length) as consecutive runs of per-layer
+    (1, H, n, D) tensors: a past several sequences share, then its own. Read by range: views
+    when the range lies in one run, a copy only when it spans two."""
+
+    def __init__(self, *runs: Sequence[KV]) -> None:
+        given = [list(run) for run in runs if run]
+        self._layout = given[0] if given else []  # what an empty range is a view of
+        self.runs = [run for run in given if run[0][0].shape[2]]
+        self.length = sum(run[0][0].shape[2] for run in self.runs)
+
+    def range(self, start: int, end: int) -> list[KV]:
+        parts: list[list[KV]] = []
+        lo = 0
+        for run in self.runs:
+            n = run[0][0].shape[2]
+            a, b = max(start, lo), min(end, lo + n)
+            if a < b:
+                parts.append([(k[:, :, a - lo : b - lo], v[:, :, a - lo : b - lo])
+                              for k, v in run])
+            lo += n
+        if not parts:  # an empty range: zero-width views, one per layer
+            return [(k[:, :, :0], v[:, :, :0]) for k, v in self._layout]
+        if len(parts) == 1:
+            return parts[0]
+        return [(torch.cat([p[i][0] for p in parts], dim=2),
+                 torch.cat([p[i][1] for p in parts], dim=2)) for i in range(len(parts[0]))]
 
 
 def pack_right_aligned(rows: Sequence[Sequence[KV] | None], lengths: Sequence[int], width: int,

@@ -20,6 +20,7 @@ import torch
 from kvchat.cache.lookup import Lookup
 from kvchat.cache.visibility import Visibility
 from kvchat.config import SamplingParams
+from kvchat.engine.past import Pieces
 from kvchat.engine.result import GenerationResult
 from kvchat.engine.sampling import make_generator, sample
 
@@ -77,7 +78,7 @@ class Sequence:
         self.prompt_logits: torch.Tensor | None = None
         self.mass: torch.Tensor | None = None  # attention mass per position (H2O only)
         self.step_logits: list[torch.Tensor] | None = [] if request.record_logits else None
-        self.kv: list[Any] | None = None  # its own (1, H, L, D) K/V until it joins the batch
+        self.kv: Pieces | None = None  # its own K/V of [0, kv_len) until it joins the batch
         self.kv_len = 0  # positions whose K/V exist
         self.stored = 0  # leading positions known to be cached
         self.t_submit = time.perf_counter()
