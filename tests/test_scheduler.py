@@ -424,6 +424,19 @@ def test_prefill_groups_tails_of_similar_length():
     assert len(plan.alone) == 2 and plan.together == []
 
 
+def shared_prefills(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
+    """(tails, shared past length) of each `prefill_shared` call the engine makes from now."""
+    calls: list[tuple[int, int]] = []
+    shared = engine.runner.prefill_shared
+
+    def counted(tails, past, p_len):
+        calls.append((len(tails), p_len))
+        return shared(tails, past, p_len)
+
+    monkeypatch.setattr(engine.runner, "prefill_shared", counted)
+    return calls
+
+
 def test_tails_after_one_cached_past_share_one_row(tiny_model, tiny_tokenizer, monkeypatch):
     """Prompts whose cached past is the same blocks prefill their tails side by side in one
     row after it; each equals its cold run (float32: same tokens, logits within 1e-4)."""
@@ -432,14 +445,7 @@ def test_tails_after_one_cached_past_share_one_row(tiny_model, tiny_tokenizer, m
     engine = backend(tiny_model, tiny_tokenizer)
     header = prompt(400, 27)  # not block-aligned: the shared past ends inside a block
     engine.generate(Request(header + prompt(401, 5), SamplingParams(max_new_tokens=1)))
-    calls = []
-    shared = engine.runner.prefill_shared
-
-    def counted(tails, past, p_len):
-        calls.append((len(tails), p_len))
-        return shared(tails, past, p_len)
-
-    monkeypatch.setattr(engine.runner, "prefill_shared", counted)
+    calls = shared_prefills(engine, monkeypatch)
     prompts = [header + prompt(410 + i, 3 + i) for i in range(4)]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     handles = [engine.submit(Request(p, params, record_logits=True)) for p in prompts]
@@ -465,14 +471,7 @@ def test_tails_share_one_row_after_what_all_prompts_share(tiny_model, tiny_token
     two = header[:-1] + prompt(402, 7)  # parts from the header one token early
     for p in (one, two):
         engine.generate(Request(p, SamplingParams(max_new_tokens=1)))
-    calls = []
-    shared = engine.runner.prefill_shared
-
-    def counted(tails, past, p_len):
-        calls.append((len(tails), p_len))
-        return shared(tails, past, p_len)
-
-    monkeypatch.setattr(engine.runner, "prefill_shared", counted)
+    calls = shared_prefills(engine, monkeypatch)
     prompts = [one[:30] + prompt(410, 4), two[:29] + prompt(411, 5)]
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     handles = [engine.submit(Request(p, params, record_logits=True)) for p in prompts]
@@ -498,10 +497,7 @@ def test_long_cached_histories_after_a_short_shared_header_keep_their_hits(
     histories = [system + prompt(421 + i, 40) for i in range(3)]
     for h in histories:
         engine.generate(Request(h, SamplingParams(max_new_tokens=1)))
-    calls = []
-    shared = engine.runner.prefill_shared
-    monkeypatch.setattr(engine.runner, "prefill_shared",
-                        lambda *a: calls.append(a) or shared(*a))
+    calls = shared_prefills(engine, monkeypatch)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     handles = [engine.submit(Request(h + prompt(430 + i, 4), params))
                for i, h in enumerate(histories)]
