@@ -530,3 +530,36 @@ def test_identical_prompts_decoding_together_are_all_head(tiny_model, tiny_token
         b.cache.check_integrity()
     for a, b_ in zip(results[10**9], results[held], strict=True):
         assert_same(a, b_, precision)
+
+
+def test_a_head_is_held_only_within_one_namespace_and_for_drafts_it_can_take(
+        tiny_model, tiny_tokenizer):
+    """Rows of two namespaces never share a head (what one tenant sent does not shape
+    another's batch); with a head, drafts are cut to what the fused forward takes, however
+    many tokens the engine would draft."""
+    from kvchat.engine.decode_attention import SMALL_Q
+
+    model = at_precision(tiny_model, "int4")
+    header = prompt(700, 75)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    b = make_backend(model, tiny_tokenizer, "lru")
+    heads: list[int] = []
+    for namespaces in (("a", "b"), ("a", "a")):
+        heads.clear()
+        handles = [b.submit(Request(header + prompt(710 + i, 4), params, namespace=ns))
+                   for i, ns in enumerate(namespaces)]
+        while not b.idle:
+            b.step()
+            if b.batch.rows:
+                heads.append(b.batch._head_len)
+        assert all(h.result.finish_reason == "length" for h in handles)
+        assert max(heads) == (0 if namespaces == ("a", "b") else 75)
+    b.draft_max = 3 * SMALL_Q  # more than one forward of the fused path takes
+    first = b.generate(Request(header + prompt(720, 4), params))
+    again = header + prompt(720, 4) + first.token_ids[:2]  # the tree drafts the other 28
+    handles = [b.submit(Request(p, params)) for p in (again, header + prompt(721, 4))]
+    while not b.idle:
+        b.step()
+    assert all(h.result.finish_reason == "length" for h in handles)
+    assert handles[0].result.draft_tokens >= SMALL_Q - 1  # drafted, at most 15 a step
+    b.cache.check_integrity()

@@ -37,6 +37,7 @@ import torch
 
 from kvchat.cache.blocks import KV
 from kvchat.cache.radix import common_prefix
+from kvchat.engine.decode_attention import SMALL_Q
 from kvchat.engine.model_runner import ModelRunner
 from kvchat.engine.past import Pieces, pack_right_aligned, past_kv, reserve, reserved_past
 from kvchat.engine.sequence import Sequence, Status
@@ -110,8 +111,10 @@ class DecodeBatch:
 
     def _head_length(self, live: list[Sequence]) -> int:
         """How many leading positions every live row shares (the same tokens: the same K/V),
-        if the runner can hold them once and they are worth it; else 0."""
-        if len(live) < 2 or not self.runner.attends_heads:
+        if the runner can hold them once, the rows are of one namespace (what one tenant sent
+        never shapes another's batch) and the positions are worth it; else 0."""
+        if len(live) < 2 or not self.runner.attends_heads \
+                or len({s.request.namespace for s in live}) > 1:
             return 0
         first = live[0].tokens()
         shared = min(s.kv_len for s in live)
@@ -121,6 +124,11 @@ class DecodeBatch:
                 return 0
         return shared
 
+    def draft_limit(self, wanted: int) -> int:
+        """Draft tokens a row may carry next step: `wanted`, or fewer with a head, which only
+        the fused forward reads and it takes at most SMALL_Q queries a row."""
+        return min(wanted, SMALL_Q - 1) if self._head is not None else wanted
+
     def _rebuild(self) -> None:
         live = self.live
         if not live:
@@ -128,9 +136,8 @@ class DecodeBatch:
             self._head, self._head_len = None, 0
             return
         p = self._head_length(live)
-        # the head is copied out, so that no old buffer stays alive for its sake
-        head = [(k.contiguous(), v.contiguous()) for k, v in self.kv_of(live[0], 0, p)] \
-            if p else None
+        # a copy, so that no old buffer stays alive for its sake
+        head = [(k.clone(), v.clone()) for k, v in self.kv_of(live[0], 0, p)] if p else None
         per_row = [self.kv_of(s, p, s.kv_len) for s in live]
         own = [s.kv_len - p for s in live]
         width = max(own)
@@ -139,12 +146,15 @@ class DecodeBatch:
         capacity = width + max(1, min(room, self.runner.max_context - p - width))
         buffers = pack_right_aligned(per_row, own, width, capacity, like=per_row[0])
         mask = torch.zeros(len(live), capacity, dtype=torch.bool, device=self.runner.device)
-        for i, (seq, n) in enumerate(zip(live, own, strict=True)):
+        for i, n in enumerate(own):
             mask[i, width - n : width] = True
+        past = reserved_past(buffers, width, self.runner.config, head)
+        # the new batch replaces the old in one statement (an interrupt before it leaves the
+        # old one whole, and kv_of reads either), then the rows let go of their own K/V
+        self.rows, self._joining, self._mask, self._width, self._head, self._head_len, \
+            self._past = live, [], mask, width, head, p, past
+        for seq in live:
             seq.kv = None  # from now on its K/V live in the batch
-        self.rows, self._joining, self._mask, self._width = live, [], mask, width
-        self._head, self._head_len = head, p
-        self._past = reserved_past(buffers, width, self.runner.config, head)
 
     def prepare(self) -> list[Sequence]:
         """The rows of the next step (rebuilding the batch first if rows joined or half of it

@@ -311,7 +311,8 @@ class Engine:
             drafts: list[list[int]] = []
             if self.drafting:
                 assert self.cache is not None
-                drafts = plan_drafts(self.batch.prepare(), self.cache, self.draft_max)
+                rows = self.batch.prepare()  # first: it may rebuild the batch, with a head
+                drafts = plan_drafts(rows, self.cache, self.batch.draft_limit(self.draft_max))
             step = self.batch.step(drafts)
             self.scheduler.costs.decode(time.perf_counter() - started)
             self.steps += 1

@@ -31,7 +31,7 @@ from kvchat.models.quant import precision_of
 
 class Prefilled(NamedTuple):
     logits: torch.Tensor  # (vocab,) at the prompt's last position
-    kv: Pieces  # per layer (1, H, L, D) for positions [0, L), maybe in runs
+    kv: Pieces  # positions [0, L): per layer (1, H, n, D) runs, read with .range()
     kv_len: int
 
 
