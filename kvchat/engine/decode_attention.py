@@ -64,20 +64,26 @@ def small_q_attention(
     # the query heads that share a KV head, stacked as rows: (B, KH, groups * Q, D)
     q = query.reshape(b, kv_heads, groups * n_queries, dim)
     scores = torch.matmul(q, key.transpose(2, 3)) * scale  # (B, KH, groups * Q, K)
-    scores = scores.view(b, kv_heads, groups, n_queries, n_keys)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, None, :, :n_keys]  # (B, 1, 1, Q, K)
-        if mask.dtype == torch.bool:
-            scores = torch.where(mask, scores, float("-inf"))
-        else:
-            scores = scores + mask
-    elif n_queries > 1:  # query i sees keys up to K - Q + i
-        rows = torch.arange(n_queries, device=query.device)[:, None]
-        cols = torch.arange(n_keys, device=query.device)[None, :]
-        scores = scores.masked_fill(cols > rows + (n_keys - n_queries), float("-inf"))
+    scores = _masked(scores.view(b, kv_heads, groups, n_queries, n_keys), attention_mask)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(b, kv_heads, groups * n_queries, n_keys), value)
     return out.view(b, heads, n_queries, dim).transpose(1, 2).contiguous(), None  # (B, Q, H, D)
+
+
+def _masked(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """scores (B, KH, groups, Q, K) under SDPA's (B, 1, Q, K) mask (boolean, True: attend, or
+    additive), or with none, bottom-right causal: query i sees keys up to K - Q + i."""
+    n_queries, n_keys = scores.shape[-2:]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, None, :, :n_keys]  # (B, 1, 1, Q, K)
+        if mask.dtype == torch.bool:
+            return torch.where(mask, scores, float("-inf"))
+        return scores + mask
+    if n_queries > 1:
+        rows = torch.arange(n_queries, device=scores.device)[:, None]
+        cols = torch.arange(n_keys, device=scores.device)[None, :]
+        return scores.masked_fill(cols > rows + (n_keys - n_queries), float("-inf"))
+    return scores
 
 
 def head_attention(
@@ -102,17 +108,8 @@ def head_attention(
     tall = q.transpose(0, 1).reshape(kv_heads, b * rows, dim)
     s_head = torch.matmul(tall, head_k[0].transpose(1, 2)) * scaling
     s_own = torch.matmul(q, key.transpose(2, 3)) * scaling  # (B, KH, rows, C)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, None, :, :n_own]  # (B, 1, 1, Q, C)
-        s_own = s_own.view(b, kv_heads, -1, n_queries, n_own)
-        s_own = torch.where(mask, s_own, float("-inf")) if mask.dtype == torch.bool \
-            else s_own + mask
-        s_own = s_own.view(b, kv_heads, rows, n_own)
-    elif n_queries > 1:  # query i sees its own columns up to C - Q + i
-        seen = torch.arange(n_queries, device=query.device)[:, None] + (n_own - n_queries)
-        hidden = torch.arange(n_own, device=query.device)[None, :] > seen
-        s_own = s_own.view(b, kv_heads, -1, n_queries, n_own).masked_fill(hidden, float("-inf"))
-        s_own = s_own.view(b, kv_heads, rows, n_own)
+    s_own = _masked(s_own.view(b, kv_heads, -1, n_queries, n_own), attention_mask) \
+        .view(b, kv_heads, rows, n_own)
     scores = torch.cat([s_head.view(kv_heads, b, rows, n_head).transpose(0, 1), s_own], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     p_head = probs[..., :n_head].transpose(0, 1).reshape(kv_heads, b * rows, n_head)

@@ -24,7 +24,7 @@ buffers (`reserved_past(..., head=)`), and the buffers hold each row's positions
 the columns above count from there (kv_len - P of them are the row's). The rows' queries meet
 the head in one tall matmul per KV head (`head_attention`), and a rebuild copies each row's own
 positions only: 22 few-shot rows after a 455-token header move ~25 MB instead of ~250 MB
-(whose fresh pages cost 0.1-0.6 s a rebuild on this machine). Rows with the same tokens have
+(whose fresh pages cost 0.1-0.6 s a rebuild in a profile here). Rows with the same tokens have
 the same K/V there, so the head is the first row's. Other forwards keep every row's copy.
 """
 

@@ -221,4 +221,3 @@ class ModelRunner:
         """Whether a custom 4-D mask says all the model's attention needs (no sliding window,
         which the model would apply from positions itself)."""
         return not getattr(self.config, "sliding_window", None)
-

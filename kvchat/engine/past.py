@@ -161,7 +161,6 @@ class Pieces:
         given = [list(run) for run in runs if run]
         self._layout = given[0] if given else []  # what an empty range is a view of
         self.runs = [run for run in given if run[0][0].shape[2]]
-        self.length = sum(run[0][0].shape[2] for run in self.runs)
 
     def range(self, start: int, end: int) -> list[KV]:
         parts: list[list[KV]] = []
