@@ -1,8 +1,9 @@
 """What the server refuses, and how, over real HTTP with the tiny model: text that is not valid
 Unicode in any body (a 400 naming the field, never a 500), OpenAI bodies kvchat cannot honour
 as written (a user message without content, an empty stop string, a non-boolean
-include_usage), prompts too long to tokenise (refused by size before any tokenising), and
-request counters whose outcomes add up to the requests."""
+include_usage), prompts too long to tokenise (refused by size before any tokenising), request
+counters whose outcomes add up to the requests, and sampling options at the edges of what the
+API accepts (a top_p of 1e-300, a temperature of 1e308), which sample like any others."""
 
 from __future__ import annotations
 
@@ -105,6 +106,33 @@ def test_openai_bodies_kvchat_cannot_honour_are_refused(served: Served) -> None:
         "messages": [*hi, {"role": "assistant", "content": None}, {"role": "user", "content": ""}],
         "max_tokens": 2, "stream_options": {"include_usage": True}})
     assert fine.status_code == 200, fine.text
+
+
+def post_ok(served: Served, path: str, body: dict[str, Any], **options: Any) -> Any:
+    reply = served.client.post(path, json={**body, "max_tokens": 6, **options})
+    assert reply.status_code == 200, (path, options, reply.text)
+    return reply.json()
+
+
+def test_any_sampling_options_the_api_accepts_sample(served: Served) -> None:
+    """A top_p below float32's smallest (1e-300) is a nucleus of the most likely token alone:
+    the greedy reply, never a 500; a huge temperature or top_k samples too."""
+    hi = [{"role": "user", "content": "Say hi"}]
+    routes = [("/generate", {"prompt": "Say hi"}, lambda r: r["text"]),
+              ("/v1/chat/completions", {"messages": hi},
+               lambda r: r["choices"][0]["message"]["content"]),
+              ("/v1/completions", {"prompt": "Say hi"}, lambda r: r["choices"][0]["text"])]
+    for path, body, text in routes:
+        greedy = text(post_ok(served, path, body, temperature=0))
+        for top_p in (1e-300, 5e-324, 1e-45):
+            for seed in (1, 2):
+                sampled = post_ok(served, path, body, temperature=1, top_p=top_p, seed=seed)
+                assert text(sampled) == greedy, (path, top_p)
+        reply = post_ok(served, path, body, temperature=2, top_p=1.0, seed=3)
+        assert reply.get("usage", reply)["completion_tokens"] >= 1, path  # /generate: top-level
+    for extreme in ({"temperature": 1e308, "top_k": 1}, {"temperature": 1e-5, "top_p": 1e-300},
+                    {"temperature": 1e300, "top_p": 0.5, "top_k": 10**9}):
+        assert post_ok(served, "/generate", {"prompt": "Say hi"}, **extreme)["completion_tokens"]
 
 
 def test_a_session_turn_the_server_cannot_save_says_so(served: Served, monkeypatch) -> None:
