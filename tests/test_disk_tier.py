@@ -20,6 +20,7 @@ from kvchat.cache.block_index import block_path
 from kvchat.cache.explain import MissReason
 from kvchat.cache.lookup import HitSource
 from kvchat.cache.tree_index import exact_logits, export_index, import_index
+from kvchat.cache.visibility import Visibility
 from kvchat.config import CacheConfig, SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.sequence import GenerationResult, Request
@@ -91,7 +92,8 @@ def test_a_disk_prefix_with_no_room_to_load_is_explained_by_what_was_served(
     assert hit.why is not None
     assert (hit.why.reason, hit.why.cached, hit.why.disk_through) == (
         MissReason.POOL_FULL, 0, len(A))
-    assert hit.why.describe(A + [99], None).startswith(f"pool full: tokens 0-{len(A)} of 15")
+    line = hit.why.describe(A + [99], None, Visibility.CACHE)
+    assert line.startswith(f"pool full: tokens 0-{len(A)} of 15")
     assert hit.why.to_json()["disk_through"] == len(A)
     cache.release(hit.blocks)
     cache.release(running.blocks)

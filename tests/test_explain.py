@@ -40,7 +40,7 @@ def test_cold_when_nothing_like_it_was_seen():
     assert (e.reason, e.cached, e.diverged_at) == (MissReason.COLD, 0, None)
     beyond = cache.explain(B + [10, 11, 12, 13])  # a cached path to its end, then new ground
     assert (beyond.reason, beyond.cached) == (MissReason.COLD, len(B))
-    assert "cold" in beyond.describe(B + [10, 11, 12, 13], None)
+    assert "cold" in beyond.describe(B + [10, 11, 12, 13], None, Visibility.CACHE)
 
 
 def test_diverged_in_the_middle_of_a_block_says_where_and_what_the_cache_holds():
@@ -49,7 +49,8 @@ def test_diverged_in_the_middle_of_a_block_says_where_and_what_the_cache_holds()
     e = cache.explain(changed)
     assert e.reason is MissReason.DIVERGED and e.diverged_at == 6 and e.cached == 6
     assert e.cached_next[:4] == tuple(SYSTEM[6:10])
-    line = e.describe(changed, lambda ids: "".join(f"<{t}>" for t in ids))
+    line = e.describe(changed, lambda ids: "".join(f"<{t}>" for t in ids),
+                    Visibility.CACHE)
     assert "diverged at token 6" in line and "<106>" in line and "<999>" in line
     inside = cache.explain(SYSTEM + [1, 2, 3, 50, 51])  # parts inside A's own edge
     assert (inside.diverged_at, inside.cached_next) == (13, (4, 5, 6))
@@ -79,7 +80,7 @@ def test_evicted_says_when_and_by_which_policy():
     e = cache.explain(A + [77])
     assert e.reason is MissReason.EVICTED and e.cached == 8 and e.evicted_through == len(A)
     assert e.evicted_by == "lru" and e.evicted_at is not None and e.evicted_at >= before
-    assert "evicted by lru" in e.describe(A + [77], None)
+    assert "evicted by lru" in e.describe(A + [77], None, Visibility.CACHE)
     mid = cache.explain(A[:9] + [3, 3, 3])  # parts from an evicted block inside it
     assert (mid.reason, mid.cached, mid.evicted_through) == (MissReason.EVICTED, 8, 9)
     other = explain(cache.tree, A + [77], "tenant", cache.tombstones)

@@ -70,7 +70,7 @@ class Explanation:
         return self.reason.value
 
     def describe(self, prompt: Sequence[int], decode: Callable[[list[int]], str] | None,
-                 visibility: Visibility = Visibility.CACHE) -> str:
+                 visibility: Visibility) -> str:
         """One line for people: where the cached prefix ended and why; a divergence shows a
         few decoded tokens on each side, the cache's text against the prompt's, as far as the
         caller may see them (`kvchat.cache.visibility`: in a shared namespace, only its own)."""

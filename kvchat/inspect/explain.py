@@ -245,24 +245,28 @@ def explain_snapshot(meta: Mapping[str, Any], spec: PromptSpec) -> PromptExplana
     exact = any(not rec.get("namespace") and list(rec.get("tokens", ())) == ids
                 for rec in meta.get("exact") or [])
     why = explain(snapshot_tree(meta), ids, "", tombstones, exact)
-    return PromptExplanation(why, tuple(ids), why.describe(ids, tok.decode),
-                             explanation_detail(why, ids, tok.decode, spec, len(tombstones)))
+    # the snapshot is the user's own cache: all of it is theirs to see
+    sees = Visibility.CACHE
+    return PromptExplanation(why, tuple(ids), why.describe(ids, tok.decode, sees),
+                             explanation_detail(why, ids, tok.decode, spec, len(tombstones),
+                                                sees))
 
 
 def explanation_detail(why: Explanation, ids: Sequence[int],
                        decode: Callable[[list[int]], str], spec: PromptSpec,
-                       tombstones: int) -> dict[str, Any]:
+                       tombstones: int, visibility: Visibility) -> dict[str, Any]:
     """Decoded text on each side of where the cached prefix ends (for diverged: what the
-    cache holds next against what the prompt has), and when an eviction happened."""
+    cache holds next against what the prompt has, as far as the caller may see it: `cached`
+    is None and `cached_ids` empty where the namespace is shared with others), and when an
+    eviction happened."""
     c = why.cached
     out: dict[str, Any] = {"prompt_tokens": len(ids), "templated": spec.raw is None,
                            "tombstones": tombstones,
                            "before": decode(list(ids[max(c - CONTEXT, 0) : c])),
                            "new": decode(list(ids[c : c + CONTEXT]))}
     if why.reason is MissReason.DIVERGED:
-        # the snapshot is the user's own cache: all of it is theirs to see
-        cached = preview(why.cached_next, decode, Visibility.CACHE, sent=False)
-        out.update(cached=cached, cached_ids=list(why.cached_next),
+        cached = preview(why.cached_next, decode, visibility, sent=False)
+        out.update(cached=cached, cached_ids=list(why.cached_next) if cached is not None else [],
                    new_ids=list(ids[c : c + CONTEXT]))
     if why.reason is MissReason.EVICTED and why.evicted_at is not None:
         through = why.evicted_through or c

@@ -4,12 +4,13 @@ conversation's first turn, in the caller's namespace: what `kvchat inspect --exp
 
 The answer is the one `kvchat.cache.explain` gives the engine for a request's miss: cold,
 evicted (when, by which policy) or diverged at token i. A tenant sees what the cache holds
-after a divergence only in its private namespace: in a shared one those tokens may be
-another tenant's.
+after a divergence only in its private namespace (`Tenant.sees`): in a shared one
+(`--share-cache`, a `cache_salt` group) those tokens may be another tenant's.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from kvchat.cache.explain import Explanation
+from kvchat.cache.visibility import Visibility
 from kvchat.inspect.explain import PromptExplanation, PromptSpec, explanation_detail
 from kvchat.server.auth import Caller
 from kvchat.server.errors import api_error
@@ -66,13 +68,15 @@ async def explain(body: ExplainBody, state: State, tenant: Caller) -> dict[str, 
         return cache.explain(ids, namespace, exact), len(cache.tombstones)
 
     why, tombstones = await state.on_engine(lambda: state.worker.call(read))
-    if not (tenant.admin or tenant.private):  # others' tokens: say where, not what
-        why = Explanation(why.reason, why.cached, why.prompt_tokens, why.diverged_at, (),
-                          why.evicted_through, why.evicted_at, why.evicted_by)
+    # what this caller may see of that namespace (a cache_salt group's is shared even for a
+    # tenant whose own namespace is private); the rule `miss_detail` follows too
+    sees = tenant.sees(namespace)
+    if sees is not Visibility.CACHE:  # others' tokens: say where, not what
+        why = replace(why, cached_next=())
 
     def decode(tokens: list[int]) -> str:
         return codec.decode(tokens, skip_special_tokens=False)
 
-    result = PromptExplanation(why, tuple(ids), why.describe(ids, decode),
-                               explanation_detail(why, ids, decode, spec, tombstones))
+    result = PromptExplanation(why, tuple(ids), why.describe(ids, decode, sees),
+                               explanation_detail(why, ids, decode, spec, tombstones, sees))
     return {**result.to_json(), "line": result.line, "prompt_tokens": len(ids)}

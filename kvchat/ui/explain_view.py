@@ -35,8 +35,11 @@ def explain_panel(result: PromptExplanation, source: str) -> RenderableType:
     if why.reason is MissReason.DIVERGED:
         table.add_row("at token", f"{why.diverged_at:,}")
         before = _shown(d.get("before", ""))
+        theirs = d.get("cached")
         table.add_row("cached", Text.assemble(("…" + before, "dim"),
-                                              (_shown(d.get("cached", "")), "green")))
+                                              (_shown(theirs), "green") if theirs is not None
+                                              else ("(not shown: others write here too)",
+                                                    "dim italic")))
         table.add_row("new", Text.assemble(("…" + before, "dim"),
                                            (_shown(d.get("new", "")), "red")))
     elif why.reason is MissReason.EVICTED:
