@@ -91,6 +91,28 @@ def _whole(name: str, value: int) -> int:
     return value
 
 
+def check_fields(max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None) -> None:
+    """The rules for a request's sampling fields, the one set every entrance applies (CLI
+    options, batch lines whether run here, on a kvchat server or on another engine, every HTTP
+    route): None is "not given"; a value given is checked, and ConfigError names the field as a
+    request spells it and, where it differs, the CLI option."""
+    if max_tokens is not None and _whole("max_tokens / --max-tokens", max_tokens) < 1:
+        raise ConfigError(f"max_tokens / --max-tokens must be at least 1, got {max_tokens}.")
+    if temperature is not None:
+        value = _finite("temperature", temperature)
+        if value != 0 and not value >= MIN_TEMPERATURE:
+            raise ConfigError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                              f"got {value}.")
+    if top_p is not None and not 0 < _finite("top_p / --top-p", top_p) <= 1:
+        raise ConfigError(f"top_p / --top-p must be in (0, 1], got {top_p}.")
+    if top_k is not None and _whole("top_k / --top-k", top_k) < 0:
+        raise ConfigError(f"top_k / --top-k must be 0 (off) or more, got {top_k}.")
+    if seed is not None and not 0 <= _whole("seed", seed) < SEED_LIMIT:
+        raise ConfigError(f"seed must be from 0 to 2**64 - 1, got {seed}.")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature == 0 means greedy.
@@ -107,21 +129,43 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: always decode max_new_tokens
 
     def __post_init__(self) -> None:
-        if _whole("max_tokens / --max-tokens", self.max_new_tokens) < 1:
-            raise ConfigError(
-                f"max_tokens / --max-tokens must be at least 1, got {self.max_new_tokens}."
-            )
-        temperature = _finite("temperature", self.temperature)
-        if temperature != 0 and not temperature >= MIN_TEMPERATURE:
-            raise ConfigError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
-                              f"got {temperature}.")
-        if not 0 < _finite("top_p / --top-p", self.top_p) <= 1:
-            raise ConfigError(f"top_p / --top-p must be in (0, 1], got {self.top_p}.")
-        if _whole("top_k / --top-k", self.top_k) < 0:
-            raise ConfigError(f"top_k / --top-k must be 0 (off) or more, got {self.top_k}.")
-        if self.seed is not None and not 0 <= _whole("seed", self.seed) < SEED_LIMIT:
-            raise ConfigError(f"seed must be from 0 to 2**64 - 1, got {self.seed}.")
+        _whole("max_tokens / --max-tokens", self.max_new_tokens)  # None is no value here
+        _finite("temperature", self.temperature)
+        check_fields(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# The bounds on every call to another server (see kvchat.client.bounds for why these values).
+CONNECT_S = 10.0
+IDLE_S = 120.0
+TOTAL_S = 600.0
+BOUND_OPTIONS = {"connect": "--connect-timeout", "idle": "--idle-timeout",
+                 "total": "--request-timeout"}
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How long a client waits on another server (None: that bound is off): for the connection,
+    for the next byte of a reply (idle), and for a whole call (total)."""
+
+    connect_s: float = CONNECT_S
+    idle_s: float | None = IDLE_S
+    total_s: float | None = TOTAL_S
+
+    def __post_init__(self) -> None:
+        for bound, value in (("connect", self.connect_s), ("idle", self.idle_s),
+                             ("total", self.total_s)):
+            if value is None and bound != "connect":
+                continue
+            if value is None or not (math.isfinite(value) and value > 0):
+                off = "" if bound == "connect" else " (0 turns it off)"
+                raise ConfigError(f"{BOUND_OPTIONS[bound]} takes a number of seconds above "
+                                  f"0{off}, got {value}.")
+
+    @classmethod
+    def of_options(cls, connect_s: float, idle_s: float, total_s: float) -> Bounds:
+        """From the command line, where 0 turns the idle or the overall bound off."""
+        return cls(connect_s, idle_s or None, total_s or None)

@@ -132,6 +132,24 @@ def test_batch_and_session_turns_share_hits_both_ways(server: Running, tmp_path:
         assert session is not None and session["system"] == SYSTEM and len(session["turns"]) == 1
 
 
+def test_an_attached_batch_refuses_the_values_a_standalone_one_does(server: Running,
+                                                                   tmp_path: Path) -> None:
+    """`max_tokens: 0` on a line sent to a server is that line's error, as in a standalone run
+    and on /generate (it used to run with the default length)."""
+    out = tmp_path / "out.jsonl"
+    lines = write_lines(tmp_path / "in.jsonl", [
+        {"id": "zero", "prompt": "Hi", "max_tokens": 0},
+        {"id": "cold", "prompt": "Hi", "temperature": 1e-9},
+        {"id": "ok", "prompt": "Hi", "max_tokens": 2},
+    ])
+    done = kvchat("batch", str(lines), "-o", str(out), "--sessions-dir", str(server.sessions))
+    assert "attached to" in done.stdout, done.stderr
+    rows = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "max_tokens" in rows[1]["error"] and "text" not in rows[1]
+    assert "temperature" in rows[2]["error"] and "text" not in rows[2]
+    assert rows[3].get("error") is None and rows[3]["completion_tokens"] <= 2
+
+
 def test_attached_inspect_reads_the_live_tree_without_torch(server: Running) -> None:
     argv = ["kvchat", "inspect", "--json", "--sessions-dir", str(server.sessions)]
     code = (f"import sys\nfrom kvchat.cli import app\nsys.argv = {argv!r}\n"

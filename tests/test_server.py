@@ -361,7 +361,7 @@ BAD: list[tuple[str, str, str, bytes, dict[str, str], int, str]] = [
      b'{"model": "m", "n": 2, "messages": [{"role": "user", "content": "y"}]}', JSON, 400,
      "invalid_request_error"),
     ("openai temperature", "POST", "/v1/chat/completions",
-     b'{"temperature": 3, "messages": [{"role": "user", "content": "y"}]}', JSON, 400,
+     b'{"temperature": -1, "messages": [{"role": "user", "content": "y"}]}', JSON, 400,
      "invalid_request_error"),
     ("openai tool role", "POST", "/v1/chat/completions",
      b'{"messages": [{"role": "tool", "content": "y"}]}', JSON, 400, "invalid_request_error"),

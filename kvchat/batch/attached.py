@@ -29,7 +29,7 @@ def request_body(item: BatchItem, max_tokens: int, temperature: float,
                  seed: int | None) -> dict[str, Any]:
     """The /generate body of one line, with the command's defaults for what it leaves out."""
     body: dict[str, Any] = {
-        "max_tokens": item.max_tokens or max_tokens,
+        "max_tokens": item.max_tokens if item.max_tokens is not None else max_tokens,
         "temperature": item.temperature if item.temperature is not None else temperature,
         "seed": item.seed if item.seed is not None else seed,
     }

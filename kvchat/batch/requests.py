@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvchat.config import ConfigError, check_fields
 from kvchat.sessions import SessionError, validate_name
 from kvchat.text_input import InvalidText, check_json, decode_utf8, strip_bom
 
@@ -121,6 +122,11 @@ def parse_line(text: str, line: int) -> BatchItem:
             raise LineError(str(exc)) from None
     max_tokens = _typed(fields, "max_tokens", int, "an integer")
     temperature = _typed(fields, "temperature", (int, float), "a number")
+    seed = _typed(fields, "seed", int, "an integer")
+    try:  # the rules every entrance applies: a line is refused here, wherever it would run
+        check_fields(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    except ConfigError as exc:
+        raise LineError(str(exc)) from None
     item_id = obj.get("id", custom_id)
     if item_id is not None and not isinstance(item_id, (str, int)):
         raise LineError('field "id" must be a string or an integer')
@@ -132,7 +138,7 @@ def parse_line(text: str, line: int) -> BatchItem:
         system=_typed(obj, "system", str, "a string"),
         max_tokens=max_tokens,
         temperature=None if temperature is None else float(temperature),
-        seed=_typed(fields, "seed", int, "an integer"),
+        seed=seed,
         openai=openai,
         custom_id=custom_id,
         id_given=item_id is not None,

@@ -132,7 +132,7 @@ class ChatCompletionBody(Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -152,7 +152,7 @@ class CompletionBody(Body):
     model: str | None = None
     prompt: str | list[int] | list[str]
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
