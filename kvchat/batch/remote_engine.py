@@ -5,13 +5,17 @@
 Rows, progress, crash safety and --resume are the standalone run's: each reply becomes a row
 (the fields the engine reports: `cache_hit_tokens` is its `cached_tokens`, null where it
 reported none), written by the same RowWriter as soon as it arrives. Session lines continue
-sessions kept in this sessions dir. Ctrl-C closes the connections; an engine that goes away
-stops the run; either way every line gets its row and `--resume` finishes the rest.
+sessions kept in this sessions dir. Ctrl-C (or SIGTERM) hangs up every request in flight, whose
+lines get an "interrupted" row with the text so far; an engine that goes away stops the run;
+either way every line gets its row and `--resume` finishes the rest. A line whose reply passes
+one of the client's bounds (`kvchat.client.bounds`), or is not a chat completion, gets an error
+row saying which, and the run goes on.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -20,7 +24,7 @@ from kvchat.batch.order import SendQueue, input_order, prompt_text, shared_prefi
 from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure
 from kvchat.batch.requests import BatchItem
 from kvchat.client.http import ServerGone
-from kvchat.client.openai_http import Completion, OpenAIClient
+from kvchat.client.openai_http import Completion, CompletionStream, OpenAIClient
 from kvchat.client.remote_turns import begin, conversation, record, request_body
 from kvchat.config import SamplingParams
 from kvchat.errors import KvchatError
@@ -55,6 +59,12 @@ class EngineReply(NamedTuple):
         return cls(reply.text, reply.finish_reason, u.prompt_tokens or 0,
                    u.completion_tokens or 0, u.cached_tokens, reply.ttft_ms or 0.0,
                    reply.total_ms, u.prefill_ms or 0.0, engine, reply.body)
+
+    @classmethod
+    def interrupted(cls, text: str, total_ms: float, engine: str) -> EngineReply:
+        """A reply hung up by Ctrl-C or SIGTERM: the text so far, nothing the engine reported
+        (it reports its counts only at the end)."""
+        return cls(text, "interrupted", 0, 0, None, 0.0, total_ms, 0.0, engine, {})
 
     @property
     def cache_hit_tokens(self) -> int:
@@ -167,10 +177,12 @@ class EngineRun(LineRun):
         if self.stopped.is_set():
             return
         session, saved = None, None
+        stream: CompletionStream | None = None
+        sent: float | None = None  # when the request went out
         try:
             max_tokens, temperature, seed = self.defaults
             params = SamplingParams(
-                max_new_tokens=item.max_tokens or max_tokens,
+                max_new_tokens=item.max_tokens if item.max_tokens is not None else max_tokens,
                 temperature=item.temperature if item.temperature is not None else temperature,
                 seed=item.seed if item.seed is not None else seed)
             if item.session is None:
@@ -183,6 +195,7 @@ class EngineRun(LineRun):
                     raise KvchatError("the last message of a session turn must be the user's")
                 begin(session, earlier, item.system)
                 messages = conversation(session, last["content"])
+            sent = time.perf_counter()
             stream = self.client.chat(request_body(self.engine.model, messages, params))
 
             def prefilled(text: str) -> None:  # the first text: the engine has the prompt
@@ -195,12 +208,17 @@ class EngineRun(LineRun):
             told: list[bool] = []
             reply = stream.drain(prefilled)
         except (KvchatError, ValueError) as exc:
-            if isinstance(exc, ServerGone):
-                self._stop(exc)
-                return
             if session is not None and saved is not None:
                 session.system, session.messages = saved[0], saved[1]
-            self._record(ItemResult(item, error=str(exc)))
+            if sent is not None and self.stopped.is_set():
+                # Ctrl-C or SIGTERM hung up: the line was interrupted, as far as it came
+                text = stream.text if stream is not None else ""
+                self._record(ItemResult(item, result=EngineReply.interrupted(
+                    text, (time.perf_counter() - sent) * 1000, self.engine.kind)))
+            elif isinstance(exc, ServerGone):
+                self._stop(exc)
+            else:
+                self._record(ItemResult(item, error=str(exc)))
             return
         self.ledger.record(messages, reply.usage)
         if session is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvchat.client.http import Client
+from kvchat.config import Bounds
 from kvchat.errors import KvchatError
 from kvchat.session_lock import lock_holder
 
@@ -23,9 +24,10 @@ class Attachment(NamedTuple):
     found: str  # "--connect URL" or "the server holding <dir> (pid N)"
     connect: bool = False  # named by --connect: any OpenAI-compatible engine may answer
     pid: int | None = None  # the server's process, as the lock file says (not for --connect)
+    bounds: Bounds = Bounds()  # how long every call waits (--connect-timeout and the others)
 
     def client(self) -> Client:
-        return Client(self.url, self.token, self.pid)
+        return Client(self.url, self.token, self.pid, self.bounds)
 
 
 def attachment(sessions_dir: Path, connect: str | None, token: str | None,

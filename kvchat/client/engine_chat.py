@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvchat.client.engines import CACHE_REPORT_HINT, EngineInfo
-from kvchat.client.http import ServerError
+from kvchat.client.errors import BadReply, ReplyTimeout, ServerError
 from kvchat.client.ledger import Ledger
 from kvchat.client.openai_http import CompletionStream, OpenAIClient, Usage
 from kvchat.client.remote_turns import conversation, record, request_body
@@ -69,6 +69,9 @@ class EngineReply:
     def finish(self) -> TurnDone | TurnFailed:
         self.stream.close()
         reply, text = self.stream.result, "".join(self.parts)
+        if reply is None and self.stream.failure is not None:  # a bound passed, a bad reply
+            kept = " The text shown so far is not kept in the session." if text else ""
+            return TurnFailed(f"{self.stream.failure}{kept}")
         if reply is None and not text:
             return TurnFailed(self.stream.error or "The reply stopped before it started.")
         ttft = reply.ttft_ms if reply is not None and reply.ttft_ms is not None else self.ttft_ms
@@ -118,7 +121,11 @@ class EngineBackend:
         messages = conversation(session, text)
         try:
             stream = self.client.chat(request_body(self.engine.model, messages, params))
+        except (ReplyTimeout, BadReply) as error:
+            raise KvchatError(str(error)) from None
         except ServerError as error:
+            if error.status >= 500:  # its message names the server and the status
+                raise KvchatError(str(error)) from None
             raise KvchatError(f"{self.engine.kind} refused the turn: {error}") from None
         self._path = messages
         return EngineReply(self, stream, session, text, messages)

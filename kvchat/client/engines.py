@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from kvchat.client.http import ServerError
-from kvchat.client.openai_http import OpenAIClient
+from kvchat.client.errors import ReplyTimeout, ServerError
+from kvchat.client.openai_http import OpenAIClient, json_or_none, refused
 from kvchat.errors import KvchatError
 
 KVCHAT = "kvchat"
@@ -82,14 +82,19 @@ class EngineInfo(NamedTuple):
 
 
 def detect(client: OpenAIClient) -> EngineInfo:
-    """The engine at the client's URL. Raises ServerGone (unreachable), ServerError (a 401:
-    credentials) or NotOpenAICompatible."""
-    models = client.get_json("/v1/models")
+    """The engine at the client's URL. Raises ServerGone (unreachable), ReplyTimeout (a bound
+    passed), ServerError (a 401: credentials; a 5xx) or NotOpenAICompatible."""
+    response = client.get("/v1/models")
+    if response.status_code in (401, 403) or response.status_code >= 500:
+        raise refused(client.url, response)
+    models = json_or_none(response)
     data = models.get("data") if isinstance(models, dict) else None
     if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        said = (f"answered HTTP {response.status_code}" if response.status_code >= 400 else
+                "answered no JSON" if models is None else "answered JSON without `data`")
         raise NotOpenAICompatible(
             f"The server at {client.url} is not an OpenAI-compatible server: GET /v1/models "
-            "did not answer with a model list. --connect takes the base URL of kvchat serve, "
+            f"{said}, not a model list. --connect takes the base URL of kvchat serve, "
             "llama-server, vLLM or SGLang (such as http://127.0.0.1:8080).")
     card = data[0]
     model = str(card.get("id", "?"))
@@ -99,6 +104,8 @@ def detect(client: OpenAIClient) -> EngineInfo:
     for candidate in order:
         try:
             found = probes[candidate](client, card)
+        except ReplyTimeout:
+            raise  # the next probe would wait as long again
         except ServerError:
             found = None  # an info endpoint behind credentials: the model list still answered
         if found is not None:

@@ -2,11 +2,12 @@
 
 Replies stream as server-sent events of /generate; closing a stream (or letting Ctrl-C
 interrupt it) drops the connection, which cancels the request on the server at its next step.
+Every call is under the bounds of `kvchat.client.bounds`, and what the server answers is read
+strictly (`kvchat.client.replies`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -14,24 +15,18 @@ from typing import Any
 
 import httpx
 
-from kvchat.errors import BackendGone, KvchatError
+from kvchat.client.bounds import Bounds, Call, Calls, httpx_timeout, limits
+from kvchat.client.errors import BadReply, ServerError, ServerGone
+from kvchat.client.replies import events, json_body, json_object, json_text
 
-# Generation can take minutes between two events on a slow device: no read timeout there.
-CONNECT_TIMEOUT_S = 5.0
-CALL_TIMEOUT_S = 60.0
+__all__ = ["Client", "ReplyStream", "ServerError", "ServerGone"]
 
-
-class ServerError(KvchatError):
-    """The server answered with an error (its {"error": {...}} body, made one paragraph)."""
-
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-
-class ServerGone(BackendGone):
-    """The server cannot be reached, or went away mid-reply."""
+# What POST /generate answers (`kvchat.responses.result_fields`), which a batch row is read from
+# (`result_from_fields`): a reply without one of them is not a /generate reply.
+GENERATE_FIELDS = ("text", "prompt_tokens", "completion_tokens", "cache_hit_tokens",
+                   "disk_hit_tokens", "shared_hit_tokens", "hit_source", "miss_reason",
+                   "miss_label", "diverged_at", "miss_detail", "finish_reason", "draft_tokens",
+                   "draft_accepted", "ttft_ms", "total_ms")
 
 
 def _alive(pid: int) -> bool:
@@ -81,74 +76,100 @@ def _gone(url: str, exc: Exception, pid: int | None = None,
                       "with --standalone.")
 
 
-def _error_from(response: httpx.Response) -> ServerError:
+def _error_from(url: str, response: httpx.Response) -> ServerError:
+    """The server's {"error": {...}} body as one paragraph (read here if it is not yet); a
+    5xx says its status, whatever its body."""
     try:
-        body = json.loads(response.read() or b"{}")
+        body = json_text(url, response.read().decode("utf-8", "replace") or "{}")
         error = body.get("error") or {}
         kind, message = str(error.get("type", "error")), str(error.get("message", ""))
-    except (ValueError, AttributeError):
-        kind, message = "error", response.text[:200]
-    if response.status_code == 401:
+    except (BadReply, AttributeError):
+        kind, message = "error", response.text[:200].strip()
+    except httpx.HTTPError:
+        kind, message = "error", ""
+    status = response.status_code
+    if status == 401:
         message = (f"{message} The token comes from the sessions dir's lock file, --token or "
                    "$KVCHAT_TOKEN.").strip()
-    return ServerError(response.status_code, kind, message or f"HTTP {response.status_code}")
+    if status >= 500:
+        said = f"The kvchat server at {url} answered HTTP {status} {response.reason_phrase}"
+        message = f"{said.strip()}: {message}" if message else f"{said.strip()}."
+    return ServerError(status, kind, message or f"HTTP {status}")
 
 
 class ReplyStream:
     """One streaming reply: iterate for text deltas; afterwards `result` holds the `done`
-    event's fields (or `error` what went wrong). `close()` cancels it on the server."""
+    event's fields (or `error` what went wrong: an error event, a bound that passed, a reply
+    that is not an event stream of JSON). `close()` cancels it on the server."""
 
     def __init__(self, url: str, response: httpx.Response, context: Any,
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, call: Call | None = None,
+                 calls: Calls | None = None) -> None:
         self.url = url
         self.pid = pid
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
         self._response = response
         self._context = context
+        self._call = call
+        self._calls = calls
         self._closed = False
 
     def __iter__(self) -> Iterator[str]:
-        event = "message"
+        where = f"{self.url}/generate"
         try:
-            for line in self._response.iter_lines():
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data = json.loads(line[5:])
-                    if event == "token":
-                        yield str(data.get("text", ""))
-                    elif event == "done":
-                        self.result = data
-                    elif event == "error":
-                        self.error = str((data.get("error") or {}).get("message", data))
-                    event = "message"
+            for event, payload in events(where, self._response):
+                data = json_text(where, payload, "sent an event that is not JSON")
+                if not isinstance(data, dict):
+                    raise BadReply(where, "sent an event that is not a JSON object")
+                if event == "token":
+                    yield str(data.get("text", ""))
+                elif event == "done":
+                    self.result = data
+                elif event == "error":
+                    self.error = str((data.get("error") or {}).get("message", data))
+        except BadReply as exc:
+            self.error = str(exc)
         except httpx.HTTPError as exc:
-            if not self._closed:
+            timeout = self._call.failure(exc) if self._call is not None else None
+            if timeout is not None:
+                self.error = str(timeout)
+            elif not self._closed and not (self._call is not None and self._call.aborted):
                 raise _gone(self.url, exc, self.pid, mid_reply=True) from None
         finally:
             self.close()
+        if self.result is None and self.error is None and self._call is not None:
+            timeout = self._call.failure(None)  # the overall bound shut the stream
+            self.error = str(timeout) if timeout is not None else None
 
     def close(self) -> None:
         """Drop the connection: the server cancels the request if it is still running."""
         if not self._closed:
             self._closed = True
-            self._context.__exit__(None, None, None)
+            try:
+                self._context.__exit__(None, None, None)
+            finally:
+                if self._calls is not None and self._call is not None:
+                    self._calls.end(self._call)
 
 
 class Client:
     """`kvchat serve` at `url`, called with `token` (None: a server run with --no-auth);
     `pid`, when known (the lock file's), tells a server that does not answer from one that is
-    gone."""
+    gone. Every call is under `bounds`; `close()` hangs up the calls in flight."""
 
-    def __init__(self, url: str, token: str | None = None, pid: int | None = None) -> None:
+    def __init__(self, url: str, token: str | None = None, pid: int | None = None,
+                 bounds: Bounds | None = None) -> None:
         self.url = url.rstrip("/")
         self.pid = pid
+        self.bounds = bounds or Bounds()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        timeout = httpx.Timeout(CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._calls = Calls(self.url, self.bounds)
+        self._http = httpx.Client(base_url=self.url, headers=headers,
+                                  timeout=httpx_timeout(self.bounds), limits=limits())
 
     def close(self) -> None:
+        self._calls.abort_all()
         self._http.close()
 
     def __enter__(self) -> Client:
@@ -157,36 +178,54 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise _gone(self.url, exc, self.pid) from None
+    def _response(self, method: str, path: str, silent: bool = False,
+                  **kwargs: Any) -> httpx.Response:
+        """The whole response to one call, under the bounds; an HTTP error status raises."""
+        with self._calls.one(silent) as call:
+            try:
+                response = self._http.request(method, path, **call.options(), **kwargs)
+            except httpx.HTTPError as exc:
+                raise call.failure(exc) or _gone(self.url, exc, self.pid) from None
+            timeout = call.failure(None)
+        if timeout is not None:
+            raise timeout
         if response.status_code >= 400:
-            raise _error_from(response)
-        return response.json()
+            raise _error_from(self.url, response)
+        return response
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        return json_body(f"{self.url}{path}", self._response(method, path, **kwargs))
 
     # ---- generation ----
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /generate without streaming: the reply's fields."""
-        result: dict[str, Any] = self._call("POST", "/generate", json={**body, "stream": False},
-                                            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-        return result
+        """POST /generate without streaming: the reply's fields. Nothing comes until the reply
+        is done, so only the connect and overall bounds apply."""
+        response = self._response("POST", "/generate", silent=True,
+                                  json={**body, "stream": False})
+        return json_object(f"{self.url}/generate", response, GENERATE_FIELDS)
 
     def stream(self, body: dict[str, Any]) -> ReplyStream:
         """POST /generate with "stream": true; errors before the first event raise here."""
+        call = self._calls.start()
         context = self._http.stream("POST", "/generate", json={**body, "stream": True},
-                                    timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+                                    **call.options())
         try:
             response = context.__enter__()
         except httpx.HTTPError as exc:
-            raise _gone(self.url, exc, self.pid) from None
+            self._calls.end(call)
+            raise call.failure(exc) or _gone(self.url, exc, self.pid) from None
+        except BaseException:
+            self._calls.end(call)
+            raise
         if response.status_code >= 400:
-            error = _error_from(response)
-            context.__exit__(None, None, None)
-            raise error
-        return ReplyStream(self.url, response, context, self.pid)
+            try:
+                error = _error_from(self.url, response)
+            finally:
+                context.__exit__(None, None, None)
+                self._calls.end(call)
+            raise call.failure(None) or error
+        return ReplyStream(self.url, response, context, self.pid, call, self._calls)
 
     # ---- the cache and the sessions ----
 
