@@ -1,5 +1,6 @@
 """The options of commands that attach to a running `kvchat serve` (--connect, --token,
---standalone), and the runtime options such a command builds only when it runs in-process:
+--standalone), the bounds on how long they wait on it (`@bounds_options()`), and the runtime
+options such a command builds only when it runs in-process:
 building them imports the runtime (torch, transformers), which an attached command never
 needs."""
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvchat.cli import options as shared
+from kvchat.config import CONNECT_S, IDLE_S, TOTAL_S, Bounds
 
 if TYPE_CHECKING:
     from kvchat.client import Attachment
@@ -41,6 +43,40 @@ StandaloneOption = Annotated[
     typer.Option("--standalone", help="Load the model in this process even if a server holds "
                  "the sessions dir (then refused, as the dir is in use)."),
 ]
+
+
+ConnectTimeoutOption = Annotated[
+    float, typer.Option("--connect-timeout", min=0.0, metavar="SECONDS",
+                        help="With a server (--connect, or the one holding --sessions-dir): "
+                        "how long to wait for a connection before the line or turn fails.")
+]
+IdleTimeoutOption = Annotated[
+    float, typer.Option("--idle-timeout", min=0.0, metavar="SECONDS",
+                        help="With a server: how long a streamed reply may send nothing "
+                        "before its line or turn fails, the rest going on (0: no bound). A "
+                        "kvchat server's batch replies arrive whole: --request-timeout bounds "
+                        "them.")
+]
+RequestTimeoutOption = Annotated[
+    float, typer.Option("--request-timeout", min=0.0, metavar="SECONDS",
+                        help="With a server: the longest one request may take in all, however "
+                        "it trickles in, before its line or turn fails (0: no bound).")
+]
+_BOUNDS_FAMILY = (
+    shared._option("connect_timeout", ConnectTimeoutOption, CONNECT_S),
+    shared._option("idle_timeout", IdleTimeoutOption, IDLE_S),
+    shared._option("request_timeout", RequestTimeoutOption, TOTAL_S),
+)
+
+
+def bounds_options() -> Any:
+    """--connect-timeout, --idle-timeout and --request-timeout, received as one `bounds:
+    Bounds` (checked before anything is sent)."""
+    return shared._option_family("bounds", _BOUNDS_FAMILY, _bounds)
+
+
+def _bounds(connect_timeout: float, idle_timeout: float, request_timeout: float) -> Bounds:
+    return Bounds.of_options(connect_timeout, idle_timeout, request_timeout)
 
 
 class LazyRuntimeOptions:
@@ -79,9 +115,10 @@ def _lazy(**values: Any) -> LazyRuntimeOptions:
 
 
 def find_server(options: LazyRuntimeOptions | Path, connect: str | None, token: str | None,
-                standalone: bool, api_key: str | None = None) -> Attachment | None:
-    """The server to attach to (see `kvchat.client.attachment`); says which of `options` it
-    ignores then."""
+                standalone: bool, api_key: str | None = None,
+                bounds: Bounds | None = None) -> Attachment | None:
+    """The server to attach to (see `kvchat.client.attachment`), its calls under `bounds`;
+    says which of `options` it ignores then."""
     from kvchat.client import attachment
 
     if isinstance(options, LazyRuntimeOptions):
@@ -89,6 +126,8 @@ def find_server(options: LazyRuntimeOptions | Path, connect: str | None, token: 
     else:
         sessions_dir, ignored = options, []
     server = attachment(sessions_dir, connect, token, standalone, api_key)
+    if server is not None and bounds is not None:
+        server = server._replace(bounds=bounds)
     if server is not None and ignored:
         from kvchat.cli.app import stderr
 
@@ -107,7 +146,7 @@ def remote_engine(server: Attachment) -> tuple[OpenAIClient, EngineInfo] | None:
     from kvchat.client.engines import detect
     from kvchat.client.openai_http import OpenAIClient
 
-    client = OpenAIClient(server.url, server.token)
+    client = OpenAIClient(server.url, server.token, server.bounds)
     try:
         engine = detect(client)
     except BaseException:

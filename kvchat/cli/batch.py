@@ -29,6 +29,7 @@ from kvchat.cli.attach_options import (
     LazyRuntimeOptions,
     StandaloneOption,
     TokenOption,
+    bounds_options,
     lazy_runtime_options,
 )
 from kvchat.cli.batch_engine import ConcurrencyOption, OrderOption, check_order
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from kvchat.client import Attachment
     from kvchat.client.engines import EngineInfo
     from kvchat.client.openai_http import OpenAIClient
+    from kvchat.config import Bounds
     from kvchat.runtime import Runtime
 
 
@@ -83,6 +85,7 @@ LineMaxTokensOption = Annotated[
 
 @app.command()
 @lazy_runtime_options()
+@bounds_options()
 def batch(
     file: Annotated[
         Path, typer.Argument(help="JSONL requests: prompt / messages / OpenAI batch lines.",
@@ -128,6 +131,7 @@ def batch(
     standalone: StandaloneOption = False,
     *,
     options: LazyRuntimeOptions,
+    bounds: Bounds,
 ) -> None:
     """Run a file of requests through the shared cache with batched decoding.
 
@@ -139,12 +143,14 @@ def batch(
 
     While a kvchat server holds the sessions dir (or with --connect), the lines go to it and
     are batched with whatever else it runs. --connect to another OpenAI-compatible engine
-    (llama-server, vLLM, SGLang) sends them in cache-aware order, --concurrency at a time.
+    (llama-server, vLLM, SGLang) sends them in cache-aware order, --concurrency at a time. A
+    line whose reply passes --connect-timeout, --idle-timeout or --request-timeout gets an
+    error row saying which, and the rest go on.
     """
     from kvchat.cli.attach_options import find_server, remote_engine
 
     check_order(order)
-    server = find_server(options, connect, token, standalone, api_key)
+    server = find_server(options, connect, token, standalone, api_key, bounds)
     engine = remote_engine(server) if server is not None else None
     to_stdout = output is None or str(output) == "-"
     out_path = None if to_stdout else output

@@ -14,6 +14,7 @@ from kvchat.cli.attach_options import (
     LazyRuntimeOptions,
     StandaloneOption,
     TokenOption,
+    bounds_options,
     lazy_runtime_options,
 )
 from kvchat.cli.options import MaxTokensOption
@@ -23,12 +24,13 @@ if TYPE_CHECKING:
     from kvchat.client import Attachment
     from kvchat.client.engines import EngineInfo
     from kvchat.client.openai_http import OpenAIClient
-    from kvchat.config import SamplingParams
+    from kvchat.config import Bounds, SamplingParams
     from kvchat.runtime import RuntimeOptions
 
 
 @app.command()
 @lazy_runtime_options()
+@bounds_options()
 def chat(
     session: Annotated[
         str | None,
@@ -57,6 +59,7 @@ def chat(
     standalone: StandaloneOption = False,
     *,
     options: LazyRuntimeOptions,
+    bounds: Bounds,
 ) -> None:
     """Chat in a REPL; after each reply, panels show what the cache served.
 
@@ -79,7 +82,7 @@ def chat(
     params = SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
-    server = find_server(options, connect, token, standalone, api_key)
+    server = find_server(options, connect, token, standalone, api_key, bounds)
     if server is not None:
         from kvchat.cli.attach_options import remote_engine
 
