@@ -39,8 +39,10 @@ def httpx_timeout(bounds: Bounds, silent: bool = False) -> httpx.Timeout:
 
 
 def limits() -> httpx.Limits:
-    """No keep-alive: a call's socket is its own, for its overall bound and for abort()."""
-    return httpx.Limits(max_keepalive_connections=0)
+    """No keep-alive: a call's socket is its own, for its overall bound and for abort(). No cap
+    on connections either: the callers cap what they send (--concurrency), and a call waiting
+    for a free one would pass the connect bound with the server never asked."""
+    return httpx.Limits(max_connections=None, max_keepalive_connections=0)
 
 
 class Call:
