@@ -15,6 +15,7 @@ from pathlib import Path
 from kvchat.errors import KvchatError
 
 DIR_MODE, FILE_MODE = 0o700, 0o600
+KEPT = " Any previous version of it is unchanged."  # how an atomic write's error ends
 
 
 class WriteError(KvchatError):
@@ -33,7 +34,7 @@ def write_error(what: str, path: Path, exc: Exception, atomic: bool = True) -> W
     else:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         advice = f"{reason}. Check {path.parent}, or use another folder with --sessions-dir"
-    kept = " Any previous version of it is unchanged." if atomic else ""
+    kept = KEPT if atomic else ""
     return WriteError(f"Could not write {what} ({path}): {advice}.{kept}")
 
 

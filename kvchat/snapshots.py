@@ -17,6 +17,8 @@ from typing import Any
 
 from kvchat.cache import tree_index
 from kvchat.cache.tree_index import TREE_INDEX, SnapshotMismatch, read_tree, walk_records
+from kvchat.errors import KvchatError
+from kvchat.files import KEPT, write_error
 from kvchat.sessions import (
     atomic_write,
     cache_dir,
@@ -79,7 +81,9 @@ def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
                   extra: dict[str, Any]) -> Path:
     """Persist the cache: its blocks into the disk tier (only those not stored yet: a save
     costs the turn's new blocks), then index.json, the tree with block keys, atomically. A
-    failed write raises SessionWriteError and leaves the previous index as it was."""
+    failed write (a block, an exact entry's logits, the index) raises SessionWriteError and
+    leaves the previous snapshot as it was: its index, and every exact entry's file it lists
+    (stale ones go only once the new index is in)."""
     folder = private_dir(cache_dir(private_dir(Path(root))))
     meta = tree_index.export_index(cache)
     listed = {rec["logits"] for rec in meta.get("exact", [])}
@@ -87,12 +91,33 @@ def save_snapshot(root: Path, cache: Any, fingerprint: dict[str, Any],
     meta.update(extra)
     meta.update(fingerprint=fingerprint, snapshot_id=uuid.uuid4().hex[:12], saved_at=time.time())
     atomic_write(folder / TREE_INDEX, json.dumps(meta).encode(), "the cache index")
+    _drop_exact(folder / EXACT, listed)
     return folder / TREE_INDEX
+
+
+def not_saved(root: Path, exc: Exception) -> str:
+    """One paragraph for a save that failed (`save_snapshot`'s error, or any OSError): what
+    failed and what to do, then what the next start gets (the previous snapshot, unchanged)."""
+    index = cache_dir(root) / TREE_INDEX
+    error = exc if isinstance(exc, KvchatError) else write_error("the cache snapshot", index, exc)
+    try:
+        info = read_snapshot_meta(root)
+    except (OSError, ValueError):  # damaged: the next start sets it aside, as it would anyway
+        info = None
+    if info is not None:
+        saved = info.meta.get("saved_at")
+        when = f", saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(saved))}" \
+            if isinstance(saved, int | float) else ""
+        kept = (f"The last good snapshot ({index}{when}) is unchanged: the next start restores "
+                "it, without what was cached since.")
+    else:
+        kept = f"There is no earlier snapshot in {index.parent}: the next start begins empty."
+    return f"The cache snapshot was not saved. {str(error).removesuffix(KEPT)} {kept}"
 
 
 def _save_exact(folder: Path, logits: dict[str, Any], keep: set[str]) -> None:
     """Each live exact entry's logits row in a file of its own, written once (the name hashes
-    the prompt); files of entries not in `keep` (the names the index lists) are removed."""
+    the prompt)."""
     from safetensors.torch import save
 
     private_dir(folder, "the exact entries' folder")
@@ -101,6 +126,10 @@ def _save_exact(folder: Path, logits: dict[str, Any], keep: set[str]) -> None:
         if name in keep and not path.exists():
             data = save({"logits": row.detach().to("cpu").contiguous()})
             atomic_write(path, data, "an exact entry's logits")
+
+
+def _drop_exact(folder: Path, keep: set[str]) -> None:
+    """Remove the files of exact entries not in `keep` (the names the index lists)."""
     for old in folder.glob("*.safetensors"):
         if old.stem not in keep:
             with contextlib.suppress(OSError):

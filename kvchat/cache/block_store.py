@@ -88,6 +88,8 @@ class BlockStore:
         self._notices: list[str] = []
         self._last_save = time.monotonic()
         self._shards: set[str] = set()
+        # the last block that could not be written, and why: what a failed save reports
+        self.write_failure: tuple[Path, Exception] | None = None
         if not self.enabled:
             return
         private_dir(self.root, "the disk cache folder")
@@ -287,7 +289,7 @@ class BlockStore:
         except Exception as exc:  # any: a dead writer thread would leave flush() waiting forever
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            return partial(self._not_written, f"Disk cache block {path} not written ({exc}).")
+            return partial(self._not_written, path, exc)
         return partial(self._written, item.key, size)
 
     def _written(self, key: str, size: int) -> None:
@@ -295,9 +297,10 @@ class BlockStore:
         self._counts["writes"] += 1
         self._evict_over_budget()
 
-    def _not_written(self, notice: str) -> None:
-        self._notices.append(notice)
+    def _not_written(self, path: Path, exc: Exception) -> None:
+        self._notices.append(f"Disk cache block {path} not written ({exc}).")
         self._counts["write_failures"] += 1
+        self.write_failure = (path, exc)
 
     def _write_file(self, tmp: Path, item: Queued) -> int:
         """Write the block to `tmp` (0600) and fsync it; returns its size."""

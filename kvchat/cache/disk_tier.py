@@ -8,11 +8,14 @@ so it is never served and never asked for again.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvchat.cache.block_backend import ReadStatus
 from kvchat.cache.radix import PrefixMatch
+from kvchat.files import write_error
 
 if TYPE_CHECKING:
     from kvchat.cache.block_backend import BlockBackend
@@ -100,7 +103,8 @@ def persist(store: BlockBackend, manager: BlockManager, tree: RadixTree,
     """Make the store hold every block of the tree, then wait until it is on disk: resident
     blocks not stored yet are written (a stored one costs a dict lookup); on-disk blocks
     whose files the store evicted to stay in budget are pruned, since they cannot be served
-    (`bury(node, first)` is told first, so later misses can say they were evicted)."""
+    (`bury(node, first)` is told first, so later misses can say they were evicted). Raises
+    WriteError when a resident block could not be written."""
     for node, _ in tree.nodes():
         for i, block in enumerate(node.blocks):
             # listed blocks cost no stat here: a spill re-checks (put) before dropping one
@@ -122,3 +126,14 @@ def persist(store: BlockBackend, manager: BlockManager, tree: RadixTree,
         if parent is not None and node in parent.children.get(node.tokens[0], ()):
             bury(node, gone)
             tree.truncate(node, gone)
+    _check_stored(store, tree)
+
+
+def _check_stored(store: BlockBackend, tree: RadixTree) -> None:
+    """Raise WriteError when the store lacks blocks of the tree (their writes failed: a full
+    disk), rather than let an index name blocks that are not there."""
+    missing = sum(not store.exists(key) for node, _ in tree.nodes() for key in node.keys)
+    if missing and spills(store):
+        path, exc = getattr(store, "write_failure", None) or (
+            Path(store.describe()) / "blocks", OSError(errno.EIO, "not stored"))
+        raise write_error(f"{missing} of the cache's blocks into the disk tier", path, exc)

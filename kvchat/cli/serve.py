@@ -131,8 +131,8 @@ def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_t
         except KeyboardInterrupt:
             pass  # uvicorn re-raises the Ctrl-C it shut down on; stopping is what it asked for
         finally:
-            # the lifespan saved already, unless a second Ctrl-C forced the exit
-            web.state.engine.close()
+            # the lifespan saved (and said so) already, unless a second Ctrl-C forced the exit
+            web.state.engine.close_and_report()
             sock.close()
 
 

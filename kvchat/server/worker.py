@@ -37,6 +37,7 @@ from kvchat.runtime import Runtime, tokenizer_file
 from kvchat.server.handle import Handle
 from kvchat.sessions import SessionStore, cache_dir
 from kvchat.snapshots import TREE_INDEX as INDEX
+from kvchat.snapshots import not_saved
 from kvchat.turns import finish, refused
 
 __all__ = ["DEFAULT_BATCH_SIZE", "CacheTree", "EngineStopped", "EngineWorker", "ModelInfo",
@@ -158,6 +159,7 @@ class EngineWorker:
                               runtime.fingerprint,
                               self.engine.runner.precision_label)
         self.saved_to: Path | None = None
+        self.save_error: str | None = None  # the paragraph for a snapshot `close` could not save
         self._inbox: deque[Callable[[], None]] = deque()
         self._inbox_lock = threading.Lock()
         self._accepting = True
@@ -166,7 +168,7 @@ class EngineWorker:
         self._handles: dict[int, Handle] = {}
         self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
         self._close_lock = threading.Lock()
-        self._closed = False
+        self._closed = self._reported = False
 
     @property
     def codec(self) -> ChatCodec:
@@ -374,7 +376,9 @@ class EngineWorker:
 
     def close(self, save: bool = True) -> Path | None:
         """Stop the thread (requests in flight keep what they computed) and save the cache
-        snapshot. Idempotent."""
+        snapshot. Idempotent. A save that fails (a full disk, a read-only folder) leaves the
+        previous snapshot as it was and sets `save_error` instead of raising: it is the last
+        step of a shutdown, which has nothing left to unwind."""
         with self._close_lock:
             if self._closed:
                 return self.saved_to
@@ -384,12 +388,22 @@ class EngineWorker:
         if self._thread.is_alive():
             self._thread.join()
         if save:
-            self.saved_to = self.runtime.save()
+            try:
+                self.saved_to = self.runtime.save()
+            except (KvchatError, OSError) as exc:
+                self.save_error = not_saved(self.runtime.options.sessions_dir, exc)
         return self.saved_to
 
     def close_and_report(self) -> None:
-        """`close`, then say where the snapshot went (the lifespan's last step)."""
+        """`close`, then say where the snapshot went, or in one paragraph why it was not saved
+        (the lifespan's last step; said once, however often it is called)."""
         path = self.close()
-        if path is not None:
+        with self._close_lock:
+            if self._reported:
+                return
+            self._reported = True
+        if self.save_error is not None:
+            log.error(self.save_error)
+        elif path is not None:
             tokens = self.runtime.cache.stats().tree_tokens
             log.info("Saved the cache snapshot (%s tokens) to %s.", f"{tokens:,}", path)
