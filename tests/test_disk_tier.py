@@ -175,6 +175,26 @@ def test_the_disk_budget_is_respected(tmp_path: Path) -> None:
     cache.disk.close()
 
 
+def test_a_save_with_a_budget_smaller_than_the_cache_is_no_failure(tmp_path: Path) -> None:
+    """Resident blocks the store wrote, then deleted to stay within its budget, leave the tree
+    at the save (tombstones say "disk budget"); only a write that failed fails a save."""
+    probe = make_tiered_cache(tmp_path / "probe", num_blocks=4, block_size=BS)
+    assert probe.disk is not None
+    per_block = probe.disk.layout.payload_bytes
+    probe.disk.close()
+    cache = make_tiered_cache(tmp_path / "s", num_blocks=16, block_size=BS,
+                              budget_bytes=int(2.5 * (per_block + 1024)))
+    for start in (100, 200):
+        store(cache, list(range(start, start + 14)))
+    cache.persist()  # raised WriteError("... not stored ...") when the budget evicted blocks
+    assert cache.disk is not None and cache.disk.stats().write_failures == 0
+    cache.check_integrity()
+    for node, _ in cache.tree.nodes():
+        for key in node.keys[len(node.blocks):]:
+            assert cache.disk.exists(key)
+    cache.disk.close()
+
+
 def test_clear_forgets_both_tiers(tmp_path: Path) -> None:
     cache = make_tiered_cache(tmp_path, num_blocks=8, block_size=BS)
     store(cache, A)

@@ -104,7 +104,10 @@ def persist(store: BlockBackend, manager: BlockManager, tree: RadixTree,
     blocks not stored yet are written (a stored one costs a dict lookup); on-disk blocks
     whose files the store evicted to stay in budget are pruned, since they cannot be served
     (`bury(node, first)` is told first, so later misses can say they were evicted). Raises
-    WriteError when a resident block could not be written."""
+    WriteError when a block written for this save could not be written; blocks the store
+    evicted to stay within its budget are no failure (they are pruned, or left to be
+    pruned when their node next merges)."""
+    failures = store.stats().write_failures
     for node, _ in tree.nodes():
         for i, block in enumerate(node.blocks):
             # listed blocks cost no stat here: a spill re-checks (put) before dropping one
@@ -126,12 +129,13 @@ def persist(store: BlockBackend, manager: BlockManager, tree: RadixTree,
         if parent is not None and node in parent.children.get(node.tokens[0], ()):
             bury(node, gone)
             tree.truncate(node, gone)
-    _check_stored(store, tree)
+    if store.stats().write_failures > failures:
+        _check_stored(store, tree)
 
 
 def _check_stored(store: BlockBackend, tree: RadixTree) -> None:
-    """Raise WriteError when the store lacks blocks of the tree (their writes failed: a full
-    disk), rather than let an index name blocks that are not there."""
+    """Raise WriteError when the store lacks blocks of the tree after writes of this save
+    failed (a full disk), rather than let an index name blocks that are not there."""
     missing = sum(not store.exists(key) for node, _ in tree.nodes() for key in node.keys)
     if missing and spills(store):
         path, exc = getattr(store, "write_failure", None) or (
