@@ -150,6 +150,18 @@ def test_an_attached_batch_refuses_the_values_a_standalone_one_does(server: Runn
     assert rows[3].get("error") is None and rows[3]["completion_tokens"] <= 2
 
 
+def test_an_attached_batch_sends_twice_what_the_server_decodes_at_once(server: Running) -> None:
+    """A reply that is not streamed says nothing until it is done, so a line's wait in the
+    server's queue counts toward --request-timeout: the run keeps that queue short."""
+    from kvchat.batch.attached import MAX_IN_FLIGHT, in_flight
+
+    with Client(server.url, server.token) as client:
+        health = client.health()
+    assert health["batch_size"] >= 1
+    assert in_flight(health) == min(MAX_IN_FLIGHT, 2 * health["batch_size"])
+    assert in_flight({}) == in_flight({"batch_size": "8"}) == MAX_IN_FLIGHT
+
+
 def test_attached_inspect_reads_the_live_tree_without_torch(server: Running) -> None:
     argv = ["kvchat", "inspect", "--json", "--sessions-dir", str(server.sessions)]
     code = (f"import sys\nfrom kvchat.cli import app\nsys.argv = {argv!r}\n"

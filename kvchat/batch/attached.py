@@ -21,8 +21,20 @@ from kvchat.batch.requests import BatchItem
 from kvchat.client import Client, ServerError, ServerGone
 from kvchat.responses import result_from_fields
 
-# Requests in flight at once: enough to keep a server's batch full, few enough for its queue.
+# Requests in flight at once: twice what the server decodes at once (its /healthz
+# `batch_size`), enough to keep its batch full; few enough that a line waits at most about one
+# other line's time in its queue, since --request-timeout counts that wait (a reply that is not
+# streamed says nothing until it is done). MAX_IN_FLIGHT where the server does not say.
+IN_FLIGHT_PER_ROW = 2
 MAX_IN_FLIGHT = 64
+
+
+def in_flight(health: dict[str, Any]) -> int:
+    """How many lines to send at once to a server whose /healthz said `health`."""
+    rows = health.get("batch_size")
+    if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0:
+        return min(MAX_IN_FLIGHT, IN_FLIGHT_PER_ROW * rows)
+    return MAX_IN_FLIGHT
 
 
 def request_body(item: BatchItem, max_tokens: int, temperature: float,
@@ -67,7 +79,7 @@ class AttachedRun(LineRun):
         self.gone: ServerGone | None = None
         self.pin_system = pin_system  # ask the server to pin each line's system prompt
         self.pinned: dict[str, int] = {}  # pin id -> the first line that pinned it
-        self.max_in_flight = concurrency or MAX_IN_FLIGHT
+        self.max_in_flight = concurrency
 
     def run(self) -> None:
         """Send every line; returns when all are answered. Ctrl-C (KeyboardInterrupt) closes
@@ -83,6 +95,8 @@ class AttachedRun(LineRun):
             else:
                 sessions[item.session].append(item)
         work = [chain for group in chains.values() for chain in group]
+        if self.max_in_flight is None:
+            self.max_in_flight = in_flight(self.client.health())
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_in_flight, len(work)))) as pool:
             futures = [pool.submit(self._chain, chain) for chain in work]
             try:

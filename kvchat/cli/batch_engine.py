@@ -32,7 +32,8 @@ ConcurrencyOption = Annotated[
     int | None,
     typer.Option("--concurrency", min=1, show_default=False,
                  help="Lines in flight at once (default: llama-server's slots, 4 on vLLM or "
-                 "SGLang, 64 on a kvchat server)."),
+                 "SGLang, twice the batch size on a kvchat server: a line's wait in a "
+                 "server's queue counts toward --request-timeout)."),
 ]
 
 

@@ -106,4 +106,5 @@ async def healthz(request: Request, state: State) -> Any:
     admin = isinstance(tenant, Tenant) and tenant.admin
     model = worker.info.label if admin else worker.info.model_id
     return {"status": "ok", "model": model, "device": worker.info.device,
-            "precision": worker.info.precision, "chat_template": worker.codec.has_template}
+            "precision": worker.info.precision, "chat_template": worker.codec.has_template,
+            "batch_size": worker.engine.batch_size}
