@@ -223,11 +223,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+KILLED = "it was killed by"  # a smoke failure fewer instruction sets may cure
+
+
 def _died(code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name
         why = " (an instruction this CPU does not run)" if name == "SIGILL" else ""
-        return f"it was killed by {name}{why}"
+        return f"{KILLED} {name}{why}"
     return f"it exited with status {code}"
 
 
@@ -349,7 +352,9 @@ def sdist(work: Path, log: Path) -> Path:
 def build(root: Path | None = None, jobs: int | None = None,
           targets: tuple[str, ...] = ("llama-server",)) -> Path:
     """Build `targets` into the cache dir, down the ISA ladder until a build passes its smoke
-    test (atomically: a killed or failed build leaves nothing half-made)."""
+    test (atomically: a killed or failed build leaves nothing half-made). Only a server killed
+    by a signal (SIGILL, SIGSEGV, ...) is built again with fewer instruction sets; any other
+    failure ends the build at once."""
     target = binary(root)
     dest = install_dir(root)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -393,9 +398,11 @@ def build(root: Path | None = None, jobs: int | None = None,
                 return target
             failures.append(f"with {' '.join(sorted(rung)) or 'no extra instruction sets'}: "
                             f"{why}")
+            if KILLED not in why:  # not a CPU fault (a port, a slow start, a bad GGUF): stop
+                break
             print(f"the build {failures[-1]}; building again with fewer instruction sets",
                   file=sys.stderr, flush=True)
-    raise SystemExit("no llama-server build runs on this machine:\n" + "\n".join(failures)
+    raise SystemExit("no llama-server build passed its smoke test here:\n" + "\n".join(failures)
                      + f"\n(the whole log: {log})")
 
 

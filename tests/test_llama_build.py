@@ -96,10 +96,14 @@ def script(source: str) -> str:
 def fake_tree(tmp_path: Path) -> dict[str, str]:
     """An environment whose build takes the stand-in sdist, smoke-tests with a stand-in GGUF
     and reads the CPU flags of an Intel VM that advertises AMX."""
+    return stand_in(tmp_path, SERVE)
+
+
+def stand_in(tmp_path: Path, serve: str) -> dict[str, str]:
     tree = tmp_path / "src" / "llama_cpp_python-0.0.0" / "vendor" / "llama.cpp"
     tree.mkdir(parents=True)
     (tree / "CMakeLists.txt").write_text(FAKE_CMAKE)
-    for name, source in (("crash.py", CRASH), ("serve.py", SERVE)):
+    for name, source in (("crash.py", CRASH), ("serve.py", serve)):
         (tree / name).write_text(script(source))
         (tree / name).chmod(0o755)
     archive = tmp_path / "llama_cpp_python-0.0.0.tar.gz"
@@ -157,6 +161,20 @@ def test_a_cached_binary_that_fails_its_smoke_test_is_rebuilt(fake_tree: dict[st
     assert "SIGILL" in done.stderr
     assert "HTTPServer" in server.read_text()
     assert build_script.smoke(server, tmp_path / "model.gguf") is None
+
+
+def test_a_build_that_fails_its_smoke_test_without_a_signal_is_not_built_again(
+        tmp_path: Path) -> None:
+    """Fewer instruction sets cure only a CPU fault: a server that exits (a bad GGUF, a port in
+    use) fails the build after one smoke test, not after the whole ladder."""
+    env = stand_in(tmp_path, "import sys\nprint('error loading model')\nsys.exit(1)\n")
+    env["KVCHAT_LLAMA_CPU_FLAGS"] = "sse4_2 avx avx2 fma f16c bmi2"  # the first rung serves
+    done = run(env=env, timeout=240)
+    assert done.returncode == 1
+    assert "exited with status 1" in done.stderr and "error loading model" in done.stderr
+    log = (tmp_path / "cache" / "llama-server" / "build-0.3.36.log").read_text()
+    assert log.count("smoke test (") == 1 and "fewer instruction sets" not in done.stderr
+    assert not (tmp_path / "cache" / "llama-server" / "0.3.36").exists()
 
 
 def test_the_smoke_test_says_why_a_server_did_not_come_up(tmp_path: Path) -> None:
