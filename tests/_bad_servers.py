@@ -49,6 +49,13 @@ GENERATE_FIELDS = {"text": "fine reply", "prompt_tokens": 3, "completion_tokens"
                    "shared_hit_tokens": 0, "miss_reason": "", "diverged_at": None,
                    "miss_detail": "", "miss_label": "", "draft_tokens": 0, "draft_accepted": 0}
 
+
+def ending_with(last: bytes) -> bytes:
+    """A good stream whose last chunk holds `last` (its usage and the rest) after `choices`."""
+    return (SSE_HEAD + chunk("fine") + chunk(" reply", "stop")
+            + b'data: {"id": "c1", "choices": [], ' + last + b"}\n\ndata: [DONE]\n\n")
+
+
 # What each behaviour sends (bytes at once), or does (a callable given the connection).
 CANNED: dict[str, bytes] = {
     # streamed replies (text/event-stream)
@@ -56,6 +63,12 @@ CANNED: dict[str, bytes] = {
     "sse-no-choices": SSE_HEAD + b'data: {"id": "c1", "object": "chat.completion.chunk"}\n\n',
     "sse-not-utf8": SSE_HEAD + b'data: {"choices": [{"delta": {"content": "\xff\xfe"}}]}\n\n',
     "sse-html": SSE_HEAD + b"<html><body>a proxy's error page</body></html>\n",
+    # good streams whose optional statistics have the wrong type: read as not reported
+    "usage-not-object": ending_with(b'"usage": "oops"'),
+    "details-not-object": ending_with(b'"usage": {"prompt_tokens": 3, "completion_tokens": 2, '
+                                      b'"prompt_tokens_details": [1]}'),
+    "timings-not-object": ending_with(b'"usage": {"prompt_tokens": 3, "completion_tokens": 2}, '
+                                      b'"timings": 5'),
     # whole replies (application/json)
     "json-garbage": whole(200, "OK", "application/json", b"{this is not json"),
     "json-no-choices": whole(200, "OK", "application/json", b'{"id": "c1", "object": "x"}'),
@@ -71,6 +84,10 @@ CANNED: dict[str, bytes] = {
     "gen-not-utf8": whole(200, "OK", "application/json", b'{"text": "\xff"}'),
     "gen-good": whole(200, "OK", "application/json", json.dumps(GENERATE_FIELDS).encode()),
     "gen-sse-garbage": SSE_HEAD + b"event: token\ndata: {nope\n\n",
+    "gen-null-tokens": whole(200, "OK", "application/json",
+                             json.dumps({**GENERATE_FIELDS, "prompt_tokens": None}).encode()),
+    "gen-text-times": whole(200, "OK", "application/json",
+                            json.dumps({**GENERATE_FIELDS, "ttft_ms": "fast"}).encode()),
 }
 
 

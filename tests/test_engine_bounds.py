@@ -31,7 +31,7 @@ from kvchat.client.engine_chat import EngineBackend
 from kvchat.client.engines import detect
 from kvchat.client.errors import ReplyTimeout, ServerError
 from kvchat.client.ledger import Ledger
-from kvchat.client.openai_http import OpenAIClient
+from kvchat.client.openai_http import OpenAIClient, Usage
 from kvchat.config import Bounds, ConfigError, SamplingParams
 from kvchat.sessions import SessionStore
 from kvchat.ui.repl import Chat
@@ -150,6 +150,23 @@ def test_a_bad_engine_reply_says_what_was_wrong(behaviour, said) -> None:
     assert "ended before it finished" not in str(error)
 
 
+REPORTED = {"prompt_tokens": 3, "completion_tokens": 2}
+
+
+@pytest.mark.parametrize(("behaviour", "usage", "body_usage"), [
+    ("usage-not-object", Usage(None, None, None, None), None),
+    ("details-not-object", Usage(3, 2, None, None), {**REPORTED, "prompt_tokens_details": [1]}),
+    ("timings-not-object", Usage(3, 2, None, None), REPORTED),
+])
+def test_a_wrong_typed_statistic_is_read_as_not_reported(behaviour, usage, body_usage) -> None:
+    """`usage`, its `prompt_tokens_details` and llama.cpp's `timings` are optional: one that is
+    not a JSON object is read as not reported, and the reply is still good."""
+    with BadEngine() as bad, OpenAIClient(bad.url, bounds=SMALL) as client:
+        reply = client.chat(ask(behaviour)).drain()
+    assert (reply.text, reply.finish_reason, reply.usage) == ("fine reply", "stop", usage)
+    assert reply.body["usage"] == body_usage and "timings" not in reply.body
+
+
 def test_a_whole_json_reply_to_a_streamed_request_is_read() -> None:
     with BadEngine() as bad, OpenAIClient(bad.url, bounds=SMALL) as client:
         reply = client.chat(ask("json-good")).drain()
@@ -161,6 +178,8 @@ def test_a_whole_json_reply_to_a_streamed_request_is_read() -> None:
     ("gen-garbage", "/generate is not JSON (Expecting value"),
     ("gen-wrong-shape", "/generate has no `text`, `prompt_tokens`"),
     ("gen-not-utf8", "/generate is not UTF-8 text (byte 0xff"),
+    ("gen-null-tokens", "/generate has `prompt_tokens` that is not a whole number: it is null"),
+    ("gen-text-times", "/generate has `ttft_ms` that is not a number: it is \"fast\""),
     ("http-500", "answered HTTP 500 Internal Server Error: model crashed"),
     ("http-503", "answered HTTP 503 Service Unavailable: overloaded, try later"),
 ])
@@ -206,7 +225,8 @@ def test_batch_gives_each_bad_reply_its_error_row_and_goes_on(tmp_path: Path) ->
         "http-503": "answered HTTP 503 Service Unavailable",
         "json-garbage": "is not JSON",
     }
-    file = write_lines(tmp_path / "lines.jsonl", ["good", *said, "good again"])
+    unreported = ["usage-not-object", "details-not-object", "timings-not-object"]
+    file = write_lines(tmp_path / "lines.jsonl", ["good", *said, *unreported, "good again"])
     out = tmp_path / "out.jsonl"
     with BadEngine() as bad:
         started = time.monotonic()
@@ -218,16 +238,21 @@ def test_batch_gives_each_bad_reply_its_error_row_and_goes_on(tmp_path: Path) ->
     assert done.exit_code == 1, done.output  # some lines failed; the run itself finished
     assert took < 4 * HUNG and "Traceback" not in done.output
     found = {r["id"]: r for r in rows(out)}
-    assert [r["line"] for r in rows(out)] == list(range(1, len(said) + 3))
+    assert [r["line"] for r in rows(out)] == list(range(1, len(said) + len(unreported) + 3))
     assert found["good"]["text"] == "fine reply" and found["good again"]["text"] == "fine reply"
     for behaviour, words in said.items():
         assert words in found[behaviour]["error"] and bad.url in found[behaviour]["error"], \
             found[behaviour]
+    for behaviour in unreported:  # a statistic of the wrong type is not reported, not an error
+        row = found[behaviour]
+        assert "error" not in row and row["text"] == "fine reply", row
+        assert row["cache_hit_tokens"] is None and "prefill_ms" not in row
 
 
 def test_batch_on_a_kvchat_server_gives_each_bad_reply_its_error_row(tmp_path: Path) -> None:
     said = {"gen-silent": "was not complete after 1.5 s (--request-timeout)",
             "gen-garbage": "is not JSON", "gen-wrong-shape": "has no `text`",
+            "gen-null-tokens": "has `prompt_tokens` that is not a whole number: it is null",
             "http-503": "answered HTTP 503 Service Unavailable"}
     file = write_lines(tmp_path / "lines.jsonl", ["gen-good", *said])
     out = tmp_path / "out.jsonl"
@@ -251,14 +276,15 @@ def test_chat_says_which_bound_passed_and_goes_on(tmp_path: Path) -> None:
                                                                    engine.kind))
         session = store.open("trip")
         Chat(backend, session, SamplingParams(max_new_tokens=4), console,
-             Script("silent", "endless", "http-500", "good")).run()
+             Script("silent", "endless", "http-500", "usage-not-object", "good")).run()
     out = console.file.getvalue()
     assert f"The server at {bad.url} sent nothing for 1 s (--idle-timeout)" in out
     assert "was not complete after 1.5 s (--request-timeout)" in out
     assert "The text shown so far is not kept in the session." in out
     assert "answered HTTP 500 Internal Server Error: model crashed" in out
     assert "fine reply" in out
-    assert [m["content"] for m in session.messages] == ["good", "fine reply"]
+    assert [m["content"] for m in session.messages] == ["usage-not-object", "fine reply",
+                                                         "good", "fine reply"]
 
 
 @pytest.mark.parametrize("kind", ["vllm", "kvchat"])

@@ -8,6 +8,7 @@ strictly (`kvchat.client.replies`).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -21,12 +22,30 @@ from kvchat.client.replies import events, json_body, json_object, json_text
 
 __all__ = ["Client", "ReplyStream", "ServerError", "ServerGone"]
 
+_WHOLE = ((int,), "a whole number")
+_NUMBER = ((int, float), "a number")
+_TEXT = ((str,), "text")
 # What POST /generate answers (`kvchat.responses.result_fields`), which a batch row is read from
-# (`result_from_fields`): a reply without one of them is not a /generate reply.
-GENERATE_FIELDS = ("text", "prompt_tokens", "completion_tokens", "cache_hit_tokens",
-                   "disk_hit_tokens", "shared_hit_tokens", "hit_source", "miss_reason",
-                   "miss_label", "diverged_at", "miss_detail", "finish_reason", "draft_tokens",
-                   "draft_accepted", "ttft_ms", "total_ms")
+# (`result_from_fields`), each with its type: a reply without one of them, or with one of
+# another type, is not a /generate reply (and would fail the row's arithmetic).
+GENERATE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "text": _TEXT, "prompt_tokens": _WHOLE, "completion_tokens": _WHOLE,
+    "cache_hit_tokens": _WHOLE, "disk_hit_tokens": _WHOLE, "shared_hit_tokens": _WHOLE,
+    "hit_source": _TEXT, "miss_reason": _TEXT, "miss_label": _TEXT,
+    "diverged_at": ((int, type(None)), "a whole number or null"), "miss_detail": _TEXT,
+    "finish_reason": _TEXT, "draft_tokens": _WHOLE, "draft_accepted": _WHOLE,
+    "ttft_ms": _NUMBER, "total_ms": _NUMBER}
+
+
+def generate_reply(where: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A /generate reply whose every field has its type (booleans are not numbers)."""
+    for name, (types, kind) in GENERATE_FIELDS.items():
+        value = body[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 60 else shown[:60] + "..."
+            raise BadReply(where, f"has `{name}` that is not {kind}: it is {shown}")
+    return body
 
 
 def _alive(pid: int) -> bool:
@@ -203,7 +222,8 @@ class Client:
         is done, so only the connect and overall bounds apply."""
         response = self._response("POST", "/generate", silent=True,
                                   json={**body, "stream": False})
-        return json_object(f"{self.url}/generate", response, GENERATE_FIELDS)
+        where = f"{self.url}/generate"
+        return generate_reply(where, json_object(where, response, tuple(GENERATE_FIELDS)))
 
     def stream(self, body: dict[str, Any]) -> ReplyStream:
         """POST /generate with "stream": true; errors before the first event raise here."""

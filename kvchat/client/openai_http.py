@@ -34,9 +34,10 @@ class Usage(NamedTuple):
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Usage:
-        usage = body.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        timings = body.get("timings") or {}
+        """Each statistic optional: one of another type (`"usage": "n/a"`) is not reported."""
+        usage = _object(body.get("usage"))
+        details = _object(usage.get("prompt_tokens_details"))
+        timings = _object(body.get("timings"))
         return cls(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")),
                    _int(details.get("cached_tokens")), _float(timings.get("prompt_ms")))
 
@@ -51,6 +52,10 @@ class Completion(NamedTuple):
     ttft_ms: float | None
     total_ms: float
     body: dict[str, Any]  # a `chat.completion` object assembled from the stream
+
+
+def _object(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _int(value: Any) -> int | None:
@@ -235,8 +240,8 @@ def _completion(text: str, finish: str, last: dict[str, Any], ttft: float | None
             "model": last.get("model"),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": finish}],
-            "usage": last.get("usage")}
-    if last.get("timings"):
+            "usage": last.get("usage") if isinstance(last.get("usage"), dict) else None}
+    if isinstance(last.get("timings"), dict) and last["timings"]:
         body["timings"] = last["timings"]
     return Completion(text, finish, usage, ttft, total, body)
 
