@@ -161,7 +161,8 @@ class BadEngine:
         act: Callable[[socket.socket], None] | None = {
             "silent": self._silent, "stall": self._stall, "drip": self._drip,
             "drip-body": self._drip_body,
-            "endless": self._endless, "gen-silent": self._silent}.get(name)
+            "endless": self._endless, "gen-silent": self._silent,
+            "one-long-line": self._one_long_line}.get(name)
         if act is not None:
             act(conn)
         else:
@@ -190,6 +191,12 @@ class BadEngine:
         conn.sendall(SSE_HEAD)
         while not self.stop.wait(DRIP_S):
             conn.sendall(b":")
+
+    def _one_long_line(self, conn: socket.socket) -> None:
+        """An event stream whose first line never ends: 64 KiB without a newline every 10 ms."""
+        conn.sendall(SSE_HEAD + b"data: ")
+        while not self.stop.wait(0.01):
+            conn.sendall(b"x" * 65536)
 
     def _endless(self, conn: socket.socket) -> None:
         """A well-formed stream of tokens that never finishes."""

@@ -29,9 +29,10 @@ from kvchat.cli import app as cli_app
 from kvchat.client import Client
 from kvchat.client.engine_chat import EngineBackend
 from kvchat.client.engines import detect
-from kvchat.client.errors import ReplyTimeout, ServerError
+from kvchat.client.errors import BadReply, ReplyTimeout, ServerError
 from kvchat.client.ledger import Ledger
 from kvchat.client.openai_http import OpenAIClient, Usage
+from kvchat.client.replies import lines
 from kvchat.config import Bounds, ConfigError, SamplingParams
 from kvchat.sessions import SessionStore
 from kvchat.ui.repl import Chat
@@ -136,6 +137,8 @@ def test_bounds_are_checked_with_the_option_names() -> None:
     ("sse-no-choices", "/v1/chat/completions has no `choices`: it is not a chat completion"),
     ("sse-not-utf8", "/v1/chat/completions is not UTF-8 text (byte 0xff"),
     ("sse-html", "/v1/chat/completions is not an event stream: it begins \"<html>"),
+    ("one-long-line", "/v1/chat/completions sent a line of over 1 MiB without ending it: it "
+                      "begins 'data: xxx"),
     ("json-garbage", "/v1/chat/completions is not JSON (Expecting property name"),
     ("json-no-choices", "/v1/chat/completions has no `choices`: it is not a chat completion"),
     ("json-not-utf8", "/v1/chat/completions is not UTF-8 text (byte 0xff"),
@@ -165,6 +168,42 @@ def test_a_wrong_typed_statistic_is_read_as_not_reported(behaviour, usage, body_
         reply = client.chat(ask(behaviour)).drain()
     assert (reply.text, reply.finish_reason, reply.usage) == ("fine reply", "stop", usage)
     assert reply.body["usage"] == body_usage and "timings" not in reply.body
+
+
+def test_an_event_stream_line_that_never_ends_fails_at_the_cap() -> None:
+    """A server streaming bytes without a newline: the line fails at 1 MiB, long before the
+    overall bound (the only one it would meet: bytes keep coming)."""
+    bounds = Bounds(1, 1, 10)
+    with BadEngine() as bad, OpenAIClient(bad.url, bounds=bounds) as client:
+        error, took = timed(lambda: client.chat(ask("one-long-line")).drain())
+        assert isinstance(error, BadReply), error
+        assert f"The reply from {bad.url}/v1/chat/completions sent a line of over 1 MiB " \
+               "without ending it" in str(error)
+    with BadEngine("kvchat") as bad, Client(bad.url, bounds=bounds) as kvchat:
+        stream = kvchat.stream({"prompt": "one-long-line"})
+        assert list(stream) == [] and stream.error is not None
+        assert "/generate sent a line of over 1 MiB without ending it" in stream.error
+    assert took < HUNG
+
+
+class Chunks:
+    """A response that sends its body in these pieces."""
+
+    def __init__(self, *pieces: bytes) -> None:
+        self.pieces = pieces
+
+    def iter_bytes(self):
+        yield from self.pieces
+
+
+def test_event_stream_lines_are_read_across_pieces() -> None:
+    got = list(lines("u", Chunks(b"data: a\r", b"\ndata: b\n\nda", b"", b"ta: c\r\n",
+                                 b"\xc3", b"\xa9\n", b"tail")))
+    assert got == ["data: a", "data: b", "", "data: c", "\u00e9", "tail"]
+    whole = b"x" * ((1 << 20) - 1)  # 1 MiB with its newline
+    assert list(lines("u", Chunks(whole[:10], whole[10:], b"\n"))) == [whole.decode()]
+    with pytest.raises(BadReply, match="sent a line of over 1 MiB without ending it"):
+        list(lines("u", Chunks(whole, b"yy", b"\n")))
 
 
 def test_a_whole_json_reply_to_a_streamed_request_is_read() -> None:
@@ -224,6 +263,7 @@ def test_batch_gives_each_bad_reply_its_error_row_and_goes_on(tmp_path: Path) ->
         "http-500": "answered HTTP 500 Internal Server Error: model crashed",
         "http-503": "answered HTTP 503 Service Unavailable",
         "json-garbage": "is not JSON",
+        "one-long-line": "sent a line of over 1 MiB without ending it",
     }
     unreported = ["usage-not-object", "details-not-object", "timings-not-object"]
     file = write_lines(tmp_path / "lines.jsonl", ["good", *said, *unreported, "good again"])

@@ -14,6 +14,10 @@ import httpx
 from kvchat.client.errors import BadReply
 
 SSE_FIELDS = ("data:", "event:", "id:", "retry:", ":")
+# The longest event-stream line read: a chunk of a chat completion is under 1 KiB, a kvchat
+# server's `done` event a few; a server sending bytes with no newline fails here, not at
+# --request-timeout (never, with it off), holding 1 MiB at most.
+MAX_LINE = 1 << 20
 
 
 def preview(text: str, width: int = 60) -> str:
@@ -57,16 +61,27 @@ def json_object(where: str, response: httpx.Response, needs: tuple[str, ...]) ->
 
 
 def lines(where: str, response: httpx.Response) -> Iterator[str]:
-    """An event stream's lines (LF or CRLF), each decoded as UTF-8."""
-    pending = bytearray()
-    for chunk in response.iter_bytes():
-        pending += chunk
-        *whole, rest = pending.split(b"\n")
-        pending = bytearray(rest)
-        for raw in whole:
-            yield utf8(where, bytes(raw.rstrip(b"\r")))
+    """An event stream's lines (LF or CRLF), each decoded as UTF-8. Each piece is scanned
+    once (only the unfinished line is kept); a line past MAX_LINE raises BadReply."""
+    pending = bytearray()  # the line not yet ended
+    for piece in response.iter_bytes():
+        start = 0
+        while (end := piece.find(b"\n", start)) >= 0:
+            pending += piece[start:end]
+            _check_length(where, pending)
+            yield utf8(where, bytes(pending.rstrip(b"\r")))
+            pending.clear()
+            start = end + 1
+        pending += piece[start:]
+        _check_length(where, pending)
     if pending:
         yield utf8(where, bytes(pending.rstrip(b"\r")))
+
+
+def _check_length(where: str, line: bytearray) -> None:
+    if len(line) > MAX_LINE:
+        raise BadReply(where, f"sent a line of over {MAX_LINE >> 20} MiB without ending it: "
+                       f"it begins {preview(line[:200].decode('utf-8', 'replace'))}")
 
 
 def events(where: str, response: httpx.Response) -> Iterator[tuple[str, str]]:
