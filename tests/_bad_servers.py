@@ -162,7 +162,7 @@ class BadEngine:
             "silent": self._silent, "stall": self._stall, "drip": self._drip,
             "drip-body": self._drip_body,
             "endless": self._endless, "gen-silent": self._silent,
-            "one-long-line": self._one_long_line}.get(name)
+            "one-long-line": self._one_long_line, "hang-up": self._hang_up}.get(name)
         if act is not None:
             act(conn)
         else:
@@ -197,6 +197,10 @@ class BadEngine:
         conn.sendall(SSE_HEAD + b"data: ")
         while not self.stop.wait(0.01):
             conn.sendall(b"x" * 65536)
+
+    def _hang_up(self, conn: socket.socket) -> None:
+        """Reads the request and closes the connection without a reply, as a dying engine."""
+        conn.close()
 
     def _endless(self, conn: socket.socket) -> None:
         """A well-formed stream of tokens that never finishes."""

@@ -327,6 +327,23 @@ def test_chat_says_which_bound_passed_and_goes_on(tmp_path: Path) -> None:
                                                          "good", "fine reply"]
 
 
+def test_a_lines_own_error_is_kept_after_another_line_found_the_engine_gone(
+        tmp_path: Path) -> None:
+    """Only lines this client hung up are "interrupted": a line whose own bound passes after
+    another line found the engine gone keeps its error."""
+    file = write_lines(tmp_path / "lines.jsonl", ["silent", "hang-up"])
+    out = tmp_path / "out.jsonl"
+    with BadEngine() as bad:
+        done = CliRunner().invoke(cli_app, [
+            "batch", str(file), "-o", str(out), "--connect", bad.url, "--sessions-dir",
+            str(tmp_path / "s"), "--concurrency", "2", "--idle-timeout", "1"], env=WIDE)
+    assert "Traceback" not in done.output, done.output
+    found = {r["id"]: r for r in rows(out)}
+    assert "sent nothing for 1 s (--idle-timeout)" in found["silent"].get("error", ""), \
+        found["silent"]
+    assert found["hang-up"]["status"] == "not_started", found["hang-up"]
+
+
 @pytest.mark.parametrize("kind", ["vllm", "kvchat"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_a_connect_batch_at_once_with_a_row_for_every_line(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvchat.batch.order import SendQueue, input_order, prompt_text, shared_prefix_groups
 from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure
 from kvchat.batch.requests import BatchItem
+from kvchat.client.errors import HungUp
 from kvchat.client.http import ServerGone
 from kvchat.client.openai_http import Completion, CompletionStream, OpenAIClient
 from kvchat.client.remote_turns import begin, conversation, record, request_body
@@ -210,7 +211,8 @@ class EngineRun(LineRun):
         except (KvchatError, ValueError) as exc:
             if session is not None and saved is not None:
                 session.system, session.messages = saved[0], saved[1]
-            if sent is not None and self.stopped.is_set():
+            if sent is not None and (isinstance(exc, HungUp)
+                                     or (stream is not None and stream.aborted)):
                 # Ctrl-C or SIGTERM hung up: the line was interrupted, as far as it came
                 text = stream.text if stream is not None else ""
                 self._record(ItemResult(item, result=EngineReply.interrupted(

@@ -24,6 +24,15 @@ class ServerGone(BackendGone):
     """The server cannot be reached, or went away mid-reply."""
 
 
+class HungUp(ServerGone):
+    """This client hung up the call (`close()`: Ctrl-C, SIGTERM) before the reply began: the
+    server did nothing wrong, and the client takes no more calls."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"The call to {url} was hung up by this client before the server "
+                         "answered: the command was interrupted.")
+
+
 class ReplyTimeout(ServerError):
     """One of a call's bounds passed (`kvchat.client.bounds`): `bound` is "connect", "idle" or
     "total", `seconds` its value. The call is hung up; the server may still be fine."""

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from kvchat.client.bounds import Bounds, Call, Calls, httpx_timeout, limits
-from kvchat.client.errors import BadReply, ServerError, ServerGone
+from kvchat.client.errors import BadReply, HungUp, ServerError, ServerGone
 from kvchat.client.replies import events, json_object, json_text, preview
 
 
@@ -122,6 +122,11 @@ class CompletionStream:
     @property
     def text(self) -> str:
         return "".join(self._parts)
+
+    @property
+    def aborted(self) -> bool:
+        """This client hung up the call (Ctrl-C, SIGTERM) while the reply was coming."""
+        return self._call is not None and self._call.aborted
 
     @property
     def hung_up(self) -> bool:
@@ -304,16 +309,20 @@ class OpenAIClient:
         except BaseException as exc:
             self._calls.end(call)
             if isinstance(exc, httpx.HTTPError):
-                raise call.failure(exc) or unreachable(self.url, exc) from None
+                raise call.failure(exc) or self._lost(call, exc) from None
             raise
         if response.status_code >= 400:
             try:
                 response.read()
                 error: ServerError | ServerGone = refused(self.url, response)
             except httpx.HTTPError as exc:
-                error = call.failure(exc) or unreachable(self.url, exc)
+                error = call.failure(exc) or self._lost(call, exc)
             finally:
                 context.__exit__(None, None, None)
                 self._calls.end(call)
             raise error
         return CompletionStream(self.url, response, context, started, call, self._calls)
+
+    def _lost(self, call: Call, exc: Exception) -> ServerGone:
+        """Why a call that passed no bound failed: this client hung up, or the server is gone."""
+        return HungUp(self.url) if call.aborted else unreachable(self.url, exc)
