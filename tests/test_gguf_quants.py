@@ -55,3 +55,40 @@ def test_a_quantized_gguf_converts_and_runs_exactly(quant, tiny_tokenizer, tmp_p
     rows = verify_prompt(engine, prompt, quant, 6)
     assert [r.source for r in rows] == ["radix", "exact", "off"]
     assert all(r.ok and r.generated == 6 for r in rows), rows
+
+
+@pytest.mark.parametrize(("quant", "precision"), [("Q4_K_M", "int4"), ("Q8_0", "int8"),
+                                                  ("Q6_K", "int4"), ("F16", "bfloat16")])
+def test_a_gguf_streams_into_the_model_bit_for_bit_as_a_float32_copy_gave(
+        quant, precision, tiny_tokenizer, tmp_path):
+    """Each tensor read from the file and packed as it arrives gives the very numbers that
+    de-quantizing the whole file to float32 (transformers' GGUF loader) and packing that gave,
+    while holding one tensor in float32 at a time."""
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.models.gguf_weights import load_gguf_weights
+    from kvchat.models.precision import torch_dtype
+    from kvchat.models.quant import quantize_model
+
+    config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
+                               num_hidden_layers=2)
+    path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / f"{quant}.gguf",
+                           QUANTS[quant])
+    loaded = load_model(str(path), dtype=precision)
+    dtype = torch_dtype("bfloat16")
+    whole = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32 if precision != "bfloat16"
+        else dtype, local_files_only=True).eval()
+    if precision in ("int4", "int8"):
+        quantize_model(whole, precision)
+    ours, theirs = loaded.model.state_dict(), whole.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k])
+               for k in ours)
+    ids = torch.tensor([[5, 9, 2, 40, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, whole(ids).logits)
+    _, done = load_gguf_weights(path, loaded.model.config, precision, dtype)
+    biggest = max(t.n_elements for t in gguf.GGUFReader(path).tensors)
+    assert done.largest_float_bytes == 4 * biggest  # one tensor at a time, never the model
+    assert done.n_params == loaded.facts.n_params

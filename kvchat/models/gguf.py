@@ -1,10 +1,10 @@
-"""GGUF files converted once into safetensors folders in the kvchat cache dir.
+"""A GGUF's config, tokenizer and chat template, written once into a folder in the kvchat cache
+dir; its weights stay in the GGUF and load from it (`kvchat.models.gguf_weights`).
 
-transformers de-quantizes a GGUF (any quantization gguf-py reads: F32, F16, BF16, Q8_0, Q4_0/1,
-Q5_0/1, the K-quants, ...) in about a quarter of a second per MB on a laptop CPU, ~25 s for
-SmolLM2's, and loads the converted folder in well under a second. A conversion shows a spinner
-with the time it has taken, writes to a temporary folder and renames it into place, so an
-interrupted first run leaves nothing half-written behind; one that fails is one paragraph.
+A conversion reads the file's metadata only (transformers' GGUF reader: the architectures it
+knows, any quantization gguf-py reads), shows a spinner with the time it has taken, writes to a
+temporary folder and renames it into place, so an interrupted first run leaves nothing
+half-written behind; one that fails is one paragraph.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import platformdirs
 
@@ -27,10 +26,12 @@ from kvchat.errors import KvchatError, ModelError
 
 CACHE_ENV_VAR = "KVCHAT_CACHE_DIR"
 SOURCE_RECORD = "kvchat-source.json"
+# What a converted folder holds: 2, the config and tokenizer only (the weights stay in the GGUF)
+FOLDER_FORMAT = 2
 
-# Seconds per MB of GGUF on a laptop CPU: 98 MB (SmolLM2, Q4_1) took 15-25 s, 250 MB (Gemma 3
-# 270M, Q4_K_M, a 262k vocabulary) 64 s. The message gives a range around it.
-SECONDS_PER_MB = 0.25
+# Seconds per MB of GGUF for reading its metadata and writing the tokenizer (its vocabulary is
+# most of the work): SmolLM2's 98 MB took 12 s on a loaded 2-core VM. A range goes around it.
+SECONDS_PER_MB = 0.1
 
 # Temp conversion folders are named "<prefix><final name>.<pid>.<random>" so that a later run can
 # tell a dead run's leftovers from a conversion another live process is doing right now.
@@ -74,7 +75,7 @@ def ensure_converted(
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
     try:
         name = label or gguf.stem
-        with _status(f"Converting {name} GGUF to safetensors, first run only "
+        with _status(f"Reading {name} GGUF's config and tokenizer, first run only "
                      f"({estimate(gguf.stat().st_size)} on a laptop CPU)…"):
             _converting(convert, gguf, tmp)
         _write_source_record(tmp, gguf)
@@ -124,31 +125,19 @@ def _converting(convert: Converter, gguf: Path, out_dir: Path) -> None:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """De-quantize `gguf` into a float32 safetensors folder with its tokenizer and chat template."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Write `gguf`'s config, tokenizer and chat template as a model folder, from the file's
+    metadata alone: the weights stay in the GGUF and are loaded from it, one tensor at a time
+    (`kvchat.models.gguf_weights`)."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    kwargs: dict[str, Any] = {}
-    try:
-        from transformers import GgufConfig
-
-        # Dense weights are what save_pretrained can write; without this, transformers keeps them
-        # packed whenever a GGUF matmul kernel happens to be installed.
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:
-        pass
-    # Some of transformers' GGUF and saving progress bars bypass its logging switches.
+    # Some of transformers' GGUF progress bars bypass its logging switches.
     with quiet_transformers(), contextlib.redirect_stderr(io.StringIO()):
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True, **kwargs
-        )
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                            local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(
             gguf.parent, gguf_file=gguf.name, local_files_only=True
         )
-        quantizer = getattr(model, "hf_quantizer", None)
-        if quantizer is not None:
-            quantizer.remove_quantization_config(model)
-        model.save_pretrained(out_dir)
+        config.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     template = getattr(tokenizer, "chat_template", None)
     if template:
@@ -187,12 +176,22 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file()
+    """A folder a completed conversion of this kvchat's kind renamed into place: one from a
+    kvchat that stored float32 weights there (no "format" in its record) is made again, which
+    frees their space."""
+    if not (folder / "config.json").is_file():
+        return False
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("format") == FOLDER_FORMAT
 
 
 def _write_source_record(folder: Path, gguf: Path) -> None:
     stat = gguf.stat()
-    record = {"gguf": str(gguf.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    record = {"gguf": str(gguf.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+              "format": FOLDER_FORMAT}
     (folder / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -386,26 +386,31 @@ def load_model(
     dtype_obj = torch_dtype(precision.compute_dtype)
     location = weights_location(source)
     config = load_config(source, location)
-    placement: dict[str, Any] = {}
-    if device_name == "cuda":
-        # accelerate spreads a model too large for one GPU over all of them.
-        placement["device_map"] = "auto"
-    elif device_name != "cpu":
-        placement["device_map"] = {"": device_name}
-    with load_errors(source), quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(
-            location,
-            config=config,
-            # quantized from the float32 weights, so a GGUF's grid is found again exactly
-            dtype=torch.float32 if precision.quantized else dtype_obj,
-            local_files_only=source.is_local,
-            **placement,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=source.is_local)
-    model.eval()
-    facts = model_facts(config, model)  # counted before packing hides the weights in buffers
-    if precision.quantized:
-        quantize_model(model, precision.name)
+    if source.is_gguf:
+        model, facts = _load_gguf(source, config, precision, dtype_obj, device_name)
+        with load_errors(source), quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
+    else:
+        placement: dict[str, Any] = {}
+        if device_name == "cuda":
+            # accelerate spreads a model too large for one GPU over all of them.
+            placement["device_map"] = "auto"
+        elif device_name != "cpu":
+            placement["device_map"] = {"": device_name}
+        with load_errors(source), quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                location,
+                config=config,
+                # quantized from the float32 weights, so a grid is found again exactly
+                dtype=torch.float32 if precision.quantized else dtype_obj,
+                local_files_only=source.is_local,
+                **placement,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=source.is_local)
+        model.eval()
+        facts = model_facts(config, model)  # counted before packing hides the weights in buffers
+        if precision.quantized:
+            quantize_model(model, precision.name)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -417,6 +422,19 @@ def load_model(
         precision=precision,
         step_bytes=step_bytes(model),
     )
+
+
+def _load_gguf(source: ModelSource, config: PretrainedConfig, precision: Precision,
+               dtype: torch.dtype, device: str) -> tuple[Any, ModelFacts]:
+    """The GGUF's weights read straight into the model, packed as they arrive: never a float32
+    copy of the whole model, on disk or in memory (`kvchat.models.gguf_weights`)."""
+    from kvchat.models.gguf_weights import load_gguf_weights
+
+    with load_errors(source), quiet_transformers():
+        model, done = load_gguf_weights(Path(source.location), config, precision.name, dtype)
+    if device != "cpu":
+        model.to(device)
+    return model, replace(model_facts(config, count=False), n_params=done.n_params)
 
 
 def _input_device(model: Any) -> torch.device:

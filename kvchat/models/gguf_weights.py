@@ -1,0 +1,172 @@
+"""A GGUF's weights loaded straight into the model, one tensor at a time: no float32 copy on disk
+or in memory.
+
+The model is built weightless (parameters on the meta device, buffers real), then each tensor of
+the file is read through gguf-py's memory map, de-quantized on its own (gguf-py decodes every
+type it knows: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants, IQ*), turned into the form
+transformers' own GGUF loader gives it (`TENSOR_PROCESSORS`: Llama's q/k rows back in Hugging
+Face order, Gemma's norms less one) and put where it belongs, packed at once when it is a linear
+layer's weight at int4 or int8 (`kvchat.models.quant`). Peak memory is the packed model plus one
+tensor in float32, not the whole float model; the numbers are the ones a float32 conversion
+gave, so a packed layer is bit for bit what quantizing the converted model gave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvchat.errors import ModelError
+from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class StreamedLoad:
+    """What loading a GGUF did: tensors read, layers packed per kind, the largest float tensor
+    it held at once (bytes), and the parameters the file set."""
+
+    tensors: int
+    int4_layers: int
+    int8_layers: int
+    dense_layers: int
+    largest_float_bytes: int
+    n_params: int
+
+
+def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtype,
+                      progress: Progress | None = None) -> tuple[Any, StreamedLoad]:
+    """The causal LM of `config` with the weights of `gguf`: linear layers packed to `precision`
+    ("int4": int4 groups, the output head int8; "int8": int8 rows) where the kernels take their
+    shape, everything else in `dtype`; for any other precision every tensor in `dtype`."""
+    from accelerate import init_empty_weights
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    from kvchat.models.gguf import quiet_transformers
+
+    reader = GGUFReader(str(gguf))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    with init_empty_weights(include_buffers=False), quiet_transformers():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = _tensor_names(model, processor, arch, config)
+    if not set(names.values()) >= {n for n, _ in model.named_parameters()}:
+        names = get_gguf_hf_weights_map(model, processor)  # nested models: transformers' walk
+    packs = precision in ("int4", "int8")
+    head = model.get_output_embeddings()
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    embed = model.get_input_embeddings()
+    counts = {"int4": 0, "int8": 0, "dense": 0}
+    largest = n_params = 0
+    total = len(reader.tensors)
+    for done, tensor in enumerate(reader.tensors, 1):
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters={"config": config.to_dict(), "tensors": {}})
+        hf_name = names.get(result.name)
+        if hf_name is not None:
+            array = result.weights  # a view of the memory map for F32: copied, else fresh
+            value = torch.from_numpy(array if array.flags.writeable else array.copy()).float()
+            largest = max(largest, value.numel() * 4)
+            n_params += value.numel()
+            parent, leaf = _owner(model, hf_name)
+            linear = isinstance(parent, (nn.Linear, QuantLinear))
+            if packs and linear and leaf == "weight":
+                counts[_pack(model, hf_name, value, precision, parent is head)] += 1
+            elif isinstance(parent, QuantLinear) and leaf == "bias":  # after its packed weight
+                parent.bias = nn.Parameter(value.to(torch.bfloat16), requires_grad=False)
+            else:
+                param = nn.Parameter(value.to(torch.bfloat16 if packs else dtype),
+                                     requires_grad=False)
+                parent.register_parameter(leaf, param)
+                if tied and parent is embed and leaf == "weight" and head is not None:
+                    if packs:  # the head reads the embedding's numbers, packed from them
+                        counts[_pack(model, _name_of(model, head) + ".weight", value, precision,
+                                     True)] += 1
+                    else:
+                        head.weight = param
+            del value
+        del weights, result
+        if progress is not None:
+            progress(done, total)
+    missing = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ModelError(f"{gguf.name} lacks tensors this {type(model).__name__} needs: "
+                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}.")
+    return model, StreamedLoad(total, counts["int4"], counts["int8"], counts["dense"], largest,
+                               n_params)
+
+
+def _tensor_names(model: nn.Module, processor: Any, arch: str, config: Any) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name, from gguf-py's table for the file's
+    architecture: what transformers' `get_gguf_hf_weights_map` finds, in one pass instead of
+    one per submodule (seconds for a 30-layer model)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    key = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if key is None:
+        return {}
+    table = get_tensor_name_map(key, int(config.get_text_config().num_hidden_layers))
+    names: dict[str, str] = {}
+    for hf_name in model.state_dict():
+        base, dot, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, dot, suffix = hf_name, "", ""
+        found = table.get_name(base)
+        if found is not None:
+            names[found + dot + suffix] = hf_name
+    return names
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding the tensor `name`, and the tensor's own name in it."""
+    path, _, leaf = name.rpartition(".")
+    return model.get_submodule(path), leaf
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _pack(model: nn.Module, name: str, weight: torch.Tensor, precision: str,
+          is_head: bool) -> str:
+    """Replace the linear layer whose weight is `name` by its packed form built from `weight`
+    (float32), as `quantize_model` packs one: int4 groups under int4 (the head int8), int8 rows,
+    or dense bfloat16 where neither kernel takes the shape. Returns which."""
+    path = name.rpartition(".")[0]
+    layer = model.get_submodule(path)
+    assert isinstance(layer, (nn.Linear, QuantLinear))
+    n, k = int(layer.out_features), int(layer.in_features)
+    dense = nn.Linear(k, n, bias=False)
+    dense.weight = nn.Parameter(weight, requires_grad=False)
+    bias = layer.bias if isinstance(layer.bias, torch.Tensor) else None
+    waits = bias is not None and bias.device.type == "meta"  # the file's bias comes later
+    if bias is not None and not waits:
+        dense.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    packed: nn.Module
+    if precision == "int4" and not is_head and Int4Linear.fits(dense):
+        packed, kind = Int4Linear(dense), "int4"
+    elif Int8Linear.fits(dense):
+        packed, kind = Int8Linear(dense), "int8"
+    else:
+        dense.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
+        packed, kind = dense, "dense"
+    if waits:  # still meta, so a file without it is refused below
+        packed.bias = nn.Parameter(torch.empty(n, device="meta"), requires_grad=False)
+    parent, attr = _owner(model, path)
+    setattr(parent, attr, packed)
+    return kind
