@@ -13,6 +13,7 @@ gave, so a packed layer is bit for bit what quantizing the converted model gave.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelError
+from kvchat.models.precision import GGUFTensor, gguf_layout
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
 Progress = Callable[[int, int], None]
@@ -45,8 +47,14 @@ def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtyp
     """The causal LM of `config` with the weights of `gguf`: linear layers packed to `precision`
     ("int4": int4 groups, the output head int8; "int8": int8 rows) where the kernels take their
     shape, everything else in `dtype`; for any other precision every tensor in `dtype`."""
+    with open(gguf, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return _load(buf, gguf, config, precision, dtype, progress)
+
+
+def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.dtype,
+          progress: Progress | None) -> tuple[Any, StreamedLoad]:
     from accelerate import init_empty_weights
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -56,9 +64,8 @@ def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtyp
 
     from kvchat.models.gguf import quiet_transformers
 
-    reader = GGUFReader(str(gguf))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    layout = gguf_layout(buf)
+    arch = layout.architecture
     with init_empty_weights(include_buffers=False), quiet_transformers():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
@@ -72,9 +79,9 @@ def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtyp
     embed = model.get_input_embeddings()
     counts = {"int4": 0, "int8": 0, "dense": 0}
     largest = n_params = 0
-    total = len(reader.tensors)
-    for done, tensor in enumerate(reader.tensors, 1):
-        weights = dequantize(tensor.data, tensor.tensor_type)
+    total = len(layout.tensors)
+    for done, tensor in enumerate(layout.tensors, 1):
+        weights = dequantize(_data(buf, tensor), tensor.ggml_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters={"config": config.to_dict(), "tensors": {}})
         hf_name = names.get(result.name)
@@ -109,6 +116,25 @@ def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtyp
                          f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}.")
     return model, StreamedLoad(total, counts["int4"], counts["int8"], counts["dense"], largest,
                                n_params)
+
+
+def _data(buf: mmap.mmap, tensor: GGUFTensor) -> Any:
+    """A tensor's data in the memory map, shaped as gguf-py's reader shapes it (numpy's order;
+    the quantized types as rows of bytes), read-only: what `dequantize` takes."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    kind = GGMLQuantizationType(tensor.ggml_type)
+    shape = tuple(reversed(tensor.dims))
+    plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+    if kind in plain:
+        count = int(np.prod(shape))
+        return np.frombuffer(buf, plain[kind], count, tensor.offset).reshape(shape)
+    block, size = GGML_QUANT_SIZES[kind]
+    count = int(np.prod(shape)) * size // block
+    return np.frombuffer(buf, np.uint8, count, tensor.offset).reshape(
+        quant_shape_to_byte_shape(shape, kind))
 
 
 def _tensor_names(model: nn.Module, processor: Any, arch: str, config: Any) -> dict[str, str]:
