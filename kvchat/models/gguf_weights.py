@@ -54,7 +54,7 @@ def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtyp
 def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.dtype,
           progress: Progress | None) -> tuple[Any, StreamedLoad]:
     from accelerate import init_empty_weights
-    from gguf import dequantize
+    from gguf import GGMLQuantizationType, dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -81,7 +81,7 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
     largest = n_params = 0
     total = len(layout.tensors)
     for done, tensor in enumerate(layout.tensors, 1):
-        weights = dequantize(_data(buf, tensor), tensor.ggml_type)
+        weights = dequantize(_data(buf, tensor), GGMLQuantizationType(tensor.ggml_type))
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters={"config": config.to_dict(), "tensors": {}})
         hf_name = names.get(result.name)
