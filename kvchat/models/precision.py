@@ -248,21 +248,9 @@ class _HeaderReader:
         return GGUFLayout(arch, tuple(GGUFTensor(n, d, t, start + o) for n, d, t, o in tensors))
 
     def tensor_types(self) -> dict[int, int]:
-        if bytes(self.buf[:4]) != b"GGUF":
-            raise ValueError("not a GGUF file")
-        self.at = 4
-        if self._take("I") < 2:
-            raise ValueError("GGUF version 1 is not supported")
-        n_tensors, n_kv = self._take("Q"), self._take("Q")
-        for _ in range(n_kv):
-            self._string()
-            self._skip_value(self._take("I"))
         counts: dict[int, int] = {}
-        for _ in range(n_tensors):
-            name = self._string()
-            dims = [self._take("Q") for _ in range(self._take("I"))]
-            ggml_type = self._take("I")
-            self._take("Q")  # data offset
-            if len(dims) == 2 and name != b"token_embd.weight":
-                counts[ggml_type] = counts.get(ggml_type, 0) + dims[0] * dims[1]
+        for tensor in self.layout().tensors:
+            if len(tensor.dims) == 2 and tensor.name != "token_embd.weight":
+                n = tensor.dims[0] * tensor.dims[1]
+                counts[tensor.ggml_type] = counts.get(tensor.ggml_type, 0) + n
         return counts
