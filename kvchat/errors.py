@@ -39,3 +39,8 @@ class ModelOptionError(ModelError):
 class UnpageableArchitecture(ModelError):
     """A model whose per-layer state is not per-token keys and values kvchat can page and share
     by prefix: recurrent and hybrid (Mamba-style) layers, encoder-decoders, latent attention."""
+
+
+class ModelTooLarge(ModelError):
+    """A model whose estimated footprint (weights, K/V pool, runtime) exceeds the memory this
+    machine has available: refused before its weights load."""

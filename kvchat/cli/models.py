@@ -6,17 +6,21 @@ from typing import TYPE_CHECKING
 
 from kvchat.cli.app import app, stdout
 from kvchat.cli.options import (
+    BlockSizeOption,
+    CacheMbOption,
     DeviceOption,
     DtypeOption,
     ModelOption,
 )
 
 if TYPE_CHECKING:
-    pass
+    from kvchat.models.footprint import Available, Footprint
 
 from rich import box
 from rich.table import Table
 
+from kvchat.config import CacheConfig
+from kvchat.models.footprint import IGNORE_ENV_VAR, available_memory, footprint_of
 from kvchat.models.loading import ModelReport, describe_model
 
 
@@ -25,15 +29,23 @@ def models(
     model: ModelOption = None,
     dtype: DtypeOption = None,
     device: DeviceOption = "auto",
+    block_size: BlockSizeOption = 16,
+    cache_mb: CacheMbOption = 1024.0,
 ) -> None:
-    """Show which model would load, from where, at which precision, what one decode step reads
-    and what its KV cache costs per token."""
+    """Show which model would load, from where, at which precision, what one decode step reads,
+    what its KV cache costs per token and the memory it will hold against what this machine
+    has."""
+    cache = CacheConfig(block_size=block_size, cache_mb=cache_mb)
     report = describe_model(model, dtype=dtype, device=device)
-    stdout().print(model_table(report))
+    per_token = report.facts.kv_bytes_per_token(report.dtype)
+    footprint = footprint_of(report.source, report.folder, report.precision.name,
+                             report.tied_head, per_token, cache)
+    stdout().print(model_table(report, footprint, available_memory()))
 
 
-def model_table(report: ModelReport) -> Table:
-    """The `kvchat models` table: a pure function of the report."""
+def model_table(report: ModelReport, footprint: Footprint | None = None,
+                available: Available | None = None) -> Table:
+    """The `kvchat models` table: a pure function of the report and the memory estimate."""
     facts = report.facts
     table = Table(title=report.source.description, box=box.SIMPLE_HEAD, show_header=False)
     table.add_column("what", style="bold")
@@ -70,7 +82,30 @@ def model_table(report: ModelReport) -> Table:
     table.add_row("KV bytes per token", f"{per_token:,}")
     # 1k tokens of B bytes each take B KB.
     table.add_row("KV per 1k tokens", f"{per_token:,} KB ({per_token * 1000 / 2**20:,.1f} MiB)")
+    table.add_row("Resident after load", _resident(footprint))
+    table.add_row("Memory available", _available(footprint, available, report.device))
     return table
+
+
+def _resident(footprint: Footprint | None) -> str:
+    if footprint is None:
+        return "unknown (a hub model: its files are not read before loading)"
+    return (f"~{_size(footprint.resident)} (weights {_size(footprint.weights)}, K/V pool "
+            f"{_size(footprint.kv_pool)} when full, runtime {_size(footprint.runtime)}); "
+            f"up to ~{_size(footprint.while_loading)} while loading "
+            f"({_size(footprint.loading)} of float32 copies)")
+
+
+def _available(footprint: Footprint | None, available: Available | None, device: str) -> str:
+    if available is None:
+        return "unknown (no /proc/meminfo here): loading is not checked"
+    text = f"{_size(available.bytes)} ({available.where})"
+    if footprint is None or device != "cpu":
+        return text
+    if footprint.total <= available.bytes:
+        return f"{text}: fits (at most ~{_size(footprint.total)} at once)"
+    return (f"{text}: does not fit (~{_size(footprint.total)} at once), so loading is refused "
+            f"unless {IGNORE_ENV_VAR}=1")
 
 
 def _window(window: int | None, sliding: int | None, n_layers: int) -> str:

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+    from kvchat.config import CacheConfig
+
 DEFAULT_SPECS = frozenset({"default", "smollm2"})
 # A hub id: "name" or "owner/name" (https://huggingface.co/docs/hub/repositories).
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -372,9 +374,13 @@ def _with_stored_count(config: PretrainedConfig, folder: Path | None) -> ModelFa
 
 
 def load_model(
-    spec: str | None, dtype: str | None = None, device: str | None = "auto"
+    spec: str | None, dtype: str | None = None, device: str | None = "auto",
+    cache: CacheConfig | None = None,
 ) -> LoadedModel:
-    """Load a model and tokenizer for inference. Local folders and GGUFs never touch the network."""
+    """Load a model and tokenizer for inference. Local folders and GGUFs never touch the network.
+
+    Before any weight loads on CPU, a model whose footprint (with a K/V pool sized by `cache`;
+    None: no pool counted) exceeds the memory available is refused (ModelTooLarge)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -386,6 +392,8 @@ def load_model(
     dtype_obj = torch_dtype(precision.compute_dtype)
     location = weights_location(source)
     config = load_config(source, location)
+    if device_name == "cpu":  # on a GPU the weights and the pool live in its memory
+        _refuse_if_too_large(source, location, config, precision, cache)
     if source.is_gguf:
         model, facts = _load_gguf(source, config, precision, dtype_obj, device_name)
         with load_errors(source), quiet_transformers():
@@ -422,6 +430,17 @@ def load_model(
         precision=precision,
         step_bytes=step_bytes(model),
     )
+
+
+def _refuse_if_too_large(source: ModelSource, location: str, config: PretrainedConfig,
+                         precision: Precision, cache: CacheConfig | None) -> None:
+    from kvchat.models.footprint import available_memory, check_fits, footprint_of
+
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    per_token = model_facts(config, count=False).kv_bytes_per_token(precision.name)
+    folder = Path(location) if source.is_local else None
+    footprint = footprint_of(source, folder, precision.name, tied, per_token, cache)
+    check_fits(footprint, available_memory(), source.description, precision.name)
 
 
 def _load_gguf(source: ModelSource, config: PretrainedConfig, precision: Precision,

@@ -1,0 +1,270 @@
+"""The memory a model holds once loaded, estimated before it loads, and the memory this machine
+has for it.
+
+Four parts, each from files alone (a GGUF's header, a folder's safetensors headers):
+- weights as kvchat packs them (`kvchat.models.quant`, `kvchat.models.gguf_weights`): under int4
+  a linear weight is 4 bits plus a bfloat16 scale and zero per 32 weights (5/8 byte), the output
+  head int8 (1 byte plus a bfloat16 scale per row), as under int8; a tied head is packed on its
+  own while the embedding, the norms and the biases stay bfloat16. Float precisions: the
+  precision's itemsize per parameter, a tied head stored once.
+- the K/V pool at its configured size (`CacheConfig.blocks_for`), counted full: it is reserved
+  at once and its pages become resident as blocks fill.
+- the runtime: python with torch, transformers and kvchat imported, and a tokenizer.
+- what a load holds on the side: a GGUF one tensor at a time, in float32 with the copies its
+  de-quantizing makes; a folder at int4 / int8 its whole float32 model, the packing's input.
+  It is freed before the tokenizer loads and the pool is made, so the need is the larger of the
+  two moments, not their sum.
+
+Torch-free, like `kvchat.models.precision`: `kvchat models` reads it cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvchat.errors import ModelTooLarge
+from kvchat.models.precision import gguf_layout
+
+if TYPE_CHECKING:
+    from kvchat.config import CacheConfig
+    from kvchat.models.loading import ModelSource
+
+# Measured on a 2-core x86 VM (VmRSS in /proc/self/status) loading the embedded SmolLM2 (int4)
+# and Gemma 3 270M (Q4_K_M, int8) as `kvchat batch` does: 340 MiB with python, torch,
+# transformers and kvchat imported, before any model; after the load, less the weights and the
+# tokenizer, 130 / 65 MiB more (heap the load leaves behind, the model's classes).
+IMPORTS_BYTES = 340 * 2**20
+RUNTIME_BYTES = 470 * 2**20
+# A loaded tokenizer took 127 MiB for SmolLM2's 3.5 MB tokenizer.json and 323 MiB for Gemma 3's
+# 33 MB: about 104 MiB plus 6.6 bytes per byte of the file.
+TOKENIZER_BYTES = 104 * 2**20
+TOKENIZER_PER_FILE_BYTE = 6.6
+# De-quantizing a GGUF's largest tensor and packing it peaked at 3.8x (SmolLM2's embedding) and
+# 4.3x (Gemma 3's, with 0.3x of the file's own pages) its float32 size: gguf-py's float32
+# intermediates, the result, the bfloat16 copy and the int8 head's temporaries.
+GGUF_LOAD_COPIES = 4.0
+IGNORE_ENV_VAR = "KVCHAT_IGNORE_MEMORY"
+_GROUP = 32  # int4 weights per bfloat16 scale and zero (kvchat.models.quant.GROUP)
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2, "int4": 2}
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                         "I8": 1, "U8": 1, "BOOL": 1}
+_UNLIMITED = 2**60  # a cgroup v1 "no limit" is 2**63 less a page
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes a model needs in memory: `resident` once loaded with the pool full, `while_loading`
+    at the load's peak (counting every weight already there), `total` the larger."""
+
+    weights: int
+    kv_pool: int
+    runtime: int  # the interpreter and libraries, the tokenizer
+    loading: int  # float32 held on the side while the weights load
+
+    @property
+    def resident(self) -> int:
+        return self.weights + self.kv_pool + self.runtime
+
+    @property
+    def while_loading(self) -> int:
+        # the tokenizer loads, and the pool is made, after the weights
+        return self.weights + IMPORTS_BYTES + self.loading
+
+    @property
+    def total(self) -> int:
+        return max(self.resident, self.while_loading)
+
+
+@dataclass(frozen=True)
+class Available:
+    """Memory this process may still take, and where the number was read."""
+
+    bytes: int
+    where: str
+
+
+class _Weights(NamedTuple):
+    packed: int  # bytes the loaded model's tensors hold
+    loading: int  # float32 bytes held on the side during the load
+
+
+def footprint_of(source: ModelSource, folder: Path | None, precision: str, tied: bool,
+                 kv_bytes_per_token: int, cache: CacheConfig | None) -> Footprint | None:
+    """The footprint of a resolved model whose config and tokenizer are in `folder` (the
+    converted folder of a GGUF); None for a hub id, whose files are not read before loading."""
+    if not source.is_local or folder is None:
+        return None
+    weights = Path(source.location) if source.is_gguf else folder
+    return estimate(weights, source.is_gguf, precision, tied, kv_bytes_per_token, cache, folder)
+
+
+def estimate(location: Path, is_gguf: bool, precision: str, tied: bool,
+             kv_bytes_per_token: int, cache: CacheConfig | None,
+             tokenizer_folder: Path | None = None) -> Footprint | None:
+    """The footprint of the model at `location` (a .gguf file, or a folder of safetensors) at
+    `precision`, with a pool sized by `cache` (None: no pool) and the tokenizer.json of
+    `tokenizer_folder`; None if no weights can be read there (a hub id, a folder of .bin
+    files)."""
+    try:
+        weights = _gguf_weights(location, precision, tied) if is_gguf \
+            else _folder_weights(location, precision, tied)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    if weights is None:
+        return None
+    pool = 0
+    if cache is not None:
+        pool = cache.blocks_for(kv_bytes_per_token) * cache.block_size * kv_bytes_per_token
+    return Footprint(weights.packed, pool, runtime_bytes(tokenizer_folder), weights.loading)
+
+
+def runtime_bytes(tokenizer_folder: Path | None) -> int:
+    """The fixed cost of a kvchat process with a model's tokenizer loaded."""
+    path = tokenizer_folder / "tokenizer.json" if tokenizer_folder is not None else None
+    size = path.stat().st_size if path is not None and path.is_file() else 0
+    return RUNTIME_BYTES + TOKENIZER_BYTES + int(size * TOKENIZER_PER_FILE_BYTE)
+
+
+def _linear_bytes(n: int, k: int, precision: str, is_head: bool) -> int:
+    """Bytes of an (n, k) linear weight as `gguf_weights._pack` / `quantize_model` pack it: the
+    kernels' own shape conditions (`Int4Linear.fits`, `Int8Linear.fits`) decide, else dense."""
+    if precision == "int4" and not is_head and k % _GROUP == 0 and n % 16 == 0:
+        return n * k // 2 + (k // _GROUP) * n * 4  # (N, K/2) uint8 + (K/32, N, 2) bfloat16
+    if precision in ("int4", "int8") and k % 16 == 0:
+        return n * k + n * 2  # (N, K) int8 + (N,) bfloat16
+    return n * k * _ITEMSIZE[precision]
+
+
+def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
+    packs = precision in ("int4", "int8")
+    size = _ITEMSIZE[precision]
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        tensors = gguf_layout(buf).tensors
+    total = largest = 0
+    for tensor in tensors:
+        if tensor.name.startswith("rope_freqs"):  # llama.cpp's own; transformers has none
+            continue
+        count = math.prod(tensor.dims)
+        largest = max(largest, count)
+        embedding = "embd" in tensor.name  # token_embd, position_embd: not linear layers
+        if packs and len(tensor.dims) == 2 and not embedding:
+            k, n = tensor.dims  # GGUF's order: the fastest-varying (input) first
+            total += _linear_bytes(n, k, precision, tensor.name == "output.weight")
+        else:
+            total += count * size
+        if packs and tied and tensor.name == "token_embd.weight":
+            k, n = tensor.dims  # the head, packed from the embedding's numbers
+            total += _linear_bytes(n, k, precision, True)
+    return _Weights(total, int(GGUF_LOAD_COPIES * 4 * largest))
+
+
+def _folder_weights(folder: Path, precision: str, tied: bool) -> _Weights | None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    packs = precision in ("int4", "int8")
+    total = largest = floats = 0
+    for path in files:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            shape, count = entry["shape"], math.prod(entry["shape"])
+            floats += 4 * count
+            largest = max(largest, count * _SAFETENSORS_ITEMSIZE.get(entry["dtype"], 4))
+            embedding = "embed" in name or name.endswith(("wte.weight", "wpe.weight"))
+            if packs and len(shape) == 2 and name.endswith(".weight") and not embedding:
+                total += _linear_bytes(shape[0], shape[1], precision, name == "lm_head.weight")
+            else:
+                total += count * _ITEMSIZE[precision]
+            if packs and tied and embedding and "embed_tokens" in name:
+                total += _linear_bytes(shape[0], shape[1], precision, True)
+    # int4 / int8 load the float32 model whole and pack it; a float load reads tensor by tensor
+    return _Weights(total, floats if packs else largest)
+
+
+# --- what this machine has ------------------------------------------------------------------
+
+
+def available_memory() -> Available | None:
+    """MemAvailable of /proc/meminfo, or less where a cgroup limit leaves less (its limit less
+    what the group holds, reclaimable file pages aside); None where neither can be read."""
+    found: list[Available] = []
+    meminfo = _read("/proc/meminfo")
+    for line in (meminfo or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            found.append(Available(int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    for limit, usage, stat, inactive in (
+        ("memory.max", "memory.current", "memory.stat", "inactive_file"),  # cgroup v2
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+         "total_inactive_file"),  # cgroup v1
+    ):
+        left = _cgroup_left(Path("/sys/fs/cgroup"), limit, usage, stat, inactive)
+        if left is not None:
+            found.append(Available(left, f"the cgroup limit in /sys/fs/cgroup/{limit}"))
+    return min(found, key=lambda a: a.bytes) if found else None
+
+
+def _cgroup_left(root: Path, limit: str, usage: str, stat: str, inactive: str) -> int | None:
+    text = _read(root / limit)
+    if text is None or text.strip() in ("", "max"):
+        return None
+    try:
+        cap = int(text)
+        used = int(_read(root / usage) or 0)
+    except ValueError:
+        return None
+    if cap >= _UNLIMITED:
+        return None
+    reclaimable = 0
+    for line in (_read(root / stat) or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key == inactive and value.strip().isdigit():
+            reclaimable = int(value)
+    return max(0, cap - max(0, used - reclaimable))
+
+
+def _read(path: str | Path) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+# --- the refusal ----------------------------------------------------------------------------
+
+
+def check_fits(footprint: Footprint | None, available: Available | None, what: str,
+               precision: str) -> None:
+    """Raise ModelTooLarge when `footprint` needs more than `available`, unless
+    $KVCHAT_IGNORE_MEMORY is set; an unknown footprint or an unreadable machine passes."""
+    if footprint is None or available is None or footprint.total <= available.bytes:
+        return
+    if os.environ.get(IGNORE_ENV_VAR, "").strip() not in ("", "0"):
+        return
+    pool = f", K/V pool {mib(footprint.kv_pool)} when full" if footprint.kv_pool else ""
+    peak = footprint.while_loading
+    smaller = "run it at --dtype int4 (4-bit weights)" if precision != "int4" \
+        else "pick a smaller model or a smaller quantization of it"
+    pool_advice = ", give the K/V pool less with --cache-mb" if footprint.kv_pool else ""
+    raise ModelTooLarge(
+        f"{what} would need about {mib(footprint.total)} of memory at {precision} (once loaded "
+        f"{mib(footprint.resident)}: weights {mib(footprint.weights)}{pool}, runtime "
+        f"{mib(footprint.runtime)}; while loading up to {mib(peak)}, "
+        f"{mib(footprint.loading)} of it float32 copies), but this machine has "
+        f"{mib(available.bytes)} available ({available.where}), so it was not loaded. To fit, "
+        f"{smaller}{pool_advice}, or free memory; set {IGNORE_ENV_VAR}=1 to load it anyway."
+    )
+
+
+def mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:,.0f} MiB"
