@@ -260,6 +260,98 @@ def test_decode_json_per_precision(tiny_model_dir):
         # verified in one forward
         assert p["repeat_forwards_per_token"] == pytest.approx(1 / 6)
     assert r["llama_cpp"] is None and r["vs_llama_cpp"] == {"float32": None, "int4": None}
+    # both precisions were resident at once: each load's RSS, what it added, its own peak
+    assert r["loaded_together"] is True and r["n_params"] > 0 and r["file_bytes"] is None
+    assert r["model"] == tiny_model_dir.name
+    f32_load, int4_load = f32["load"], int4["load"]
+    assert f32_load["rss_before"] >= r["rss_start"] > 0
+    assert int4_load["rss_before"] >= f32_load["rss_after"] - 2**20  # float32 still resident
+    for load in (f32_load, int4_load):
+        assert load["seconds"] > 0
+        assert load["added"] == load["rss_after"] - load["rss_before"]
+        assert load["peak"] >= load["rss_after"]  # the high-water mark during that load
+    assert r["peak_rss"] >= max(f32_load["peak"], int4_load["peak"])
+
+
+def test_decode_table_shows_one_precisions_load_and_peak(tiny_model_dir):
+    res = runner.invoke(bench_app, ["decode", "--precisions", "int8", "--rows", "1,2",
+                                    "--context", "8", "--new-tokens", "4", "--prefill-tokens",
+                                    "16", "--trials", "1", "--model", str(tiny_model_dir)],
+                        env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    text = res.stdout
+    assert "load" in text and "RSS loaded" in text and "peak RSS" in text
+    row = next(line for line in text.splitlines() if "kvchat int8" in line)
+    # one precision: its RSS after load and the run's peak, both in MiB, no "+" (nothing else
+    # was resident), and no line about several precisions sharing the process
+    assert row.count("MiB") == 3 and "(+" not in row and " s " in row
+    assert "held every precision in one process" not in text
+
+
+def _decode_result(loads, together_peak=900 * 2**20):
+    from kvchat.bench.results import (
+        DecodeResult,
+        LlamaCppDecode,
+        LoadCost,
+        PrecisionDecode,
+        RowsRate,
+        Timing,
+    )
+
+    t = Timing.of([0.01, 0.012])
+    rates = (RowsRate(1, 90.0), RowsRate(8, 300.0))
+    precisions = tuple(PrecisionDecode(name, 10 * 2**20, t, rates, 500.0, 0.5,
+                                       0.01, LoadCost(1.5, before, after, peak))
+                       for name, (before, after, peak) in loads.items())
+    peer = LlamaCppDecode(Timing.of([0.008]), 700.0, (RowsRate(1, 110.0), RowsRate(8, 400.0)),
+                          bench_peak_rss=300 * 2**20, model_bytes=80 * 2**20,
+                          server_load=LoadCost(0.7, None, 350 * 2**20, 420 * 2**20))
+    return DecodeResult(64, 64, 512, 3, precisions, peer, "m.gguf", 494_000_000, 400 * 2**20,
+                        together_peak, 200 * 2**20)
+
+
+def test_decode_table_rows_for_several_precisions_and_llama_cpp():
+    from rich.console import Console
+
+    from kvchat.ui.decode_view import decode_table
+
+    mib = 2**20
+    r = _decode_result({"int8": (200 * mib, 500 * mib, 600 * mib),
+                        "int4": (500 * mib, 700 * mib, 750 * mib)})
+    console = Console(record=True, width=260)
+    console.print(decode_table(r))
+    lines = console.export_text().splitlines()
+    assert "m.gguf (0.49 B parameters, 400 MiB file)" in " ".join(lines)
+    int8 = next(line for line in lines if "kvchat int8" in line)
+    int4 = next(line for line in lines if "kvchat int4" in line)
+    assert "500 MiB" in int8 and "(+" not in int8  # the first load: nothing else resident
+    assert "700 MiB (+200)" in int4  # int8's 500 MiB was still resident
+    assert "1.5 s" in int4 and "–" in int4  # no per-row peak when both shared the process
+    together = " ".join(lines)
+    assert "200 MiB resident before the first load, peak 900 MiB over the run" in together
+    bench = next(line for line in lines if "llama.cpp llama-bench" in line)
+    server = next(line for line in lines if "llama.cpp llama-server" in line)
+    assert "80.0 MiB" in bench and "300 MiB" in bench and "8.00 ms" in bench
+    assert "0.7 s" in server and "350 MiB" in server and "420 MiB" in server
+    assert "400.0" in server  # 8 requests at once
+    data = r.as_dict()
+    assert data["precisions"][1]["load"]["added"] == 200 * mib
+    assert data["llama_cpp"]["server_load"]["rss_after"] == 350 * mib
+    assert data["llama_cpp"]["bench_peak_rss"] == 300 * mib
+
+
+def test_process_memory_is_read_from_proc():
+    from kvchat.bench.llama_cpp import memory_of, reset_peak
+
+    rss, peak = memory_of()
+    assert 0 < rss <= peak
+    big = bytearray(64 * 2**20)  # touched: resident
+    assert memory_of()[1] >= rss + 60 * 2**20
+    del big
+    if reset_peak():  # the high-water mark falls back to what is resident now
+        now, peak = memory_of()
+        assert peak <= now + 8 * 2**20
+    assert memory_of(2**22 + 12345) is None  # above the kernel's pid limit: no such process
 
 
 def test_decode_llama_cpp_needs_its_binaries(tiny_gguf, tmp_path):
@@ -275,11 +367,62 @@ def test_llama_bench_output_is_read(tmp_path):
     """llama-bench's JSON (-o json): a pp row and a tg row, as llama.cpp prints them."""
     from kvchat.bench.llama_cpp import LlamaCpp
 
-    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 281.5}, {"n_prompt": 0, "n_gen": 64,
-                                                              "avg_ts": 104.2}]
+    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 281.5, "model_size": 123456},
+            {"n_prompt": 0, "n_gen": 64, "avg_ts": 104.2, "model_size": 123456}]
     script = tmp_path / "bin" / "llama-bench"
     script.parent.mkdir()
     script.write_text(f"#!/bin/sh\necho '{json.dumps(rows)}'\n")
     script.chmod(0o755)
     figures = LlamaCpp(tmp_path).bench(tmp_path / "m.gguf", 512, 64)
     assert (figures.prefill_tps, figures.decode_tps) == (281.5, 104.2)
+    assert figures.model_bytes == 123456
+    # the shell's own high-water mark (wait4 of that child), not this process's
+    from kvchat.bench.llama_cpp import memory_of
+
+    assert 0 < figures.peak_rss < memory_of()[1]
+
+
+def test_llama_bench_failure_says_why(tmp_path):
+    from kvchat.bench.llama_cpp import LlamaCpp, LlamaCppError
+
+    script = tmp_path / "llama-bench"
+    script.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
+    script.chmod(0o755)
+    with pytest.raises(LlamaCppError, match="exit status 3.*failed to load model"):
+        LlamaCpp(tmp_path).bench(tmp_path / "m.gguf", 512, 64)
+
+
+FAKE_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+hold = bytearray(32 * 2**20)  # resident: its RSS is read at /health
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}')
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_llama_server_start_is_timed_and_its_memory_read(tmp_path):
+    import sys
+
+    import httpx
+
+    from kvchat.bench.llama_cpp import LlamaCpp
+
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    script.chmod(0o755)
+    with LlamaCpp(tmp_path).serve(tmp_path / "m.gguf", parallel=2) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        started = server.started
+        assert started.seconds > 0 and started.rss_before is None
+        assert started.rss_after > 32 * 2**20
+        assert server.peak_rss() >= started.rss_after

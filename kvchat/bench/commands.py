@@ -232,25 +232,31 @@ def decode(
     as_json: Json = False,
 ) -> None:
     """Decode at each precision: one stream's ms/token, rows x tokens/s, prefill tokens/s and
-    the forwards a repeated request needs with drafts from the cache; with --llama-cpp, llama.cpp
-    on the same GGUF in the same sitting."""
+    the forwards a repeated request needs with drafts from the cache, the load's time and the
+    resident memory after it and at the run's peak; with --llama-cpp, llama.cpp on the same
+    GGUF in the same sitting (its load time, RSS and peak too)."""
     from kvchat.bench.decode import bench_decode
     from kvchat.bench.llama_cpp import LlamaCpp
-    from kvchat.models.loading import resolve_model
+    from kvchat.models.loading import resolve_model, weights_location
     from kvchat.models.precision import canonical
     from kvchat.ui.decode_view import decode_table
 
     names = [canonical(p) for p in precisions.split(",") if p.strip()]
+    if not names:
+        raise typer.BadParameter("--precisions names no precision")
     source = resolve_model(model)
     llama = LlamaCpp(llama_cpp) if llama_cpp is not None else None
     if llama is not None and not source.is_gguf:
         raise typer.BadParameter("--llama-cpp needs a GGUF model (the embedded one, or "
                                  "--model FILE.gguf)")
     gguf = Path(source.location) if source.is_gguf else None
+    # a GGUF's first load also converts its config and tokenizer, once: not part of a load
+    weights_location(source)
+    label = gguf.name if gguf is not None else Path(source.location).name
     with _status("bench decode") as progress:
         res = bench_decode(lambda p: _load(model, p, device), names, _ints(rows, "--rows"),
                            context, new_tokens, prefill_tokens, trials, llama, gguf, progress,
-                           compile_too)
+                           compile_too, label)
     _emit(res.as_dict(), decode_table(res), as_json)
 
 

@@ -3,8 +3,13 @@
 
 The binaries come from a folder the user names (`--llama-cpp DIR`: DIR/bin/llama-bench or
 DIR/llama-bench, with its shared libraries beside them; `python scripts/llama_server.py --bench`
-builds both into ~/.cache/kvchat/llama-server/<version>). Prompts are sent as token ids, so both
-runners read the same tokens whatever llama.cpp's tokenizer would make of the text. Its worker
+builds both into ~/.cache/kvchat/llama-server/<version>, `python scripts/synthetic_gguf.py
+--tools` llama-bench and llama-quantize into ~/.cache/kvchat/llama-tools/<version>, with the
+cached llama-server linked beside them). Besides rates, it reports what each costs in memory:
+llama-bench's peak RSS (wait4's rusage of that child alone), llama-server's load time (its
+start to /health answering), its RSS then and its high-water mark. Prompts are sent as token
+ids, so both runners read the same tokens whatever llama.cpp's tokenizer would make of the
+text. Its worker
 threads spin on a barrier, so it is measured on the same 2 threads as kvchat and never at the
 same time as kvchat.
 """
@@ -15,6 +20,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -22,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat.bench.results import LoadCost
 from kvchat.errors import KvchatError
 
 THREADS = 2
@@ -35,6 +42,52 @@ class LlamaCppError(KvchatError):
 class BenchFigures:
     prefill_tps: float  # pp<N>: prompt tokens per second
     decode_tps: float  # tg<N>: generated tokens per second, one stream
+    peak_rss: int | None = None  # bytes: the llama-bench process's high-water mark (wait4)
+    model_bytes: int | None = None  # its weights, as llama-bench reports them (model_size)
+
+
+# ---- resident memory, from /proc ----------------------------------------------------------
+
+
+def memory_of(pid: int | str = "self") -> tuple[int, int] | None:
+    """(VmRSS, VmHWM) of a process in bytes: resident now and its high-water mark; None where
+    /proc has no such process (or no /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0]) * 1024  # "123456 kB"
+    if len(found) < 2:
+        return None
+    return found["VmRSS"], found["VmHWM"]
+
+
+def reset_peak() -> bool:
+    """Set this process's VmHWM to its VmRSS (Linux 4.0+: "5" into /proc/self/clear_refs), so the
+    next peak read covers only what runs after; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class ServerProcess:
+    """A running llama-server: its URL, and `started` (the LoadCost of its start, set once it
+    answered /health)."""
+
+    url: str
+    pid: int
+    started: LoadCost
+
+    def peak_rss(self) -> int | None:
+        memory = memory_of(self.pid)
+        return None if memory is None else memory[1]
 
 
 @dataclass(frozen=True)
@@ -75,33 +128,73 @@ class LlamaCpp:
         env["LD_LIBRARY_PATH"] = f"{binary.parent}:{env.get('LD_LIBRARY_PATH', '')}"
         return env
 
-    def bench(self, gguf: Path, prompt: int, generate: int, reps: int = 1) -> BenchFigures:
-        """`llama-bench -p prompt -n generate` on THREADS threads: prefill and decode rates."""
+    def bench(self, gguf: Path, prompt: int, generate: int, reps: int = 1,
+              timeout: float = 900.0) -> BenchFigures:
+        """`llama-bench -p prompt -n generate` on THREADS threads: prefill and decode rates, and
+        the process's peak RSS (reaped with wait4, whose rusage is that child's alone)."""
         cmd = [str(self.bench_bin), "-m", str(gguf), "-t", str(THREADS), "-p", str(prompt),
                "-n", str(generate), "-r", str(reps), "-o", "json"]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                                 env=self._env(self.bench_bin), check=True).stdout
-            rows = json.loads(out)
-        except (OSError, subprocess.SubprocessError, ValueError) as exc:
-            raise LlamaCppError(f"llama-bench failed: {exc}") from exc
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=err,
+                                        env=self._env(self.bench_bin))
+            except OSError as exc:
+                raise LlamaCppError(f"llama-bench failed: {exc}") from exc
+            killed = threading.Event()
+
+            def kill() -> None:
+                killed.set()
+                proc.kill()
+
+            timer = threading.Timer(timeout, kill)
+            timer.start()
+            try:
+                _, status, usage = os.wait4(proc.pid, 0)
+            finally:
+                timer.cancel()
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
+            out.seek(0)
+            err.seek(0)
+            if proc.returncode != 0:
+                why = (f"killed after {timeout:.0f} s" if killed.is_set()
+                       else f"exit status {proc.returncode}")
+                tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise LlamaCppError(f"llama-bench failed ({why}): " + " / ".join(tail))
+            try:
+                rows = json.loads(out.read().decode(errors="replace"))
+            except ValueError as exc:
+                raise LlamaCppError(f"llama-bench printed no JSON: {exc}") from exc
         pp = next(r["avg_ts"] for r in rows if r.get("n_prompt") == prompt and not r["n_gen"])
         tg = next(r["avg_ts"] for r in rows if r.get("n_gen") == generate and not r["n_prompt"])
-        return BenchFigures(float(pp), float(tg))
+        size = next((r["model_size"] for r in rows if "model_size" in r), None)
+        return BenchFigures(float(pp), float(tg), usage.ru_maxrss * 1024,  # Linux: kB
+                            None if size is None else int(size))
 
     @contextmanager
     def server(self, gguf: Path, parallel: int, context: int = 16384) -> Iterator[str]:
         """A llama-server on a free loopback port with `parallel` slots; yields its URL."""
+        with self.serve(gguf, parallel, context) as running:
+            yield running.url
+
+    @contextmanager
+    def serve(self, gguf: Path, parallel: int, context: int = 16384) -> Iterator[ServerProcess]:
+        """`server`, yielding the running process: its URL, how long it took from its start to
+        answering /health, and its memory then."""
         port = _free_port()
         cmd = [str(self.server_bin), "-m", str(gguf), "-t", str(THREADS), "-c", str(context),
                "--parallel", str(parallel), "--host", "127.0.0.1", "--port", str(port),
                "--no-webui"]
+        started = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env=self._env(self.server_bin))
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(url, proc)
-            yield url
+            seconds = time.perf_counter() - started
+            memory = memory_of(proc.pid)
+            yield ServerProcess(url, proc.pid, LoadCost(
+                seconds, None, None if memory is None else memory[0],
+                None if memory is None else memory[1]))
         finally:
             proc.terminate()
             try:
@@ -166,5 +259,5 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)  # its load time is read from this loop
     raise LlamaCppError(f"llama-server at {url} was not healthy after {timeout:.0f} s")

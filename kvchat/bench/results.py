@@ -304,6 +304,29 @@ class RowsRate:
 
 
 @dataclass(frozen=True)
+class LoadCost:
+    """One load of a model: its wall time and the resident memory of the process that holds it
+    (bytes; VmRSS and VmHWM of /proc/PID/status, None where there is none).
+
+    kvchat: `rss_before` / `rss_after` around `load_model` in the bench's process (models loaded
+    earlier in it included), `peak` its high-water mark during the load (reset just before).
+    llama-server: from its start to /health answering 200, `rss_after` its VmRSS then (it starts
+    at nothing: `rss_before` None), `peak` its high-water mark over all its requests."""
+
+    seconds: float
+    rss_before: int | None
+    rss_after: int | None
+    peak: int | None
+
+    @property
+    def added(self) -> int | None:
+        """What this load left resident."""
+        if self.rss_after is None or self.rss_before is None:
+            return None
+        return self.rss_after - self.rss_before
+
+
+@dataclass(frozen=True)
 class PrecisionDecode:
     """kvchat at one precision."""
 
@@ -314,6 +337,7 @@ class PrecisionDecode:
     prefill_tps: float  # a fresh prompt of DecodeResult.prefill_tokens
     repeat_forwards_per_token: float  # a repeated greedy request, drafted from the cache
     repeat_s_per_token: float
+    load: LoadCost | None = None  # None for a compiled row: the eager row's model
 
     def rate(self, rows: int) -> float | None:
         return next((r.tokens_per_s for r in self.rows if r.rows == rows), None)
@@ -324,6 +348,9 @@ class LlamaCppDecode:
     decode_s_per_token: Timing  # llama-bench tg, 2 threads
     prefill_tps: float  # llama-bench pp
     server_rows: tuple[RowsRate, ...]  # llama-server, requests decoding at once
+    bench_peak_rss: int | None = None  # llama-bench's own peak RSS, the largest over its trials
+    model_bytes: int | None = None  # its weights, as llama-bench counts them
+    server_load: LoadCost | None = None  # llama-server: start to /health, RSS then, its peak
 
     def rate(self, rows: int) -> float | None:
         return next((r.tokens_per_s for r in self.server_rows if r.rows == rows), None)
@@ -337,6 +364,17 @@ class DecodeResult:
     trials: int
     precisions: tuple[PrecisionDecode, ...]
     llama_cpp: LlamaCppDecode | None
+    model: str = ""  # what was loaded (the file's name)
+    n_params: int | None = None
+    file_bytes: int | None = None  # the GGUF's size, for a GGUF
+    # kvchat's process over the whole run (VmHWM): every precision loaded, engines and requests
+    peak_rss: int | None = None
+    rss_start: int | None = None  # before the first load: Python, torch and kvchat imported
+
+    @property
+    def loaded_together(self) -> bool:
+        """More than one precision was resident at once: per-row RSS includes the rows above."""
+        return sum(p.load is not None for p in self.precisions) > 1
 
     def vs_llama(self, precision: str) -> float | None:
         """kvchat's one-stream ms/token over llama.cpp's: below 1 when kvchat is faster."""
@@ -348,6 +386,10 @@ class DecodeResult:
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = as_json(self, "ms")
         out["vs_llama_cpp"] = {p.precision: self.vs_llama(p.precision) for p in self.precisions}
+        out["loaded_together"] = self.loaded_together
+        for p, entry in zip(self.precisions, out["precisions"], strict=True):
+            if p.load is not None:
+                entry["load"]["added"] = p.load.added
         return out
 
 
