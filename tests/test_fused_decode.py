@@ -131,8 +131,14 @@ def test_models_it_does_not_cover_keep_their_forward(tiny_model, tiny_tokenizer)
     assert ModelRunner(model).fused is ModelRunner(model).fused  # built once per model
     other = build_tiny_model(build_tiny_config(tiny_tokenizer, hidden_size=128))
     quantize_model(other, "int4")
-    other.model.layers[1].mlp.act_fn = torch.nn.GELU()
-    assert FusedDecoder.build(other) is None
+    down = other.model.layers[1].mlp.down_proj  # a layer left dense: not a packed matmul
+    other.model.layers[1].mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features,
+                                                          bias=False)
+    assert ModelRunner(other).fused is None
+    gelu = build_tiny_model(build_tiny_config(tiny_tokenizer, hidden_size=128))
+    quantize_model(gelu, "int4")
+    gelu.model.layers[1].mlp.act_fn = torch.nn.GELU()  # another activation: its own module
+    assert ModelRunner(gelu).fused is not None
 
 
 @pytest.mark.parametrize("queries", [1, 3])

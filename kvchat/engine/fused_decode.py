@@ -1,4 +1,5 @@
-"""A decode forward for Llama-family layers under quantized weights, with fewer ops per layer.
+"""A decode forward for the common decoder families under quantized weights, with fewer ops per
+layer: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 / 2.5, Qwen3, Phi-3 and Gemma 3.
 
 A one-token step on CPU is bound by reading the weights only once per-op overhead is gone, and
 transformers' eager forward spends about as long in Python and small ops as in the weight
@@ -7,35 +8,56 @@ same arithmetic with less around it:
 - q, k and v are one int4 matmul, and so are gate and up: the packed weights are stacked by
   output row, and the kernel computes every output column from its own weight row, so each part
   comes out bitwise as its own layer's would (the fused matmul over SmolLM2's q/k/v takes 11 µs
-  against 22 µs for three calls);
+  against 22 µs for three calls); biases (Qwen2's q/k/v) are added to the stacked output, the
+  same additions; Phi-3's fused qkv and gate_up layers are one matmul already;
 - the norms, rotary embedding, residuals and the attention function are the same operations in
   the same dtypes as transformers' modules, called directly, without module dispatch, keyword
-  plumbing or casts that change nothing.
-The embedding, the attention mask and the rotary tables come from the model's own modules, once
-per forward. So the logits equal the model's own forward bitwise (tests check it per layer kind
-and hit kind), and transformers' `generate` over the same model stays the reference.
+  plumbing or casts that change nothing. What differs between the families is read from the
+  modules once: the norm's formula (Llama's `w * norm(x)` or Gemma's `norm(x) * (1 + w)` in
+  float32), q / k norms (Qwen3, Gemma 3: one call over q and k together, each head's weight
+  broadcast), Gemma's sandwich norms around attention and MLP, the activation (SiLU, or the
+  model's own module), partial rotary (Phi-3), a rotary table per layer kind (Gemma 3's local
+  and global layers), a sliding window per layer kind (the model's own mask functions) and the
+  final logit soft-cap.
+The embedding (Gemma's scaled one included), the attention masks and the rotary tables come
+from the model's own modules, once per forward. So the logits equal the model's own forward
+bitwise (tests check it per family, layer kind and hit kind), and transformers' `generate` over
+the same model stays the reference.
 
 It takes forwards of at most `SMALL_Q` queries per row (decode steps, draft verification);
-prefill, H2O's tracked forwards and models whose layers differ from Llama's keep the model's
-forward. Float models keep it too: their GEMMs are not column-separable, so stacking weights
-could round differently.
+prefill, H2O's tracked forwards and models whose layers it does not know keep the model's
+forward (Gemma 2 among them: its attention soft-cap runs in eager attention only). Float models
+keep it too: their GEMMs are not column-separable, so stacking weights could round differently.
+A batch whose rows share a head (`shares_heads`) is taken only by models without sliding
+layers: a window would have to reach into the shared head's columns.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from kvchat.engine.decode_attention import NAME, SMALL_Q, head_attention, small_q_attention
 from kvchat.engine.past import shared_head
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
-# decoder layers whose forward is Llama's: pre-norm attention and a SiLU-gated MLP, no biases
-_LAYER_CLASSES = frozenset({"LlamaDecoderLayer"})
+# the causal LMs whose decoder layers this forward covers, by family
+FAMILIES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+}
+_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+                            "Qwen3DecoderLayer", "Phi3DecoderLayer", "Gemma3DecoderLayer"})
+# RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) cast back, and Gemma's, computing
+# (x * rsqrt(...)) * (1 + weight) in float32 and then casting
+_LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
+                          "Phi3RMSNorm"})
+_GEMMA_NORMS = frozenset({"Gemma3RMSNorm"})
 # `_convert_weight_to_int4pack_for_cpu` lays rows out in blocks of 64 output rows (a shorter
 # tail block when N is not a multiple): packed layers stack by row only when each is whole blocks
 _INT4_BLOCK_N = 64
@@ -43,17 +65,30 @@ _SILU = frozenset({"SiLUActivation", "SiLU"})
 _ATTRIBUTE = "_kvchat_fused_decoder"  # where a model keeps its FusedDecoder (or None)
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_FULL, _SLIDING = "full_attention", "sliding_attention"
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # (rows, K) bfloat16 -> (rows, N) bfloat16
+
+
+class _Norm(NamedTuple):
+    weight: torch.Tensor  # Llama's: the weight; Gemma's: 1 + weight, in float32
+    shape: tuple[int]
+    eps: float
+    gemma: bool
 
 
 class _Layer(NamedTuple):
     attn: Any  # the attention module (the attention function reads its settings)
+    kind: str  # full_attention or sliding_attention: which mask and rotary table it takes
     qkv: Matmul  # (rows, hidden) -> (rows, q | k | v)
     o: Matmul
     gate_up: Matmul  # (rows, hidden) -> (rows, gate | up)
     down: Matmul
-    norm1: tuple[torch.Tensor, tuple[int], float]
-    norm2: tuple[torch.Tensor, tuple[int], float]
+    act: Callable[[torch.Tensor], torch.Tensor]
+    norm1: _Norm  # before attention
+    norm2: _Norm  # before the MLP
+    post_attn: _Norm | None  # Gemma's norms of the attention and MLP outputs
+    post_mlp: _Norm | None
+    qk_norm: _Norm | None  # per head over q and k together (Qwen3, Gemma 3)
     heads: int
     kv_heads: int
     head_dim: int
@@ -62,23 +97,37 @@ class _Layer(NamedTuple):
     scaling: float
 
 
+def _biased(mm: Matmul, bias: torch.Tensor | None) -> Matmul:
+    if bias is None:
+        return mm
+
+    def with_bias(x: torch.Tensor) -> torch.Tensor:
+        return mm(x) + bias  # QuantLinear's own addition, over the stacked columns
+
+    return with_bias
+
+
 def _stack(layers: Sequence[QuantLinear]) -> Matmul | None:
     """One matmul for same-input layers where their packing allows (else one call each,
-    concatenated), or None when they have biases."""
-    if any(layer.bias is not None for layer in layers):
+    concatenated), their biases added after it; None when only some have one."""
+    biases = [layer.bias for layer in layers]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
+    bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+    if len(layers) == 1:
+        return _biased(layers[0]._mm, bias)
     int4 = [layer for layer in layers if isinstance(layer, Int4Linear)]
     if len(int4) == len(layers) and all(layer.out_features % _INT4_BLOCK_N == 0
                                         and layer.group == int4[0].group for layer in int4):
-        return _stack_int4(int4)
+        return _biased(_stack_int4(int4), bias)
     int8 = [layer for layer in layers if isinstance(layer, Int8Linear)]
     if len(int8) == len(layers):
-        return _stack_int8(int8)
+        return _biased(_stack_int8(int8), bias)
 
     def each(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([layer._mm(x) for layer in layers], dim=-1)
 
-    return each
+    return _biased(each, bias)
 
 
 def _share_rows(layers: Sequence[QuantLinear], name: str, stacked: torch.Tensor) -> None:
@@ -113,62 +162,131 @@ def _stack_int8(layers: Sequence[Int8Linear]) -> Matmul:
     return int8_mm
 
 
-def _norm(module: Any) -> tuple[torch.Tensor, tuple[int], float] | None:
-    if type(module).__name__ != "LlamaRMSNorm":
+def _norm(*modules: Any) -> _Norm | None:
+    """One norm of `modules` (all of one class and eps), their weights stacked as rows when
+    several (q and k norms: one row per head), or None for a norm this forward does not know."""
+    kinds = {type(m).__name__ for m in modules}
+    eps = {float(getattr(m, "variance_epsilon", getattr(m, "eps", 0.0))) for m in modules}
+    if len(kinds) != 1 or len(eps) != 1 or not kinds <= _LLAMA_NORMS | _GEMMA_NORMS:
         return None
-    return module.weight, (int(module.weight.shape[-1]),), float(module.variance_epsilon)
+    gemma = kinds <= _GEMMA_NORMS
+    weights = [m.weight for m in modules]
+    weight = weights[0] if len(weights) == 1 else torch.stack(weights)
+    if gemma:
+        weight = 1.0 + weight.float()  # what Gemma3RMSNorm multiplies by, computed once
+    return _Norm(weight, (int(weight.shape[-1]),), eps.pop(), gemma)
 
 
-def _layer(layer: Any, config: Any) -> _Layer | None:
+def _qk_norm(attn: Any, heads: int, kv_heads: int) -> _Norm | None | bool:
+    """The q / k norms as one (heads + kv_heads, head_dim) norm, None when the attention has
+    none, False when it has norms this forward does not know."""
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return None
+    if q_norm is None or k_norm is None:
+        return False
+    norm = _norm(*([q_norm] * heads + [k_norm] * kv_heads))
+    return False if norm is None else norm
+
+
+def _layer_kind(config: Any, index: int) -> str:
+    """Which mask a layer takes, as the family's model forward decides it: the config's
+    layer_types where it has them (Qwen2/3, Gemma 3), else the sliding window when one is set
+    (Mistral, Phi-3), else full attention (Llama)."""
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) > index:
+        return str(types[index])
+    return _SLIDING if getattr(config, "sliding_window", None) is not None else _FULL
+
+
+def _projections(layer: Any) -> tuple[list[Any], list[Any]] | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [getattr(attn, "qkv_proj", None)] if hasattr(attn, "qkv_proj") else \
+        [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    gate_up = [getattr(mlp, "gate_up_proj", None)] if hasattr(mlp, "gate_up_proj") else \
+        [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    parts = [*qkv, attn.o_proj, *gate_up, mlp.down_proj]
+    if not all(isinstance(p, QuantLinear) for p in parts):
+        return None
+    return qkv, gate_up
+
+
+def _activation(mlp: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+    if type(act).__name__ in _SILU:
+        return nn.functional.silu
+    forward: Callable[[torch.Tensor], torch.Tensor] = act.forward  # the module's own arithmetic
+    return forward
+
+
+def _layer(layer: Any, config: Any, index: int) -> _Layer | None:
     if type(layer).__name__ not in _LAYER_CLASSES:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                   mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if not all(isinstance(p, QuantLinear) for p in projections):
+    found = _projections(layer)
+    if found is None or getattr(config, "pretraining_tp", 1) != 1:
         return None
-    if type(mlp.act_fn).__name__ not in _SILU or getattr(config, "pretraining_tp", 1) != 1:
+    if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
         return None
-    norm1, norm2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
-    if norm1 is None or norm2 is None or attn.o_proj.bias is not None \
-            or mlp.down_proj.bias is not None:
-        return None
-    qkv = _stack([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up = _stack([mlp.gate_proj, mlp.up_proj])
-    if qkv is None or gate_up is None:
+    qkv_layers, gate_up_layers = found
+    norm1, norm2 = _norm(layer.input_layernorm), _norm(getattr(
+        layer, "pre_feedforward_layernorm", layer.post_attention_layernorm))
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    post_attn = _norm(layer.post_attention_layernorm) if sandwich else None
+    post_mlp = _norm(layer.post_feedforward_layernorm) if sandwich else None
+    if norm1 is None or norm2 is None or (sandwich and (post_attn is None or post_mlp is None)):
         return None
     head_dim = int(attn.head_dim)
-    heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
-    return _Layer(attn, qkv, attn.o_proj._mm, gate_up, mlp.down_proj._mm, norm1, norm2,
-                  heads, kv_heads, head_dim, (heads + kv_heads) * head_dim,
-                  mlp.gate_proj.out_features, float(attn.scaling))
+    heads = int(config.num_attention_heads)
+    kv_heads = int(config.num_key_value_heads)
+    qk_norm = _qk_norm(attn, heads, kv_heads)
+    qkv, gate_up = _stack(qkv_layers), _stack(gate_up_layers)
+    if qkv is None or gate_up is None or isinstance(qk_norm, bool):
+        return None
+    width = sum(p.out_features for p in gate_up_layers) // 2
+    return _Layer(attn, _layer_kind(config, index), qkv, attn.o_proj._mm, gate_up,
+                  mlp.down_proj._mm, _activation(mlp), norm1, norm2, post_attn, post_mlp,
+                  qk_norm, heads, kv_heads, head_dim, (heads + kv_heads) * head_dim,
+                  width, float(attn.scaling))
 
 
-def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, tuple[int], float]) -> torch.Tensor:
-    """LlamaRMSNorm: float32 x * rsqrt(mean(x^2) + eps), cast back, times the weight
-    (`torch.rms_norm` runs the same arithmetic in one call)."""
-    weight, shape, eps = norm
-    return weight * torch.rms_norm(x.float(), shape, eps=eps).to(x.dtype)
+def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
+    """The family's RMSNorm: float32 x * rsqrt(mean(x^2) + eps) (`torch.rms_norm` runs the same
+    arithmetic in one call), then Llama's cast back and times the weight, or Gemma's times
+    (1 + weight) in float32 and cast back."""
+    if norm.gemma:
+        return (torch.rms_norm(x.float(), norm.shape, eps=norm.eps) * norm.weight).to(x.dtype)
+    return norm.weight * torch.rms_norm(x.float(), norm.shape, eps=norm.eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rotary_pos_emb's arithmetic, elementwise, so q and k can share one call:
-    x (B, H, Q, D), cos / sin (B, 1, Q, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
+    x (B, H, Q, D), cos / sin (B, 1, Q, R); R < D rotates the first R dims only (Phi-3's
+    partial rotary), the rest pass through."""
+    rotary = cos.shape[-1]
+    part = x[..., :rotary] if rotary < x.shape[-1] else x
+    half = rotary // 2
+    rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
+    out = (part * cos) + (rotated * sin)
+    return out if rotary == x.shape[-1] else torch.cat([out, x[..., rotary:]], dim=-1)
 
 
 class FusedDecoder:
     """`FusedDecoder.build(model)`: the fused forward for `model`, or None if it has layers
     this forward does not cover (the caller then keeps the model's own forward)."""
 
-    def __init__(self, model: Any, layers: list[_Layer],
-                 norm: tuple[torch.Tensor, tuple[int], float]) -> None:
+    def __init__(self, model: Any, layers: list[_Layer], norm: _Norm) -> None:
         self.decoder = model.get_decoder()
+        self.family = FAMILIES[type(model).__name__]
         self.layers = layers
         self.norm = norm  # the final one
         self.head = model.get_output_embeddings()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.kinds = sorted({layer.kind for layer in layers})
+        rotary = self.decoder.rotary_emb
+        self._rotary_per_kind = "layer_type" in inspect.signature(rotary.forward).parameters
+        # a shared head's columns carry no window: only models without sliding layers take one
+        self.shares_heads = self.kinds == [_FULL]
 
     @classmethod
     def build(cls, model: Any) -> FusedDecoder | None:
@@ -183,14 +301,16 @@ class FusedDecoder:
     def _build(cls, model: Any) -> FusedDecoder | None:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         config = getattr(model, "config", None)
-        if decoder is None or config is None or type(model).__name__ != "LlamaForCausalLM":
+        if decoder is None or config is None or type(model).__name__ not in FAMILIES:
             return None
         if str(config._attn_implementation) != NAME:  # use_decode_attention switched it
+            return None
+        if getattr(config, "use_bidirectional_attention", False):
             return None
         norm = _norm(decoder.norm)
         if not isinstance(model.get_output_embeddings(), QuantLinear) or norm is None:
             return None
-        layers = [_layer(layer, config) for layer in decoder.layers]
+        layers = [_layer(layer, config, i) for i, layer in enumerate(decoder.layers)]
         if not layers or any(layer is None for layer in layers):
             return None
         return cls(model, [layer for layer in layers if layer is not None], norm)
@@ -214,19 +334,31 @@ class FusedDecoder:
         if position_ids is None:
             position_ids = (torch.arange(q, device=hidden.device)
                             + past.get_seq_length()).unsqueeze(0)
-        mask = create_causal_mask(config=decoder.config, inputs_embeds=hidden,
-                                  attention_mask=attention_mask, past_key_values=past,
-                                  position_ids=position_ids)
-        cos, sin = decoder.rotary_emb(hidden, position_ids=position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        masks: dict[str, Any] = {}
+        tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for kind in self.kinds:
+            make = create_sliding_window_causal_mask if kind == _SLIDING else create_causal_mask
+            masks[kind] = make(config=decoder.config, inputs_embeds=hidden,
+                               attention_mask=attention_mask, past_key_values=past,
+                               position_ids=position_ids)
+            if self._rotary_per_kind:
+                cos, sin = decoder.rotary_emb(hidden, position_ids, kind)
+            elif not tables:
+                cos, sin = decoder.rotary_emb(hidden, position_ids=position_ids)
+            tables[kind] = (cos.unsqueeze(1), sin.unsqueeze(1))
         cache_layers = past.layers
         hidden = hidden.view(b * q, -1)  # the layers work on (rows, hidden)
         for i, layer in enumerate(self.layers):
-            hidden = self._layer(layer, hidden, cache_layers[i], mask, cos, sin, b, q)
+            cos, sin = tables[layer.kind]
+            hidden = self._layer(layer, hidden, cache_layers[i], masks[layer.kind], cos, sin,
+                                 b, q)
         hidden = _rms_norm(hidden, self.norm).view(b, q, -1)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
             else logits_to_keep
-        return self.head(hidden[:, keep, :])
+        logits = self.head(hidden[:, keep, :])
+        if self.softcap is not None:  # the family's own final soft-cap, the same three ops
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     @staticmethod
     def _layer(layer: _Layer, hidden: torch.Tensor, cache: Any, mask: Any, cos: torch.Tensor,
@@ -234,7 +366,10 @@ class FusedDecoder:
         """One decoder layer over hidden (b * q, width)."""
         d, heads, qk_width = layer.head_dim, layer.heads, layer.qk_width
         qkv = layer.qkv(_rms_norm(hidden, layer.norm1))
-        qk = _rotate(qkv[:, :qk_width].view(b, q, -1, d).transpose(1, 2), cos, sin)
+        qk = qkv[:, :qk_width].view(b, q, -1, d)
+        if layer.qk_norm is not None:
+            qk = _rms_norm(qk, layer.qk_norm)
+        qk = _rotate(qk.transpose(1, 2), cos, sin)
         value = qkv[:, qk_width:].view(b, q, layer.kv_heads, d).transpose(1, 2)
         key, value = cache.update(qk[:, heads:], value)
         head = shared_head(cache)
@@ -243,7 +378,13 @@ class FusedDecoder:
                                        scaling=layer.scaling)
         else:  # every row starts with the same K/V, held once
             out = head_attention(qk[:, :heads], head, key, value, mask, layer.scaling)
-        hidden = hidden + layer.o(out.reshape(b * q, -1).contiguous())
+        attended = layer.o(out.reshape(b * q, -1).contiguous())
+        if layer.post_attn is not None:
+            attended = _rms_norm(attended, layer.post_attn)
+        hidden = hidden + attended
         gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2))
         n = layer.intermediate
-        return hidden + layer.down(nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:])
+        mlp = layer.down(layer.act(gate_up[:, :n]) * gate_up[:, n:])
+        if layer.post_mlp is not None:
+            mlp = _rms_norm(mlp, layer.post_mlp)
+        return hidden + mlp

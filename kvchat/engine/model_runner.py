@@ -48,7 +48,8 @@ class ModelRunner:
             track_attention(model)
         self.forward_calls = 0
         self._decode_fn: Callable[..., Any] | None = None  # compiled forward of decode steps
-        # decode steps and drafts of Llama-family quantized models: the same logits, fewer ops
+        # decode steps and drafts of quantized models of the common families: the same logits,
+        # fewer ops
         self.fused = FusedDecoder.build(model)
 
     def compile_decode(self) -> None:
@@ -67,8 +68,10 @@ class ModelRunner:
     def attends_heads(self) -> bool:
         """Whether a decode batch may hold the K/V its rows all start with once (a
         `reserved_past` head): only the fused forward reads it, and it runs every decode step
-        and draft verification unless steps are compiled or attention mass is tracked."""
-        return self.fused is not None and not self.track_mass and self._decode_fn is None
+        and draft verification unless steps are compiled or attention mass is tracked, for
+        models without sliding layers."""
+        return self.fused is not None and self.fused.shares_heads and not self.track_mass \
+            and self._decode_fn is None
 
     @property
     def dtype(self) -> torch.dtype:

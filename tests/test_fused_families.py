@@ -1,0 +1,164 @@
+"""The fused decode forward of each family it covers (Mistral, Qwen2, Qwen3, Phi-3, Gemma 3;
+Llama has tests/test_fused_decode.py) computes bitwise what that family's own transformers
+forward does, at int4 and int8: logits and the K/V it writes, for one row after a past longer
+than the sliding window and for a left-padded batch with a hole, one query and several. Each
+tiny model has what sets its family apart: q/k/v biases, q/k norms, fused qkv and gate_up,
+partial rotary, sandwich norms, scaled embeddings, local and global layers with their own
+rotary tables, a final soft-cap. Norm weights and biases are random, so a formula that
+ignores one of them fails."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TINY_INIT_STD, TINY_SEED
+
+from kvchat.config import SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.fused_decode import FusedDecoder
+from kvchat.engine.model_runner import ModelRunner
+from kvchat.engine.past import pack_right_aligned, reserved_past, wrap_past
+from kvchat.engine.sequence import Request
+from kvchat.models.quant import quantize_model
+from tests.test_engine import prompt
+from tests.test_fused_decode import _copy, _prefilled, _same_kv
+
+WINDOW = 8  # shorter than the pasts below, so the sliding layers' masks cut keys
+
+
+def _config(family: str, vocab: int):
+    import transformers
+
+    shape = {"vocab_size": vocab, "hidden_size": 128, "intermediate_size": 256,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 2048, "initializer_range": TINY_INIT_STD,
+             "tie_word_embeddings": False}
+    if family == "mistral":
+        return transformers.MistralConfig(sliding_window=WINDOW, **shape)
+    if family == "qwen2":  # layer 0 slides, layer 1 is full
+        return transformers.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=1, **shape)
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=32, **shape)
+    if family == "phi3":
+        return transformers.Phi3Config(partial_rotary_factor=0.5, sliding_window=WINDOW,
+                                       pad_token_id=0, **shape)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(
+            head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000},
+                             "full_attention": {"rope_type": "default",
+                                                "rope_theta": 1_000_000}},
+            **shape)
+    raise AssertionError(family)
+
+
+def _model(family: str, vocab: int):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(TINY_SEED)
+    model = AutoModelForCausalLM.from_config(_config(family, vocab)).float().eval()
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # not the init's zeros and ones
+                param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "gemma3"]
+
+
+def _pair(tokenizer, family: str, precision: str):
+    """(reference runner, fused runner) over two copies of one packed tiny model."""
+    model = _model(family, len(tokenizer))
+    quantize_model(model, precision)
+    reference = ModelRunner(copy.deepcopy(model))
+    reference.fused = None
+    fused = ModelRunner(model)
+    assert fused.fused is not None and fused.fused.family == family
+    return reference, fused
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_one_row_after_a_past_longer_than_the_window(tiny_tokenizer, family, precision,
+                                                     queries):
+    reference, fused = _pair(tiny_tokenizer, family, precision)
+    kv = _prefilled(reference, prompt(1, 21))
+    ids = torch.tensor([prompt(2, queries)])
+    with torch.no_grad():
+        past_a, past_b = wrap_past(_copy(kv), reference.config), wrap_past(_copy(kv), fused.config)
+        a, _ = reference.forward(ids, past_a, columns=range(queries))
+        b, _ = fused.forward(ids, past_b, columns=range(queries))
+    assert torch.equal(a, b)
+    assert _same_kv(past_a, past_b, 21 + queries)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("queries", [1, 3])
+def test_left_padded_batch_with_a_hole(tiny_tokenizer, family, queries):
+    reference, fused = _pair(tiny_tokenizer, family, "int4")
+    lengths = [9, 17, 13]
+    rows = [_prefilled(reference, prompt(10 + i, n)) for i, n in enumerate(lengths)]
+    width, capacity = max(lengths), max(lengths) + 8
+    buffers = pack_right_aligned(rows, lengths, width, capacity, like=rows[0])
+    mask = torch.zeros(len(rows), capacity, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, width - n : width + queries] = True
+    mask[1, width - 5] = False  # a hole, as a rejected draft leaves
+    pos = torch.tensor(lengths)[:, None] + torch.arange(queries)
+    ids = torch.tensor([prompt(20 + i, queries) for i in range(len(rows))])
+    columns = list(range(queries)) if queries > 1 else None
+    with torch.no_grad():
+        past_a = reserved_past(_copy(buffers), width, reference.config)
+        past_b = reserved_past(_copy(buffers), width, fused.config)
+        a, _ = reference.forward(ids, past_a, mask, pos, columns=columns)
+        b, _ = fused.forward(ids, past_b, mask, pos, columns=columns)
+    assert torch.equal(a, b)
+    assert _same_kv(past_a, past_b, width + queries)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_through_the_engine_is_the_same(tiny_tokenizer, family):
+    """Greedy decoding of a prompt past the window, the engine over each runner: the same
+    tokens and the same logits at every step."""
+    reference, fused = _pair(tiny_tokenizer, family, "int4")
+    from conftest import make_engine
+
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    outs = []
+    for runner in (reference, fused):
+        engine = Engine(runner, make_engine(runner.model, tiny_tokenizer).codec, None)
+        outs.append(engine.generate(Request(prompt(4, 20), params, record_logits=True)))
+    assert outs[0].token_ids == outs[1].token_ids
+    assert torch.equal(torch.stack(outs[0].step_logits), torch.stack(outs[1].step_logits))
+
+
+def test_only_models_without_sliding_layers_share_a_head(tiny_tokenizer):
+    for family, shares in (("qwen3", True), ("mistral", False), ("gemma3", False)):
+        _, fused = _pair(tiny_tokenizer, family, "int4")
+        assert fused.fused is not None and fused.fused.shares_heads is shares
+        assert fused.attends_heads is shares
+
+
+def test_a_norm_it_does_not_know_keeps_the_models_forward(tiny_tokenizer):
+    model = _model("qwen3", len(tiny_tokenizer))
+    quantize_model(model, "int4")
+
+    class OtherNorm(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+        def forward(self, x):
+            return x * self.weight
+
+    attn = model.model.layers[1].self_attn
+    attn.k_norm = OtherNorm(attn.k_norm.weight)
+    assert ModelRunner(model).fused is None
+    assert FusedDecoder.build(model) is None
