@@ -161,7 +161,8 @@ class Runtime:
     def open(cls, options: RuntimeOptions) -> Runtime:
         from kvchat.models.loading import load_model
 
-        loaded = load_model(options.model, dtype=options.dtype, device=options.device)
+        loaded = load_model(options.model, dtype=options.dtype, device=options.device,
+                            cache=options.cache)
         engine = Engine.create(loaded.model, loaded.tokenizer, options.cache,
                                batch_size=options.batch_size, prefill_chunk=options.prefill_chunk)
         if options.chat_template is not None:

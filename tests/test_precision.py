@@ -48,8 +48,11 @@ def test_unknown_precision_names_the_choices():
         resolve_precision("int3", "cpu", None)
 
 
-def _write_gguf(path, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]):
+def _write_gguf(path, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]],
+                file_type: gguf.LlamaFileType | None = None):
     writer = gguf.GGUFWriter(str(path), "llama")
+    if file_type is not None:
+        writer.add_file_type(int(file_type))
     writer.add_token_list(["a", "b", "c"] * 100)  # an array of strings the header walk skips
     writer.add_context_length(16)
     for name, (array, qtype) in tensors.items():
@@ -80,6 +83,28 @@ def test_gguf_header_walk_counts_parameters_per_type(tmp_path):
     reader = gguf.GGUFReader(str(path))
     assert {int(t.tensor_type) for t in reader.tensors if len(t.shape) == 2} == {int(q4), int(q8)}
     assert gguf_precision_class(path) == "int4"
+
+
+@pytest.mark.parametrize(("file_type", "expected"), [
+    (gguf.LlamaFileType.MOSTLY_Q4_K_M, "int4"), (gguf.LlamaFileType.MOSTLY_Q4_K_S, "int4"),
+    (gguf.LlamaFileType.MOSTLY_Q3_K_M, "int4"), (gguf.LlamaFileType.MOSTLY_Q6_K, "int8"),
+    (None, "int8"),
+])
+def test_the_file_type_decides_over_the_tensors_most_parameters_sit_in(tmp_path, file_type,
+                                                                         expected):
+    """A Q4_K_M file whose shapes made llama.cpp's quantizer fall back to Q5_0 / Q8_0 for most
+    of its tensors (Gemma 3 270M's width, 640, is no multiple of a K-quant's 256) is int4; a
+    file that names no type keeps the majority rule."""
+    q5, q8 = gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    rng = np.random.default_rng(1)
+    path = _write_gguf(tmp_path / "m.gguf", {
+        "token_embd.weight": (rng.standard_normal((64, 32), dtype=np.float32), q8),
+        "blk.0.attn_q.weight": (rng.standard_normal((64, 64), dtype=np.float32), q5),
+        "blk.0.ffn_up.weight": (rng.standard_normal((128, 64), dtype=np.float32), q5),
+        "blk.0.attn_output.weight": (rng.standard_normal((4, 256), dtype=np.float32), q4),
+    }, file_type)
+    assert gguf_precision_class(path) == expected
 
 
 def test_tiny_f32_gguf_keeps_float32(tiny_gguf):

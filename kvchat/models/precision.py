@@ -1,7 +1,10 @@
 """Which precision a model runs at: a float dtype, or weight-only int8 / int4.
 
 `--dtype` names it; left unset, a GGUF keeps the precision class of its weights (Q4_* -> int4,
-Q5-Q8 -> int8, F16 / BF16 / F32 -> that float) and any other model keeps float32 on CPU,
+Q5-Q8 -> int8, F16 / BF16 / F32 -> that float), read from the file type its header names
+(`general.file_type`: a Q4_K_M file is int4 even where some tensors are Q5_0 or Q6_K, as
+llama.cpp's quantizer falls back on shapes its K-quants do not take), else from the type holding
+most parameters and any other model keeps float32 on CPU,
 bfloat16 on a GPU. Quantized precisions compute in bfloat16 (activations and K/V) over packed
 weights (`kvchat.models.quant`). Torch-free: `kvchat models` and the tests of resolution read it
 cheaply.
@@ -38,6 +41,15 @@ _GGML_CLASS = {
     16: "int4", 17: "int4", 18: "int4", 19: "int4", 20: "int4", 21: "int4", 22: "int4",
     23: "int4", 29: "int4",  # IQ2_*, IQ3_*, IQ1_*, IQ4_*
     6: "int8", 7: "int8", 8: "int8", 9: "int8", 13: "int8", 14: "int8", 15: "int8",  # Q5-Q8
+}
+# llama.cpp's file types (gguf.LlamaFileType, `general.file_type`) and the class each keeps
+_FILE_TYPE_CLASS = {
+    0: "float32", 1: "float16", 32: "bfloat16",
+    2: "int4", 3: "int4", 10: "int4", 11: "int4", 12: "int4", 13: "int4", 14: "int4",
+    15: "int4", 19: "int4", 20: "int4", 21: "int4", 22: "int4", 23: "int4", 24: "int4",
+    25: "int4", 26: "int4", 27: "int4", 28: "int4", 29: "int4", 30: "int4", 31: "int4",
+    36: "int4", 37: "int4",  # Q4_0 Q4_1 Q2_K Q3_K_* Q4_K_S Q4_K_M IQ1-IQ4 TQ1_0 TQ2_0
+    7: "int8", 8: "int8", 9: "int8", 16: "int8", 17: "int8", 18: "int8",  # Q8_0 Q5_* Q6_K
 }
 
 
@@ -147,14 +159,18 @@ def bytes_per_step(n_params: int, embedding: int, tied: bool, name: str) -> int:
 
 
 def gguf_precision_class(path: Path) -> str | None:
-    """The precision class of a GGUF's weights: that of the type holding most parameters of its
-    2-D tensors (the token embedding aside), or None if the file cannot be read."""
+    """The precision class of a GGUF's weights: its file type's (`general.file_type`), else that
+    of the type holding most parameters of its 2-D tensors (the token embedding aside), or None
+    if the file cannot be read."""
     try:
-        counts = gguf_tensor_types(path)
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            layout = _HeaderReader(buf).layout()
     except (OSError, ValueError, struct.error):
         return None
+    if layout.file_type in _FILE_TYPE_CLASS:
+        return _FILE_TYPE_CLASS[layout.file_type]
     classes: dict[str, int] = {}
-    for ggml_type, n in counts.items():
+    for ggml_type, n in _tensor_types(layout).items():
         name = _GGML_CLASS.get(ggml_type)
         if name is not None:
             classes[name] = classes.get(name, 0) + n
@@ -165,7 +181,16 @@ def gguf_tensor_types(path: Path) -> Mapping[int, int]:
     """Parameters per GGML type over a GGUF's matrices (token embedding excluded), read from the
     header alone: no tensor data is touched."""
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _HeaderReader(buf).tensor_types()
+        return _tensor_types(_HeaderReader(buf).layout())
+
+
+def _tensor_types(layout: GGUFLayout) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for tensor in layout.tensors:
+        if len(tensor.dims) == 2 and tensor.name != "token_embd.weight":
+            n = tensor.dims[0] * tensor.dims[1]
+            counts[tensor.ggml_type] = counts.get(tensor.ggml_type, 0) + n
+    return counts
 
 
 class GGUFTensor(NamedTuple):
@@ -178,6 +203,7 @@ class GGUFTensor(NamedTuple):
 class GGUFLayout(NamedTuple):
     architecture: str
     tensors: tuple[GGUFTensor, ...]
+    file_type: int | None = None  # general.file_type (gguf.LlamaFileType), when the header has it
 
 
 def gguf_layout(buf: mmap.mmap) -> GGUFLayout:
@@ -230,13 +256,15 @@ class _HeaderReader:
         if self._take("I") < 2:
             raise ValueError("GGUF version 1 is not supported")
         n_tensors, n_kv = self._take("Q"), self._take("Q")
-        arch, alignment = "", 32
+        arch, alignment, file_type = "", 32, None
         for _ in range(n_kv):
             key, vtype = self._string(), self._take("I")
             if key == b"general.architecture" and vtype == self._STRING:
                 arch = self._string().decode()
             elif key == b"general.alignment" and vtype == 4:
                 alignment = self._take("I")
+            elif key == b"general.file_type" and vtype in (4, 5):  # uint32 / int32
+                file_type = self._take("I" if vtype == 4 else "i")
             else:
                 self._skip_value(vtype)
         tensors = []
@@ -245,12 +273,5 @@ class _HeaderReader:
             dims = tuple(self._take("Q") for _ in range(self._take("I")))
             tensors.append((name, dims, self._take("I"), self._take("Q")))
         start = -(-self.at // alignment) * alignment
-        return GGUFLayout(arch, tuple(GGUFTensor(n, d, t, start + o) for n, d, t, o in tensors))
-
-    def tensor_types(self) -> dict[int, int]:
-        counts: dict[int, int] = {}
-        for tensor in self.layout().tensors:
-            if len(tensor.dims) == 2 and tensor.name != "token_embd.weight":
-                n = tensor.dims[0] * tensor.dims[1]
-                counts[tensor.ggml_type] = counts.get(tensor.ggml_type, 0) + n
-        return counts
+        return GGUFLayout(arch, tuple(GGUFTensor(n, d, t, start + o) for n, d, t, o in tensors),
+                          file_type)
