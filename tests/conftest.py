@@ -138,8 +138,13 @@ def write_tiny_gguf(
     qtype: Any = lambda name: "F32",
 ) -> Path:
     """Write `model` and `tokenizer` as a llama GGUF, laid out as llama.cpp writes one: each
-    2-D weight in `qtype(tensor name)` (norms stay F32), file type F32 for the record."""
+    2-D weight in `qtype(tensor name)` (norms stay F32), with the file type llama.cpp's
+    quantizer names after the layers' type (Q4_K layers: Q4_K_M)."""
     import gguf
+
+    layer_type = qtype("blk.0.ffn_up.weight")
+    named = {"F32": "ALL_F32", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M",
+             "Q5_K": "MOSTLY_Q5_K_M"}.get(layer_type, f"MOSTLY_{layer_type}")
 
     config = model.config
     n_heads, n_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -155,7 +160,7 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType[named])
 
     tokens = [t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
     writer.add_tokenizer_model("gpt2")
