@@ -35,43 +35,55 @@ def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(down.float() >= x, down, up)
 
 
-def _on_grid(groups: torch.Tensor, lo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    t = (groups - lo) / step.clamp_min(torch.finfo(torch.float32).tiny)
-    return ((t - t.round()).abs() <= _SNAP_TOLERANCE).all(-1, keepdim=True)
+def _on_grid(columns: torch.Tensor, lo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """(M,) bool: every value of each group (a column of `columns`, (group, M)) within
+    _SNAP_TOLERANCE steps of lo + i * step (lo, step: (M,))."""
+    t = (columns - lo).div_(step.clamp_min(torch.finfo(torch.float32).tiny))
+    return t.sub_(t.round()).abs_().amax(0) <= _SNAP_TOLERANCE
 
 
-def _grid_steps(groups: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    """Per group, the step of a grid anchored at the group's minimum with at most 16 levels that
-    holds every value exactly, when there is one (weights de-quantized from a 4-bit GGUF come back
-    on their own grid, not a finer one), else span / 15. The step tried is span / 15 (a group
-    that uses the full range, as Q4_1's always do), then span over the number of smallest gaps
-    it spans (Q4_K's groups need not reach both ends)."""
+def _grid_steps(columns: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Per group (a column), the step of a grid anchored at the group's minimum with at most 16
+    levels that holds every value exactly, when there is one (weights de-quantized from a 4-bit
+    GGUF come back on their own grid, not a finer one), else span / 15. The step tried is
+    span / 15 (a group that uses the full range, as Q4_1's always do), then, for the groups not
+    on it only, span over the number of smallest gaps it spans (Q4_K's groups need not reach
+    both ends)."""
     step = span / 15
-    found = _on_grid(groups, lo, step) | (span == 0)
+    found = _on_grid(columns, lo, step) | (span == 0)
     if bool(found.all()):
         return step
-    gaps = groups.sort(dim=-1).values.diff(dim=-1)
-    smallest = torch.where(gaps > span * 1e-4, gaps, span).amin(-1, keepdim=True)
-    levels = (span / smallest.clamp_min(torch.finfo(torch.float32).tiny)).round()
-    candidate = span / levels.clamp(1, 15)
-    fits = ~found & (levels <= 15) & _on_grid(groups, lo, candidate)
-    return torch.where(fits, candidate, step)
+    rest = ~found
+    sub, sub_lo, sub_span = columns[:, rest], lo[rest], span[rest]
+    gaps = sub.t().contiguous().sort(dim=-1).values.diff(dim=-1).t()  # rows sort faster
+    smallest = torch.where(gaps > sub_span * 1e-4, gaps, sub_span).amin(0)
+    levels = (sub_span / smallest.clamp_min(torch.finfo(torch.float32).tiny)).round()
+    candidate = sub_span / levels.clamp(1, 15)
+    fits = (levels <= 15) & _on_grid(sub, sub_lo, candidate)
+    steps = step.clone()
+    steps[rest] = torch.where(fits, candidate, step[rest])
+    return steps
 
 
 def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q (N, K) int32 in [0, 15], scales_and_zeros (K / group, N, 2) bfloat16)."""
+    """(q (N, K) int32 in [0, 15], scales_and_zeros (K / group, N, 2) bfloat16).
+
+    The groups are laid out as the columns of a (group, N * K / group) matrix, so every
+    per-group operation runs along long contiguous rows instead of a 32-wide broadcast (an
+    order of magnitude faster on CPU); each value takes the same operations either way."""
     n, k = weight.shape
-    groups = weight.detach().float().reshape(n, k // group, group)
-    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    columns = weight.detach().float().reshape(n * k // group, group).t().contiguous()
+    lo, hi = columns.amin(0), columns.amax(0)  # (aminmax over dim 0 is ~30x slower)
     span = hi - lo
-    step = _grid_steps(groups, lo, span)
+    step = _grid_steps(columns, lo, span)
     # a constant group: any tiny step, so that its zero keeps the value's own precision
     step = torch.where(span == 0, lo.abs().clamp_min(1.0) * 2.0**-20, step)
     scale = _round_up_bf16(step)
     zero = (lo + 8 * scale.float()).to(_BF16)
-    q = ((groups - zero.float()) / scale.float() + 8).round().clamp(0, 15).to(torch.int32)
-    scales_and_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()
-    return q.reshape(n, k), scales_and_zeros
+    q = (columns - zero.float()).div_(scale.float()).add_(8).round_().clamp_(0, 15)
+    q = q.to(torch.int32).t().reshape(n, k)
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).view(n, k // group, 2)
+    return q, scales_and_zeros.transpose(0, 1).contiguous()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
