@@ -4,7 +4,12 @@ register themselves on `app` from their own modules."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
 from typing import Annotated, Any
 
 import typer
@@ -142,3 +147,20 @@ def main() -> None:
         _report_interrupt()
         raise SystemExit(INTERRUPT_EXIT_CODE) from None
 
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (timeout, systemd, docker stop, `kvchat stop`) stops the run as Ctrl-C does:
+    rows written, cache saved, exit 130; every `finally` runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvchat.cli.app import INTERRUPT_EXIT_CODE, app, stderr, stdout
+from kvchat.cli.app import INTERRUPT_EXIT_CODE, app, stderr, stdout, terminate_as_interrupt
 from kvchat.cli.attach_options import (
     ApiKeyOption,
     ConnectOption,
@@ -433,21 +430,3 @@ def _save(runtime: Runtime, ui: Console) -> None:
         runtime.close()  # the disk tier's queued blocks reach the disk
         for notice in runtime.take_notices():
             ui.print(f"[yellow]{escape(notice)}[/yellow]")
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (timeout, systemd, docker stop, `kvchat stop`) stops the run as Ctrl-C does:
-    rows written, cache saved, exit 130; every `finally` runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -101,7 +101,7 @@ def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_t
            access: StartupAuth) -> None:
     import uvicorn
 
-    from kvchat.cli.batch import terminate_as_interrupt
+    from kvchat.cli.app import terminate_as_interrupt
     from kvchat.runtime import Runtime
     from kvchat.server import Server, create_app, log_to_stderr
     from kvchat.session_lock import sessions_lock
