@@ -60,17 +60,17 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_config(tokenizer: PreTrainedTokenizerFast, **sizes: int) -> LlamaConfig:
+def build_tiny_config(tokenizer: PreTrainedTokenizerFast, **sizes: Any) -> LlamaConfig:
     """2 layers of width 64 unless `sizes` say otherwise (hidden_size=256 fits K-quant blocks)."""
     from transformers import LlamaConfig
 
-    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, **sizes}
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "tie_word_embeddings": False, **sizes}
     return LlamaConfig(
         vocab_size=len(tokenizer),
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
-        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -189,7 +189,8 @@ def write_tiny_gguf(
     state = {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
     add("token_embd.weight", state["model.embed_tokens.weight"])
     add("output_norm.weight", state["model.norm.weight"])
-    add("output.weight", state["lm_head.weight"])
+    if not config.tie_word_embeddings:  # a tied model's file has no head of its own
+        add("output.weight", state["lm_head.weight"])
     for i in range(config.num_hidden_layers):
         for gguf_name, hf_name in _GGUF_LAYER_TENSORS.items():
             weight = state[f"model.layers.{i}.{hf_name}.weight"]

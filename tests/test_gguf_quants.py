@@ -92,3 +92,37 @@ def test_a_gguf_streams_into_the_model_bit_for_bit_as_a_float32_copy_gave(
     biggest = max(t.n_elements for t in gguf.GGUFReader(path).tensors)
     assert done.largest_float_bytes == 4 * biggest  # one tensor at a time, never the model
     assert done.n_params == loaded.facts.n_params
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("precision", ["int4", "int8", "bfloat16"])
+def test_the_embedding_and_head_read_by_rows_give_the_whole_tensors_numbers(
+        precision, tied, tiny_tokenizer, tmp_path, monkeypatch):
+    """With chunks of 4 KiB the token embedding and the head are read a few rows at a time
+    (cast into the embedding's rows, and quantized row by row for an int8 head, the one tied
+    to the embedding too): the same state as reading each whole, and never the whole tensor
+    in float32."""
+    from kvchat.models import gguf_weights
+    from kvchat.models.precision import torch_dtype
+
+    config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
+                               num_hidden_layers=1, tie_word_embeddings=tied)
+    path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "m.gguf",
+                           QUANTS["Q4_K_M"])
+    whole = load_model(str(path), dtype=precision)
+    dtype = torch_dtype("bfloat16")
+    _, read_whole = gguf_weights.load_gguf_weights(path, whole.model.config, precision, dtype)
+    monkeypatch.setattr(gguf_weights, "CHUNK_ROWS_BYTES", 4096)
+    model, by_rows = gguf_weights.load_gguf_weights(path, whole.model.config, precision, dtype)
+    ours, theirs = model.state_dict(), whole.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k])
+               for k in ours)
+    assert (by_rows.int4_layers, by_rows.int8_layers, by_rows.n_params) == \
+        (read_whole.int4_layers, read_whole.int8_layers, read_whole.n_params)
+    embedding = len(tiny_tokenizer) * 256 * 4
+    assert read_whole.largest_float_bytes == embedding
+    # the largest float tensor held is now a layer's (256 x 256), not the embedding
+    assert by_rows.largest_float_bytes == 256 * 256 * 4 < embedding
+    if tied and precision == "bfloat16":
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -50,6 +50,10 @@ TOKENIZER_PER_FILE_BYTE = 6.6
 # 4.3x (Gemma 3's, with 0.3x of the file's own pages) its float32 size: gguf-py's float32
 # intermediates, the result, the bfloat16 copy and the int8 head's temporaries.
 GGUF_LOAD_COPIES = 4.0
+# The token embedding and the output head are read this many float32 bytes of rows at a time
+# (kvchat.models.gguf_weights), so only a chunk of them is ever held in float32.
+CHUNK_ROWS_BYTES = 32 << 20
+ROW_CHUNKED = frozenset({"token_embd.weight", "output.weight"})
 IGNORE_ENV_VAR = "KVCHAT_IGNORE_MEMORY"
 _GROUP = 32  # int4 weights per bfloat16 scale and zero (kvchat.models.quant.GROUP)
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2, "int4": 2}
@@ -152,7 +156,9 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
         if tensor.name.startswith("rope_freqs"):  # llama.cpp's own; transformers has none
             continue
         count = math.prod(tensor.dims)
-        largest = max(largest, count)
+        chunked = tensor.name in ROW_CHUNKED and len(tensor.dims) == 2
+        held = min(count, max(tensor.dims[0], CHUNK_ROWS_BYTES // 4)) if chunked else count
+        largest = max(largest, held)
         embedding = "embd" in tensor.name  # token_embd, position_embd: not linear layers
         if packs and len(tensor.dims) == 2 and not embedding:
             k, n = tensor.dims  # GGUF's order: the fastest-varying (input) first

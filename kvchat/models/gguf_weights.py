@@ -9,6 +9,13 @@ Face order, Gemma's norms less one) and put where it belongs, packed at once whe
 layer's weight at int4 or int8 (`kvchat.models.quant`). Peak memory is the packed model plus one
 tensor in float32, not the whole float model; the numbers are the ones a float32 conversion
 gave, so a packed layer is bit for bit what quantizing the converted model gave.
+
+The token embedding and the output head are often the largest tensors by far (Gemma 3 270M's
+embedding: 168 M of its 268 M parameters, 640 MiB in float32; Llama 3.2 3B's: 1.5 GiB) and no
+processor changes them, so they are read `CHUNK_ROWS_BYTES` of float32 at a time: each chunk
+of rows is de-quantized, cast into its rows of the embedding and, for a head packed at int8
+(the output head, or the head tied to the embedding), quantized row by row, which is what the
+whole tensor gave, since every row's scale is its own.
 """
 
 from __future__ import annotations
@@ -23,10 +30,13 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelError
+from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED
 from kvchat.models.precision import GGUFTensor, gguf_layout
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
 Progress = Callable[[int, int], None]
+# transformers' processors that leave those two as they are (GPT-2's, for one, renames the head)
+_KEEPS_EMBEDDINGS = frozenset({"TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor"})
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,16 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
     largest = n_params = 0
     total = len(layout.tensors)
     for done, tensor in enumerate(layout.tensors, 1):
+        by_rows = _by_rows(model, names, tensor, packs, tied) \
+            if type(processor).__name__ in _KEEPS_EMBEDDINGS else None
+        if by_rows is not None:
+            kind, chunk_bytes, params = by_rows(buf, dtype)
+            for packed in kind:
+                counts[packed] += 1
+            largest, n_params = max(largest, chunk_bytes), n_params + params
+            if progress is not None:
+                progress(done, total)
+            continue
         weights = dequantize(_data(buf, tensor), GGMLQuantizationType(tensor.ggml_type))
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters={"config": config.to_dict(), "tensors": {}})
@@ -116,6 +136,80 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
                          f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}.")
     return model, StreamedLoad(total, counts["int4"], counts["int8"], counts["dense"], largest,
                                n_params)
+
+
+RowLoad = Callable[[mmap.mmap, torch.dtype], tuple[list[str], int, int]]
+
+
+def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
+             tied: bool) -> RowLoad | None:
+    """How to read `tensor` a chunk of rows at a time into the embedding and / or an int8 head,
+    or None when it is read whole (small, another tensor, or a head of another kind)."""
+    hf_name = names.get(tensor.name)
+    if tensor.name not in ROW_CHUNKED or hf_name is None or len(tensor.dims) != 2 \
+            or tensor.dims[0] * tensor.dims[1] * 4 <= CHUNK_ROWS_BYTES:
+        return None
+    parent, leaf = _owner(model, hf_name)
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    int8_head = packs and isinstance(head, nn.Linear) and head.bias is None \
+        and int(head.in_features) % 16 == 0  # Int8Linear.fits
+    if leaf != "weight" or parent is not head and parent is not embed:
+        return None
+    if parent is head:
+        if packs and not int8_head:
+            return None
+        if packs:  # the file's own head, packed int8
+            return lambda buf, dtype: _rows_into(buf, tensor, model, None, None, True)
+        return lambda buf, dtype: _rows_into(buf, tensor, model, head, dtype, False)
+    if tied and packs and not int8_head:
+        return None
+
+    def load(buf: mmap.mmap, dtype: torch.dtype) -> tuple[list[str], int, int]:
+        return _rows_into(buf, tensor, model, embed, torch.bfloat16 if packs else dtype,
+                          tied and packs, tie_plain=tied and not packs)
+
+    return load
+
+
+def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module | None,
+               dtype: torch.dtype | None, head_int8: bool,
+               tie_plain: bool = False) -> tuple[list[str], int, int]:
+    """Fill `target`'s weight (in `dtype`) and / or pack the int8 head from `tensor`'s rows, a
+    chunk at a time; `tie_plain`: the head's weight is the embedding's. Returns (kinds packed,
+    the chunk's float bytes, parameters read)."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from kvchat.models.quant import quantize_int8
+
+    kind = GGMLQuantizationType(tensor.ggml_type)
+    cols, rows = tensor.dims
+    data = _data(buf, tensor)
+    step = max(1, CHUNK_ROWS_BYTES // (cols * 4))
+    table = torch.empty(rows, cols, dtype=dtype) if target is not None else None
+    qs, scales = [], []
+    for start in range(0, rows, step):
+        chunk = dequantize(data[start : start + step], kind)
+        value = torch.from_numpy(chunk if chunk.flags.writeable else chunk.copy()).float()
+        if table is not None:
+            table[start : start + len(value)] = value.to(dtype)
+        if head_int8:
+            q, scale = quantize_int8(value)
+            qs.append(q)
+            scales.append(scale)
+        del chunk, value
+    packed: list[str] = []
+    if target is not None and table is not None:
+        param = nn.Parameter(table, requires_grad=False)
+        target.register_parameter("weight", param)
+        if tie_plain:
+            model.get_output_embeddings().weight = param
+    if head_int8:
+        head_path = _name_of(model, model.get_output_embeddings())
+        owner, attr = _owner(model, head_path)
+        setattr(owner, attr, Int8Linear.from_quantized(torch.cat(qs), torch.cat(scales)))
+        packed.append("int8")
+    return packed, min(rows, step) * cols * 4, rows * cols
 
 
 def _data(buf: mmap.mmap, tensor: GGUFTensor) -> Any:
