@@ -76,6 +76,33 @@ def reset_peak() -> bool:
     return True
 
 
+class PeakWatch:
+    """A child process's high-water mark (VmHWM), read every 20 ms until `stop()`: its own, from
+    after its exec. (Not wait4's ru_maxrss: a child spawned from this process counts the memory
+    of this one it started from, vfork sharing it until exec.) Only growth in the last 20 ms of
+    its life is missed."""
+
+    peak: int | None
+
+    def __init__(self, pid: int, every: float = 0.02) -> None:
+        self.pid, self.peak = pid, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _watch(self, every: float) -> None:
+        while True:
+            memory = memory_of(self.pid)  # None once it exited (a zombie has no memory)
+            if memory is not None:
+                self.peak = max(self.peak or 0, memory[1])
+            if self._stop.wait(every):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @dataclass
 class ServerProcess:
     """A running llama-server: its URL, and `started` (the LoadCost of its start, set once it
@@ -131,7 +158,7 @@ class LlamaCpp:
     def bench(self, gguf: Path, prompt: int, generate: int, reps: int = 1,
               timeout: float = 900.0) -> BenchFigures:
         """`llama-bench -p prompt -n generate` on THREADS threads: prefill and decode rates, and
-        the process's peak RSS (reaped with wait4, whose rusage is that child's alone)."""
+        the process's peak RSS (its VmHWM, watched while it runs)."""
         cmd = [str(self.bench_bin), "-m", str(gguf), "-t", str(THREADS), "-p", str(prompt),
                "-n", str(generate), "-r", str(reps), "-o", "json"]
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -140,23 +167,20 @@ class LlamaCpp:
                                         env=self._env(self.bench_bin))
             except OSError as exc:
                 raise LlamaCppError(f"llama-bench failed: {exc}") from exc
-            killed = threading.Event()
-
-            def kill() -> None:
-                killed.set()
-                proc.kill()
-
-            timer = threading.Timer(timeout, kill)
-            timer.start()
+            watch = PeakWatch(proc.pid)
+            killed = False
             try:
-                _, status, usage = os.wait4(proc.pid, 0)
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                killed = True
+                proc.kill()
+                proc.wait()
             finally:
-                timer.cancel()
-            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
+                watch.stop()
             out.seek(0)
             err.seek(0)
             if proc.returncode != 0:
-                why = (f"killed after {timeout:.0f} s" if killed.is_set()
+                why = (f"killed after {timeout:.0f} s" if killed
                        else f"exit status {proc.returncode}")
                 tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
                 raise LlamaCppError(f"llama-bench failed ({why}): " + " / ".join(tail))
@@ -167,7 +191,7 @@ class LlamaCpp:
         pp = next(r["avg_ts"] for r in rows if r.get("n_prompt") == prompt and not r["n_gen"])
         tg = next(r["avg_ts"] for r in rows if r.get("n_gen") == generate and not r["n_prompt"])
         size = next((r["model_size"] for r in rows if "model_size" in r), None)
-        return BenchFigures(float(pp), float(tg), usage.ru_maxrss * 1024,  # Linux: kB
+        return BenchFigures(float(pp), float(tg), watch.peak,
                             None if size is None else int(size))
 
     @contextmanager

@@ -75,6 +75,9 @@ def decode_table(r: DecodeResult) -> RenderableType:
                           f"resident before the first load, peak {_mib(r.peak_rss)} over the "
                           "run; each row's RSS includes the rows above it (+MiB: what its "
                           "load added).", style="dim"))
+    elif r.rss_start is not None:
+        lines.append(Text(f"kvchat's process held {_mib(r.rss_start)} before the load (Python, "
+                          "torch, kvchat).", style="dim"))
     peer = r.llama_cpp
     if peer is not None:
         no_rows = ["–"] * len(rows)
@@ -96,7 +99,7 @@ def decode_table(r: DecodeResult) -> RenderableType:
     t.caption = ("load: kvchat's load_model in its running process (the GGUF's config and "
                  "tokenizer converted beforehand); llama-server: its start to /health "
                  "answering. RSS: resident memory (VmRSS) once loaded, and the run's high-water "
-                 "mark (VmHWM; llama-bench's from wait4). rows: fresh prompts decoding "
+                 "mark (VmHWM; llama-bench's watched while it runs). rows: fresh prompts decoding "
                  "together, timed once all are prefilled (llama-server: the requests' own "
                  "decode rates, summed); repeat: a greedy request asked again, its reply "
                  "drafted from the cache.")
