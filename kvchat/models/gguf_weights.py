@@ -127,9 +127,11 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
                     else:
                         head.weight = param
             del value
+        _release_freed(int(weights.nbytes))
         del weights, result
         if progress is not None:
             progress(done, total)
+    _release_freed(_TRIM_EVERY)  # what the last tensors left
     missing = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ModelError(f"{gguf.name} lacks tensors this {type(model).__name__} needs: "
@@ -139,6 +141,32 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
 
 
 RowLoad = Callable[[mmap.mmap, torch.dtype], tuple[list[str], int, int]]
+
+
+def _release_freed(freed: int) -> None:
+    """Hand the heap's freed pages back to the system (glibc's malloc_trim) once every
+    `_TRIM_EVERY` bytes of float32 intermediates freed: glibc keeps freed heap memory mapped,
+    and the process would stay at the load's peak (a Qwen2 0.5B-shaped Q4_K_M: 2.3 GiB
+    resident after loading, 1.0 GiB trimmed). A trim walks the heap (tens of ms), hence not
+    after every tensor. Nothing where there is no glibc."""
+    global _TRIM, _FREED
+    if _TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    _FREED += freed
+    if _TRIM and _FREED >= _TRIM_EVERY:
+        _TRIM(0)
+        _FREED = 0
+
+
+_TRIM: Any = None
+_FREED = 0
+_TRIM_EVERY = 256 << 20
 
 
 def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
@@ -197,6 +225,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
             q, scale = quantize_int8(value)
             qs.append(q)
             scales.append(scale)
+        _release_freed(int(chunk.nbytes))
         del chunk, value
     packed: list[str] = []
     if target is not None and table is not None:
