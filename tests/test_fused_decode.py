@@ -65,11 +65,9 @@ def test_one_row_after_a_wrapped_past(tiny_tokenizer, precision, hidden, queries
     assert _same_kv(past_a, past_b, 21 + queries)
 
 
-@pytest.mark.parametrize("hidden", [64, 128])
-@pytest.mark.parametrize("precision", ["int4", "int8"])
-@pytest.mark.parametrize("queries", [1, 3])
-def test_left_padded_batch_in_reserved_buffers(tiny_tokenizer, precision, hidden, queries):
-    reference, fused = _pair(tiny_tokenizer, precision, hidden)
+def check_left_padded_batch(reference: ModelRunner, fused: ModelRunner, queries: int) -> None:
+    """Three rows of different lengths left-padded into reserved buffers, one with a hole as a
+    rejected draft leaves: the same logits and K/V from both runners."""
     lengths = [9, 17, 13]
     rows = [_prefilled(reference, prompt(10 + i, n)) for i, n in enumerate(lengths)]
     width, capacity = max(lengths), max(lengths) + 8
@@ -88,6 +86,13 @@ def test_left_padded_batch_in_reserved_buffers(tiny_tokenizer, precision, hidden
         b, _ = fused.forward(ids, past_b, mask, pos, columns=columns)
     assert torch.equal(a, b)
     assert _same_kv(past_a, past_b, width + queries)
+
+
+@pytest.mark.parametrize("hidden", [64, 128])
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_left_padded_batch_in_reserved_buffers(tiny_tokenizer, precision, hidden, queries):
+    check_left_padded_batch(*_pair(tiny_tokenizer, precision, hidden), queries)
 
 
 def test_an_empty_past(tiny_tokenizer):

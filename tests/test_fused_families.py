@@ -19,11 +19,11 @@ from kvchat.config import SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.fused_decode import FusedDecoder
 from kvchat.engine.model_runner import ModelRunner
-from kvchat.engine.past import pack_right_aligned, reserved_past, wrap_past
+from kvchat.engine.past import wrap_past
 from kvchat.engine.sequence import Request
 from kvchat.models.quant import quantize_model
 from tests.test_engine import prompt
-from tests.test_fused_decode import _copy, _prefilled, _same_kv
+from tests.test_fused_decode import _copy, _prefilled, _same_kv, check_left_padded_batch
 
 WINDOW = 8  # shorter than the pasts below, so the sliding layers' masks cut keys
 
@@ -102,25 +102,7 @@ def test_one_row_after_a_past_longer_than_the_window(tiny_tokenizer, family, pre
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("queries", [1, 3])
 def test_left_padded_batch_with_a_hole(tiny_tokenizer, family, queries):
-    reference, fused = _pair(tiny_tokenizer, family, "int4")
-    lengths = [9, 17, 13]
-    rows = [_prefilled(reference, prompt(10 + i, n)) for i, n in enumerate(lengths)]
-    width, capacity = max(lengths), max(lengths) + 8
-    buffers = pack_right_aligned(rows, lengths, width, capacity, like=rows[0])
-    mask = torch.zeros(len(rows), capacity, dtype=torch.bool)
-    for i, n in enumerate(lengths):
-        mask[i, width - n : width + queries] = True
-    mask[1, width - 5] = False  # a hole, as a rejected draft leaves
-    pos = torch.tensor(lengths)[:, None] + torch.arange(queries)
-    ids = torch.tensor([prompt(20 + i, queries) for i in range(len(rows))])
-    columns = list(range(queries)) if queries > 1 else None
-    with torch.no_grad():
-        past_a = reserved_past(_copy(buffers), width, reference.config)
-        past_b = reserved_past(_copy(buffers), width, fused.config)
-        a, _ = reference.forward(ids, past_a, mask, pos, columns=columns)
-        b, _ = fused.forward(ids, past_b, mask, pos, columns=columns)
-    assert torch.equal(a, b)
-    assert _same_kv(past_a, past_b, width + queries)
+    check_left_padded_batch(*_pair(tiny_tokenizer, family, "int4"), queries)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
