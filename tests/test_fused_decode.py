@@ -54,7 +54,11 @@ def _same_kv(a, b, width: int) -> bool:
 @pytest.mark.parametrize("precision", ["int4", "int8"])
 @pytest.mark.parametrize("queries", [1, 3])
 def test_one_row_after_a_wrapped_past(tiny_tokenizer, precision, hidden, queries):
-    reference, fused = _pair(tiny_tokenizer, precision, hidden)
+    check_one_row(*_pair(tiny_tokenizer, precision, hidden), queries)
+
+
+def check_one_row(reference: ModelRunner, fused: ModelRunner, queries: int) -> None:
+    """One row of `queries` ids after a 21-token past: the same logits and K/V from both."""
     kv = _prefilled(reference, prompt(1, 21))
     ids = torch.tensor([prompt(2, queries)])
     with torch.no_grad():

@@ -19,11 +19,10 @@ from kvchat.config import SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.fused_decode import FusedDecoder
 from kvchat.engine.model_runner import ModelRunner
-from kvchat.engine.past import wrap_past
 from kvchat.engine.sequence import Request
 from kvchat.models.quant import quantize_model
 from tests.test_engine import prompt
-from tests.test_fused_decode import _copy, _prefilled, _same_kv, check_left_padded_batch
+from tests.test_fused_decode import check_left_padded_batch, check_one_row
 
 WINDOW = 8  # shorter than the pasts below, so the sliding layers' masks cut keys
 
@@ -88,15 +87,7 @@ def _pair(tokenizer, family: str, precision: str):
 @pytest.mark.parametrize("queries", [1, 3])
 def test_one_row_after_a_past_longer_than_the_window(tiny_tokenizer, family, precision,
                                                      queries):
-    reference, fused = _pair(tiny_tokenizer, family, precision)
-    kv = _prefilled(reference, prompt(1, 21))
-    ids = torch.tensor([prompt(2, queries)])
-    with torch.no_grad():
-        past_a, past_b = wrap_past(_copy(kv), reference.config), wrap_past(_copy(kv), fused.config)
-        a, _ = reference.forward(ids, past_a, columns=range(queries))
-        b, _ = fused.forward(ids, past_b, columns=range(queries))
-    assert torch.equal(a, b)
-    assert _same_kv(past_a, past_b, 21 + queries)
+    check_one_row(*_pair(tiny_tokenizer, family, precision), queries)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

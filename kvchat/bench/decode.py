@@ -13,8 +13,9 @@ Per precision (the model loaded at it, in one process):
   `added` is what each load left resident; the run's peak covers all of them at once.
 llama.cpp (`--llama-cpp DIR`): llama-bench's prefill / decode rates on 2 threads, one repetition
 between each of kvchat's one-stream trials (interleaved, so both see the same machine), and its
-peak RSS (each run's own, from wait4); a llama-server with 8 slots fed 1 and 8 requests at once
-for its rows x tokens/s, its load time (start to /health answering), its RSS then and its peak.
+peak RSS (each run's own VmHWM, watched while it runs); a llama-server with 8 slots fed 1 and 8
+requests at once for its rows x tokens/s, its load time (start to /health answering), its RSS
+then and its peak.
 """
 
 from __future__ import annotations
