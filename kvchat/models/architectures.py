@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvchat.errors import UnpageableArchitecture
+from kvchat.errors import NotACausalLM, UnpageableArchitecture
 
 # Layer kinds whose whole state is per-token K/V. "attention" is how Jamba's layers_block_type and
 # RecurrentGemma's block_types name an ordinary attention layer.
@@ -41,6 +41,7 @@ _RECURRENT_MODEL_TYPES = frozenset(
         "qwen3_next", "minimax", "kimi_linear",
     }
 )
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _ADVICE = (
     "Use a decoder-only transformer whose layers are all full or sliding-window attention "
     "(SmolLM2, Llama, Qwen2/Qwen3, Mistral, Gemma 2/3, Phi-3, OLMo 2, Granite, Mixtral, GPT-2 "
@@ -60,6 +61,33 @@ def check_pageable(config: Any, description: str) -> None:
         f"{description} is a {shown} model (model_type {model_type!r}), and kvchat cannot page "
         f"its cache: {reason}. kvchat keeps each layer's keys and values per token in shared "
         f"blocks, so that any prompt with a cached prefix reuses it. {_ADVICE}"
+    )
+
+
+def check_causal_lm(config: Any, description: str) -> None:
+    """Raise NotACausalLM unless transformers can build a left-to-right LM for this config."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = str(getattr(config, "model_type", "") or "")
+    architectures = list(getattr(config, "architectures", None) or [])
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    # A folder saved from, say, BertForMaskedLM has a causal class for its model type
+    # (BertLMHeadModel), but its weights are not a left-to-right LM.
+    architecture_ok = not architectures or any(
+        name in causal_classes or name.endswith(_CAUSAL_SUFFIXES) for name in architectures
+    )
+    if (
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and architecture_ok
+        and not getattr(config, "is_encoder_decoder", False)
+    ):
+        return
+    shown = architectures[0] if architectures else model_type or "unknown"
+    raise NotACausalLM(
+        f"{description} is a {shown} model (model_type {model_type!r}), not a causal "
+        "language model: transformers has no AutoModelForCausalLM class for it, and kvchat "
+        "generates text left to right with a KV cache. Pick a decoder-only chat model such as "
+        "SmolLM2, Llama, Qwen2 or Mistral."
     )
 
 

@@ -18,9 +18,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvchat.errors import (
     EmbeddedModelMissing,
     ModelPathNotFound,
-    NotACausalLM,
 )
-from kvchat.models.architectures import align_kv_heads, check_pageable, kv_heads, sliding_window
+from kvchat.models.architectures import (
+    align_kv_heads,
+    check_causal_lm,
+    check_pageable,
+    kv_heads,
+    sliding_window,
+)
 from kvchat.models.chat_template import folder_has_template
 from kvchat.models.embedded import EMBEDDED_FILE, EMBEDDED_NAME, EMBEDDED_PACKAGE, EMBEDDED_PIP_SPEC
 from kvchat.models.gguf import ensure_converted, quiet_transformers
@@ -44,8 +49,6 @@ if TYPE_CHECKING:
 DEFAULT_SPECS = frozenset({"default", "smollm2"})
 # A hub id: "name" or "owner/name" (https://huggingface.co/docs/hub/repositories).
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
-
 SourceKind = Literal["embedded", "gguf", "folder", "hub"]
 
 @dataclass(frozen=True)
@@ -225,36 +228,9 @@ def load_config(source: ModelSource, location: str | None = None) -> PretrainedC
         config = AutoConfig.from_pretrained(where, local_files_only=source.is_local)
     # Before the causal-LM check: an encoder-decoder such as BART has a causal-LM class too.
     check_pageable(config, source.description)
-    check_causal_lm(config, source)
+    check_causal_lm(config, source.description)
     align_kv_heads(config)
     return config
-
-
-def check_causal_lm(config: PretrainedConfig, source: ModelSource) -> None:
-    """Raise NotACausalLM unless transformers can build a left-to-right LM for this config."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type = str(getattr(config, "model_type", "") or "")
-    architectures = list(getattr(config, "architectures", None) or [])
-    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    # A folder saved from, say, BertForMaskedLM has a causal class for its model type
-    # (BertLMHeadModel), but its weights are not a left-to-right LM.
-    architecture_ok = not architectures or any(
-        name in causal_classes or name.endswith(_CAUSAL_SUFFIXES) for name in architectures
-    )
-    if (
-        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and architecture_ok
-        and not getattr(config, "is_encoder_decoder", False)
-    ):
-        return
-    shown = architectures[0] if architectures else model_type or "unknown"
-    raise NotACausalLM(
-        f"{source.description} is a {shown} model (model_type {model_type!r}), not a causal "
-        "language model: transformers has no AutoModelForCausalLM class for it, and kvchat "
-        "generates text left to right with a KV cache. Pick a decoder-only chat model such as "
-        "SmolLM2, Llama, Qwen2 or Mistral."
-    )
 
 
 def model_facts(
