@@ -261,12 +261,12 @@ def test_an_attached_chat_runs_turns_and_commands_without_torch(server: Running)
 
 
 def test_hanging_up_an_attached_reply_stops_it_on_the_server(server: Running) -> None:
-    from kvchat.client.chat import RemoteBackend
+    from kvchat.chat.backend import TurnDone
+    from kvchat.chat.server import ServerBackend
     from kvchat.config import SamplingParams
-    from kvchat.ui.chat_backend import TurnDone
 
     with Client(server.url, server.token) as client:
-        backend = RemoteBackend(client, "test")
+        backend = ServerBackend(client, "test")
         session = backend.sessions.open("hang-up")
         before = client.cache_stats()["server"]["cancelled"]
         reply = backend.start(session, "Count to a thousand.", SamplingParams(max_new_tokens=2000))

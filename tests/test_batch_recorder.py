@@ -9,8 +9,8 @@ import threading
 
 from kvchat.batch import BatchItem, ItemResult, LineRun, parse_line
 from kvchat.batch.attached import AttachedRun
+from kvchat.batch.peer import EngineReply, PeerRun
 from kvchat.batch.recorder import NOT_FINISHED, NOT_STARTED
-from kvchat.batch.remote_engine import EngineReply, EngineRun
 from kvchat.batch.run import BatchRun
 from kvchat.responses import result_from_fields
 
@@ -100,7 +100,7 @@ def test_the_result_is_recorded_and_handed_on_under_the_runners_lock():
 def test_every_runner_is_a_line_run_and_says_how_a_line_did_not_run():
     assert issubclass(BatchRun, LineRun) and BatchRun.not_run == NOT_STARTED
     assert issubclass(AttachedRun, LineRun) and AttachedRun.not_run == NOT_FINISHED
-    assert issubclass(EngineRun, LineRun) and EngineRun.not_run == NOT_FINISHED
+    assert issubclass(PeerRun, LineRun) and PeerRun.not_run == NOT_FINISHED
 
 
 def test_a_servers_reply_reads_back_into_the_result_it_reports():

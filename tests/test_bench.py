@@ -8,7 +8,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvchat.bench.commands import bench_app
 from kvchat.bench.policies import bench_policies, policy_workload
 from kvchat.bench.workloads import (
     KINDS,
@@ -22,6 +21,7 @@ from kvchat.bench.workloads import (
     shared_system_workload,
     unaligned_workload,
 )
+from kvchat.cli.bench import bench_app
 
 runner = CliRunner()
 

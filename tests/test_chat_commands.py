@@ -13,11 +13,7 @@ import pytest
 from conftest import make_runtime
 from rich.console import Console
 
-from kvchat.config import SamplingParams
-from kvchat.runtime import Runtime
-from kvchat.sessions import Session
-from kvchat.snapshots import read_snapshot_meta
-from kvchat.ui.repl import (
+from kvchat.chat.repl import (
     Chat,
     Command,
     message_text,
@@ -25,6 +21,10 @@ from kvchat.ui.repl import (
     parse_command,
     unknown_command_hint,
 )
+from kvchat.config import SamplingParams
+from kvchat.runtime import Runtime
+from kvchat.sessions import Session
+from kvchat.snapshots import read_snapshot_meta
 
 Line = str | BaseException | Callable[[], str]
 
@@ -392,7 +392,7 @@ def test_retry_after_a_stopped_reply_says_it_is_the_same_reply(
 
 
 def test_compare_replies_tells_a_cut_reply_from_a_different_one():
-    from kvchat.ui.chat_moves import compare_replies
+    from kvchat.chat.moves import compare_replies
 
     assert compare_replies([1, 2], "stop", [1, 2], "stop") == "identical"
     cut = compare_replies([1, 2, 3], "stop", [1, 2], "interrupted")

@@ -301,7 +301,7 @@ def test_inspect_document_filters_the_tree_by_session_but_not_the_stats():
 
 
 def test_streamed_text_wraps_between_words():
-    from kvchat.ui.terminal import WordWrap
+    from kvchat.chat.terminal import WordWrap
 
     out: list[str] = []
     wrap = WordWrap(out.append, 20, column=11)  # after "assistant> "

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from test_server_input import Served, serve
 
-from kvchat.batch.requests import LineError, parse_line
 from kvchat.config import ConfigError, SamplingParams, check_fields
+from kvchat.request_file import LineError, parse_line
 
 # (field, value, accepted); the CLI's and SamplingParams' names differ only for max_tokens
 CASES: list[tuple[str, Any, bool]] = [

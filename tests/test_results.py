@@ -3,7 +3,7 @@ turn and from a server's reply into a `GenerationResult`, and from that into the
 
 from __future__ import annotations
 
-from kvchat.client.chat import reported
+from kvchat.chat.server import reported
 from kvchat.responses import result_from_turn
 from kvchat.sessions import Turn
 from kvchat.ui.views import turn_view

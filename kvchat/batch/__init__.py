@@ -18,7 +18,8 @@ from kvchat.batch.output import (
     result_row,
 )
 from kvchat.batch.recorder import BatchProgress, ItemResult, LineRun, SaveFailure
-from kvchat.batch.requests import (
+from kvchat.batch.run import BatchRun
+from kvchat.request_file import (
     BadLine,
     BatchItem,
     LineError,
@@ -26,7 +27,6 @@ from kvchat.batch.requests import (
     parse_line,
     read_batch,
 )
-from kvchat.batch.run import BatchRun
 
 __all__ = [
     "BadLine", "BatchItem", "BatchProgress", "BatchRun", "ItemResult", "LineError", "LineRun",

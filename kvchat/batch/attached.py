@@ -17,8 +17,8 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure
-from kvchat.batch.requests import BatchItem
 from kvchat.client import Client, ServerError, ServerGone
+from kvchat.request_file import BatchItem
 from kvchat.responses import result_from_fields
 
 # Requests in flight at once: twice what the server decodes at once (its /healthz

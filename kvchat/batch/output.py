@@ -18,8 +18,8 @@ from typing import IO, Any
 
 from kvchat.batch.output_file import OutputClosed, OutputError, OutputFile
 from kvchat.batch.recorder import ItemResult
-from kvchat.batch.requests import BadLine, BatchItem
 from kvchat.engine.result import GenerationResult
+from kvchat.request_file import BadLine, BatchItem
 from kvchat.responses import chat_completion, result_fields
 
 COMPLETE = ("stop", "length")

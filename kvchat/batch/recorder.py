@@ -3,7 +3,7 @@ in (the progress counters, --fail-fast, the row written by the command's `on_upd
 results in input order, and a result for each line that never ran.
 
 The runners subclass `LineRun`: `BatchRun` (the engine in this process, run.py), `AttachedRun`
-(a kvchat server, attached.py) and `EngineRun` (another OpenAI-compatible engine,
+(a kvchat server, attached.py) and `PeerRun` (another OpenAI-compatible engine,
 remote_engine.py).
 The command (`kvchat.cli.batch`) drives any of them through this class alone.
 """
@@ -16,11 +16,11 @@ from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvchat.batch.requests import BatchItem
 from kvchat.cache.stats import ratio
+from kvchat.request_file import BatchItem
 
 if TYPE_CHECKING:
-    from kvchat.batch.remote_engine import EngineReply
+    from kvchat.batch.peer import EngineReply
     from kvchat.engine.result import GenerationResult
 
 NOT_STARTED = "not run: the batch stopped before this line started"

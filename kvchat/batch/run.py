@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvchat.batch.recorder import NOT_STARTED, ItemResult, LineRun, SaveFailure
-from kvchat.batch.requests import BatchItem
 from kvchat.config import SamplingParams
 from kvchat.errors import KvchatError
+from kvchat.request_file import BatchItem
 from kvchat.sessions import Session, SessionStore
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a run starts in this process

@@ -18,7 +18,7 @@ from kvchat.cli.options import reflow, reflow_help
 
 
 def _add_bench() -> None:
-    from kvchat.bench.commands import bench_app
+    from kvchat.cli.bench import bench_app
 
     app.add_typer(bench_app, name="bench")
 

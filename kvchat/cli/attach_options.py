@@ -16,8 +16,8 @@ from kvchat.config import CONNECT_S, IDLE_S, TOTAL_S, Bounds
 
 if TYPE_CHECKING:
     from kvchat.client import Attachment
-    from kvchat.client.engines import EngineInfo
     from kvchat.client.openai_http import OpenAIClient
+    from kvchat.client.peers import PeerInfo
     from kvchat.runtime import RuntimeOptions
 
 ConnectOption = Annotated[
@@ -137,14 +137,14 @@ def find_server(options: LazyRuntimeOptions | Path, connect: str | None, token: 
     return server
 
 
-def remote_engine(server: Attachment) -> tuple[OpenAIClient, EngineInfo] | None:
+def remote_engine(server: Attachment) -> tuple[OpenAIClient, PeerInfo] | None:
     """For --connect: a client of the engine there and what it says it is; None for a kvchat
     server, whose own API (sessions, tree, pins) the attached commands use. Raises one
     paragraph when the URL is unreachable, not OpenAI-compatible, or refuses the key."""
     if not server.connect:
         return None
-    from kvchat.client.engines import detect
     from kvchat.client.openai_http import OpenAIClient
+    from kvchat.client.peers import detect
 
     client = OpenAIClient(server.url, server.token, server.bounds)
     try:

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from kvchat.batch.attached import AttachedRun
     from kvchat.cache.stats import CacheStats
     from kvchat.client import Attachment
-    from kvchat.client.engines import EngineInfo
     from kvchat.client.openai_http import OpenAIClient
+    from kvchat.client.peers import PeerInfo
     from kvchat.config import Bounds
     from kvchat.runtime import Runtime
 
@@ -164,7 +164,7 @@ def batch(
     _finish_command(run, interrupted, plan, file, out_path, pin_system, ui)
 
 
-def _dispatch(where: tuple[tuple[OpenAIClient, EngineInfo] | None, Attachment | None,
+def _dispatch(where: tuple[tuple[OpenAIClient, PeerInfo] | None, Attachment | None,
                            LazyRuntimeOptions, int | None, tuple[str, int | None]],
               plan: _Plan, defaults: tuple[int, float, int | None], flags: tuple[bool, bool],
               out_path: Path | None, ui: Console) -> tuple[LineRun, bool]:

@@ -1,5 +1,5 @@
 """`kvchat batch --connect URL` on an engine other than kvchat serve (see
-`kvchat.batch.remote_engine`): its options, and the run under the sessions dir's lock (session
+`kvchat.batch.peer`): its options, and the run under the sessions dir's lock (session
 lines continue this dir's sessions; the record of sent prompts is written here)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from kvchat.errors import KvchatError
 if TYPE_CHECKING:
     from kvchat.batch import ItemResult, LineRun
     from kvchat.cli.batch import _Plan
-    from kvchat.client.engines import EngineInfo
     from kvchat.client.openai_http import OpenAIClient
+    from kvchat.client.peers import PeerInfo
 
 DEFAULT_CONCURRENCY = 4
 
@@ -43,13 +43,13 @@ def check_order(order: str) -> str:
     return order
 
 
-def run_on_engine(client: OpenAIClient, engine: EngineInfo, plan: _Plan, sessions_dir: Path,
+def run_on_engine(client: OpenAIClient, engine: PeerInfo, plan: _Plan, sessions_dir: Path,
                   defaults: tuple[int, float, int | None], out_path: Path | None,
                   flags: tuple[bool, bool], how: tuple[str, int | None], ui: Console,
                   run_plan: Any) -> tuple[LineRun, bool]:
     """The plan's lines through the engine; `flags` (--fail-fast, --pin-system), `how`
     (--order, --concurrency), `run_plan` the command's row-writing loop."""
-    from kvchat.batch.remote_engine import EngineRun
+    from kvchat.batch.peer import PeerRun
     from kvchat.client import ServerGone
     from kvchat.client.ledger import Ledger
     from kvchat.session_lock import sessions_lock
@@ -65,8 +65,8 @@ def run_on_engine(client: OpenAIClient, engine: EngineInfo, plan: _Plan, session
         store = SessionStore(sessions_dir)
         ledger = Ledger.open(sessions_dir, engine.url, engine.kind)
 
-        def start(update: Callable[[ItemResult], None]) -> EngineRun:
-            return EngineRun(client, engine, plan.to_run, defaults, flags[0], update, store,
+        def start(update: Callable[[ItemResult], None]) -> PeerRun:
+            return PeerRun(client, engine, plan.to_run, defaults, flags[0], update, store,
                              ledger, order,
                              concurrency or engine.slots or DEFAULT_CONCURRENCY)
 

@@ -22,8 +22,8 @@ from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
     from kvchat.client import Attachment
-    from kvchat.client.engines import EngineInfo
     from kvchat.client.openai_http import OpenAIClient
+    from kvchat.client.peers import PeerInfo
     from kvchat.config import Bounds, SamplingParams
     from kvchat.runtime import RuntimeOptions
 
@@ -101,13 +101,13 @@ def chat(
 
 def _attached_chat(server: Attachment, options: LazyRuntimeOptions, name: str | None,
                    system: str | None, params: SamplingParams, panels: str) -> None:
-    from kvchat.client.chat import RemoteBackend
+    from kvchat.chat.repl import Chat
+    from kvchat.chat.server import ServerBackend
+    from kvchat.chat.terminal import make_reader
     from kvchat.sessions import SessionStore
-    from kvchat.ui.repl import Chat
-    from kvchat.ui.terminal import make_reader
 
     with server.client() as client:
-        backend = RemoteBackend(client, server.found)
+        backend = ServerBackend(client, server.found)
         name = name or _new_session_name(backend.sessions.names())
         session = backend.sessions.open(name)
         if system is not None:
@@ -116,21 +116,21 @@ def _attached_chat(server: Attachment, options: LazyRuntimeOptions, name: str | 
         Chat(backend, session, params, stdout(), reader, panels).run()
 
 
-def _engine_chat(client: OpenAIClient, engine: EngineInfo, options: LazyRuntimeOptions,
+def _engine_chat(client: OpenAIClient, engine: PeerInfo, options: LazyRuntimeOptions,
                  name: str | None, system: str | None, params: SamplingParams,
                  panels: str) -> None:
     """The REPL on a remote engine; its sessions are this sessions dir's, under its lock."""
-    from kvchat.client.engine_chat import EngineBackend
+    from kvchat.chat.peer import PeerBackend
+    from kvchat.chat.repl import Chat
+    from kvchat.chat.terminal import make_reader
     from kvchat.client.ledger import Ledger
     from kvchat.session_lock import sessions_lock
     from kvchat.sessions import SessionStore
-    from kvchat.ui.repl import Chat
-    from kvchat.ui.terminal import make_reader
 
     with client, sessions_lock(options.sessions_dir, f"kvchat chat --connect {engine.url}"):
         store = SessionStore(options.sessions_dir)
         ledger = Ledger.open(options.sessions_dir, engine.url, engine.kind)
-        backend = EngineBackend(client, engine, store, ledger)
+        backend = PeerBackend(client, engine, store, ledger)
         session = store.open(name or _new_session_name(store.names()))
         if system is not None:
             session.system = system
@@ -139,7 +139,7 @@ def _engine_chat(client: OpenAIClient, engine: EngineInfo, options: LazyRuntimeO
 
 
 def _new_session_name(existing: list[str]) -> str:
-    from kvchat.ui.repl import next_session_name
+    from kvchat.chat.repl import next_session_name
 
     return next_session_name(existing)
 
@@ -151,9 +151,9 @@ def _run_chat(
     params: SamplingParams,
     panels: str,
 ) -> None:
+    from kvchat.chat.repl import Chat
+    from kvchat.chat.terminal import make_reader
     from kvchat.runtime import Runtime
-    from kvchat.ui.repl import Chat
-    from kvchat.ui.terminal import make_reader
 
     runtime = Runtime.open(options)
     session = runtime.store.open(name)

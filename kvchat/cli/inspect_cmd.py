@@ -89,7 +89,7 @@ def inspect_snapshot(
         if server is None:
             _explain(sessions_dir, specs, as_json)
         else:
-            from kvchat.cli.inspect_engine import explain_on_server
+            from kvchat.cli.inspect_peer import explain_on_server
 
             explain_on_server(server, sessions_dir, specs, as_json)
         return
@@ -100,7 +100,7 @@ def inspect_snapshot(
     server = find_server(sessions_dir, connect, token, standalone, api_key)
     engine = remote_engine(server) if server is not None else None
     if engine is not None:
-        from kvchat.cli.inspect_engine import inspect_engine
+        from kvchat.cli.inspect_peer import inspect_engine
 
         inspect_engine(*engine, sessions_dir, as_json, depth)
         return

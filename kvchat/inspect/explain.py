@@ -99,7 +99,7 @@ class PromptSpec:
 
 def _batch_row(text: str, line: int = 1) -> Any:
     """The text as one batch row, or None when it is not a JSON object with a turn."""
-    from kvchat.batch.requests import LineError, parse_line
+    from kvchat.request_file import LineError, parse_line
 
     try:
         obj = json.loads(text)

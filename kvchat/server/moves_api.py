@@ -1,5 +1,5 @@
 """Conversation moves over HTTP, as `kvchat chat`'s /retry, /rewind, /fork and /branches do
-them (`kvchat.ui.chat_moves`): POST /sessions/{name}/rewind, /fork and /retry, and
+them (`kvchat.chat.moves`): POST /sessions/{name}/rewind, /fork and /retry, and
 GET /sessions/{name}/branches.
 
 The radix tree already holds every earlier state of a conversation, so these are nearly free:

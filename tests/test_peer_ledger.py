@@ -12,7 +12,7 @@ from rich.console import Console
 from kvchat.client import ledger as ledger_module
 from kvchat.client.ledger import Ledger, ledger_path
 from kvchat.client.openai_http import Usage
-from kvchat.ui.engine_view import explain_line, sent_tree
+from kvchat.ui.peer_view import explain_line, sent_tree
 
 SYS = {"role": "system", "content": "You are terse."}
 

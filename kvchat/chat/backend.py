@@ -1,5 +1,5 @@
 """What the chat loop talks to: a `ChatBackend`, either the runtime in this process
-(`LocalBackend`) or a resident server over HTTP (`kvchat.client.chat.RemoteBackend`).
+(`LocalBackend`) or a resident server over HTTP (`kvchat.chat.server.ServerBackend`).
 
 The REPL never touches an engine or a cache itself: it starts a turn and streams its `Reply`,
 reads stats and the tree for its panels, and keeps sessions through the backend's `sessions`.
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 class TurnDone(NamedTuple):
     """A reply that ran (finished, or stopped and kept): the turn as the session recorded it,
     and the result the panels show (`views.turn_view`): the engine's own in this process, read
-    back from a server's reply (`kvchat.client.chat`), or from the turn's record for an
+    back from a server's reply (`kvchat.chat.server`), or from the turn's record for an
     engine that reports less (`responses.result_from_turn`)."""
 
     turn: Turn

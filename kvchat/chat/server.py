@@ -14,11 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kvchat.client.http import Client, ReplyStream, ServerError
-from kvchat.errors import KvchatError
-from kvchat.responses import result_from_turn
-from kvchat.sessions import Session, Turn, validate_name
-from kvchat.ui.chat_backend import (
+from kvchat.chat.backend import (
     PLAIN_LINE,
     CacheViews,
     PinInfo,
@@ -28,6 +24,10 @@ from kvchat.ui.chat_backend import (
     TurnDone,
     TurnFailed,
 )
+from kvchat.client.http import Client, ReplyStream, ServerError
+from kvchat.errors import KvchatError
+from kvchat.responses import result_from_turn
+from kvchat.sessions import Session, Turn, validate_name
 
 if TYPE_CHECKING:
     from kvchat.cache.stats import CacheStats
@@ -119,7 +119,7 @@ def reported(turn: Turn, done: dict[str, Any] | None) -> GenerationResult:
         draft_accepted=int(done.get("draft_accepted") or 0))
 
 
-class RemoteBackend(CacheViews):
+class ServerBackend(CacheViews):
     """A resident `kvchat serve`: its cache, its sessions."""
 
     owns_cache = False

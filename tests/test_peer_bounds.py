@@ -25,17 +25,17 @@ from rich.console import Console
 from test_chat_commands import Script
 from typer.testing import CliRunner
 
+from kvchat.chat.peer import PeerBackend
+from kvchat.chat.repl import Chat
 from kvchat.cli import app as cli_app
 from kvchat.client import Client
-from kvchat.client.engine_chat import EngineBackend
-from kvchat.client.engines import detect
 from kvchat.client.errors import BadReply, ReplyTimeout, ServerError
 from kvchat.client.ledger import Ledger
 from kvchat.client.openai_http import OpenAIClient, Usage
+from kvchat.client.peers import detect
 from kvchat.client.replies import lines
 from kvchat.config import Bounds, ConfigError, SamplingParams
 from kvchat.sessions import SessionStore
-from kvchat.ui.repl import Chat
 
 WIDE = {"COLUMNS": "200"}
 HUNG = 15.0  # far above every bound used here: a call that took this long hung
@@ -314,7 +314,7 @@ def test_chat_says_which_bound_passed_and_goes_on(tmp_path: Path) -> None:
     with BadEngine() as bad, OpenAIClient(bad.url, bounds=SMALL) as client:
         engine = detect(client)
         store = SessionStore(tmp_path)
-        backend = EngineBackend(client, engine, store, Ledger.open(tmp_path, bad.url,
+        backend = PeerBackend(client, engine, store, Ledger.open(tmp_path, bad.url,
                                                                    engine.kind))
         session = store.open("trip")
         Chat(backend, session, SamplingParams(max_new_tokens=4), console,

@@ -14,16 +14,16 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvchat.client.engines import CACHE_REPORT_HINT, EngineInfo
+from kvchat.chat.backend import PinInfo, PinsInfo, Reply, Sessions, TurnDone, TurnFailed
 from kvchat.client.errors import BadReply, ReplyTimeout, ServerError
 from kvchat.client.ledger import Ledger
 from kvchat.client.openai_http import CompletionStream, OpenAIClient, Usage
+from kvchat.client.peers import CACHE_REPORT_HINT, PeerInfo
 from kvchat.client.remote_turns import conversation, record, request_body
 from kvchat.errors import KvchatError
 from kvchat.responses import result_from_turn
 from kvchat.sessions import Session, SessionStore
-from kvchat.ui.chat_backend import PinInfo, PinsInfo, Reply, Sessions, TurnDone, TurnFailed
-from kvchat.ui.engine_view import ClientTotals, EngineFacts
+from kvchat.ui.peer_view import ClientTotals, PeerFacts
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -35,15 +35,15 @@ if TYPE_CHECKING:
 NOT_HERE = "{engine} keeps its own cache, and its API has no way to {what}"
 
 
-def facts_of(engine: EngineInfo) -> EngineFacts:
-    return EngineFacts(engine.kind, engine.name(), engine.url, engine.model, engine.facts,
+def facts_of(engine: PeerInfo) -> PeerFacts:
+    return PeerFacts(engine.kind, engine.name(), engine.url, engine.model, engine.facts,
                        CACHE_REPORT_HINT.get(engine.kind, ""))
 
 
 class EngineReply:
     cancel_event: threading.Event | None = None  # Ctrl-C hangs up the stream
 
-    def __init__(self, backend: EngineBackend, stream: CompletionStream, session: Session,
+    def __init__(self, backend: PeerBackend, stream: CompletionStream, session: Session,
                  user_text: str, messages: list[dict[str, str]]) -> None:
         self.backend = backend
         self.stream = stream
@@ -83,13 +83,13 @@ class EngineReply:
         return TurnDone(turn, result_from_turn(turn, rate))
 
 
-class EngineBackend:
+class PeerBackend:
     """A remote engine's replies, with this client's sessions and record of what it sent."""
 
     owns_cache = True  # what it saves is the record of what it sent (the REPL's saves)
     history = "messages"  # sessions are compared by messages: the engine's tokens are its own
 
-    def __init__(self, client: OpenAIClient, engine: EngineInfo, store: SessionStore,
+    def __init__(self, client: OpenAIClient, engine: PeerInfo, store: SessionStore,
                  ledger: Ledger) -> None:
         self.client = client
         self.engine = engine
@@ -144,24 +144,24 @@ class EngineBackend:
     # ---- views ----
 
     def turn_panels(self, view: TurnView, mode: str, highlight: str) -> RenderableType:
-        from kvchat.ui.engine_view import engine_turn_panels
+        from kvchat.ui.peer_view import peer_turn_panels
 
-        return engine_turn_panels(view, self.facts, self.totals, self._last_reported,
+        return peer_turn_panels(view, self.facts, self.totals, self._last_reported,
                                   self.ledger.roots, mode, self._path)
 
     def stats_view(self, turns: Sequence[Turn]) -> RenderableType:
         from rich.console import Group
 
-        from kvchat.ui.engine_view import engine_panel
+        from kvchat.ui.peer_view import peer_panel
         from kvchat.ui.views import turns_table
 
-        parts: list[RenderableType] = [engine_panel(self.facts, self.totals)]
+        parts: list[RenderableType] = [peer_panel(self.facts, self.totals)]
         if turns:
             parts.append(turns_table(turns))
         return Group(*parts)
 
     def tree_view(self, highlight: str) -> RenderableType:
-        from kvchat.ui.engine_view import sent_tree
+        from kvchat.ui.peer_view import sent_tree
 
         return sent_tree(self.ledger.roots, self.engine.kind, depth=8, max_children=8,
                          highlight=self._path)

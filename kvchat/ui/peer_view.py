@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 Message = dict[str, str]
 
 
-class EngineFacts(NamedTuple):
-    """What an engine says of itself (`kvchat.client.engines.EngineInfo`), for the panels."""
+class PeerFacts(NamedTuple):
+    """What an engine says of itself (`kvchat.client.peers.PeerInfo`), for the panels."""
 
     kind: str  # "llama.cpp"
     name: str  # "llama.cpp b1-0c1e570"
@@ -69,7 +69,7 @@ def engine_hit_panel(turn: TurnView, engine: str, reported: bool, mode: str = "f
                  title_align="left", expand=False)
 
 
-def engine_panel(engine: EngineFacts, totals: ClientTotals | None = None, mode: str = "full"
+def peer_panel(engine: PeerFacts, totals: ClientTotals | None = None, mode: str = "full"
                  ) -> RenderableType:
     """The engine as it describes itself, and this client's requests as it reported them."""
     if totals is None:  # `kvchat inspect`: the engine alone
@@ -174,7 +174,7 @@ def sent_tree(roots: Sequence[SentNode], engine: str, depth: int = 3, max_childr
     return root
 
 
-def engine_turn_panels(turn: TurnView, engine: EngineFacts, totals: ClientTotals,
+def peer_turn_panels(turn: TurnView, engine: PeerFacts, totals: ClientTotals,
                        reported: bool, roots: Sequence[SentNode], mode: str,
                        path: Sequence[Message]) -> RenderableType:
     """What the REPL prints after a reply on a remote engine."""
@@ -183,7 +183,7 @@ def engine_turn_panels(turn: TurnView, engine: EngineFacts, totals: ClientTotals
     if mode == "off":
         return Group()
     hit = engine_hit_panel(turn, engine.kind, reported, mode)
-    facts = engine_panel(engine, totals, mode)
+    facts = peer_panel(engine, totals, mode)
     if mode == "compact":
         total = sum(1 for r in roots for _ in r.walk())
         return Group(hit, facts, Text(f"sent by this client: {plural(total, 'message')}"))

@@ -22,18 +22,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvchat.batch.order import SendQueue, input_order, prompt_text, shared_prefix_groups
 from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure
-from kvchat.batch.requests import BatchItem
 from kvchat.client.errors import HungUp
 from kvchat.client.http import ServerGone
 from kvchat.client.openai_http import Completion, CompletionStream, OpenAIClient
 from kvchat.client.remote_turns import begin, conversation, record, request_body
 from kvchat.config import SamplingParams
 from kvchat.errors import KvchatError
+from kvchat.request_file import BatchItem
 
 if TYPE_CHECKING:
     from kvchat.batch.order import Group
-    from kvchat.client.engines import EngineInfo
     from kvchat.client.ledger import Ledger
+    from kvchat.client.peers import PeerInfo
     from kvchat.sessions import SessionStore
 
 Message = dict[str, str]
@@ -91,13 +91,13 @@ class EngineReply(NamedTuple):
         return self.body
 
 
-class EngineRun(LineRun):
+class PeerRun(LineRun):
     """The lines of a batch file through a remote engine, each result reported as soon as it
     is in (from the thread that sent it)."""
 
     not_run = NOT_FINISHED
 
-    def __init__(self, client: OpenAIClient, engine: EngineInfo, items: list[BatchItem],
+    def __init__(self, client: OpenAIClient, engine: PeerInfo, items: list[BatchItem],
                  defaults: tuple[int, float, int | None], fail_fast: bool,
                  on_update: Callable[[ItemResult], None], store: SessionStore,
                  ledger: Ledger, order: str = "cache-aware", concurrency: int = 4) -> None:

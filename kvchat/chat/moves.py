@@ -22,9 +22,9 @@ from kvchat.inspect.previews import preview
 from kvchat.sessions import Session, SessionError, validate_name
 
 if TYPE_CHECKING:
+    from kvchat.chat.backend import ChatBackend, Sessions
     from kvchat.config import SamplingParams
     from kvchat.sessions import Branch, MessageBranch
-    from kvchat.ui.chat_backend import ChatBackend, Sessions
 
 MOVES: dict[str, tuple[str, str]] = {
     "retry": ("/retry", "regenerate the last reply (its prompt is an exact hit: no prefill)"),

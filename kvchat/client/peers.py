@@ -46,7 +46,7 @@ class NotOpenAICompatible(KvchatError):
     """The URL answers, but not as an OpenAI-compatible server."""
 
 
-class EngineInfo(NamedTuple):
+class PeerInfo(NamedTuple):
     """An engine as its API describes itself."""
 
     kind: str  # KVCHAT, LLAMA_CPP, VLLM, SGLANG or GENERIC
@@ -81,7 +81,7 @@ class EngineInfo(NamedTuple):
                 "facts": dict(self.facts)}
 
 
-def detect(client: OpenAIClient) -> EngineInfo:
+def detect(client: OpenAIClient) -> PeerInfo:
     """The engine at the client's URL. Raises ServerGone (unreachable), ReplyTimeout (a bound
     passed), ServerError (a 401: credentials; a 5xx) or NotOpenAICompatible."""
     response = client.get("/v1/models")
@@ -111,9 +111,9 @@ def detect(client: OpenAIClient) -> EngineInfo:
         if found is not None:
             version, by, facts = found
             slots = next((int(v) for k, v in facts if k == "slots"), None)
-            return EngineInfo(candidate, client.url, model, version, ("/v1/models", *by),
+            return PeerInfo(candidate, client.url, model, version, ("/v1/models", *by),
                               facts, slots)
-    return EngineInfo(kind or GENERIC, client.url, model, None, ("/v1/models",), ())
+    return PeerInfo(kind or GENERIC, client.url, model, None, ("/v1/models",), ())
 
 
 Probe = tuple[str | None, tuple[str, ...], tuple[tuple[str, str], ...]] | None

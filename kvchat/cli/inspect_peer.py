@@ -15,9 +15,9 @@ from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
     from kvchat.client import Attachment
-    from kvchat.client.engines import EngineInfo
     from kvchat.client.ledger import Ledger
     from kvchat.client.openai_http import OpenAIClient
+    from kvchat.client.peers import PeerInfo
     from kvchat.inspect.explain import PromptSpec
 
 Specs = list[tuple[int | None, "PromptSpec"]]
@@ -28,8 +28,8 @@ def explain_on_server(server: Attachment, sessions_dir: Path, specs: Specs,
     """--explain with a server: from this client's record for a remote engine (read without
     asking it, when there is one), from the live tree for a kvchat server."""
     from kvchat.cli.attach_options import remote_engine
-    from kvchat.client.engines import KVCHAT
     from kvchat.client.ledger import Ledger, ledger_path
+    from kvchat.client.peers import KVCHAT
 
     saved = Ledger.read(ledger_path(sessions_dir, server.url)) if server.connect else None
     if saved is not None and saved.engine != KVCHAT:
@@ -71,8 +71,8 @@ def _explain_live(server: Attachment, specs: Specs, as_json: bool) -> None:
 
 
 def _explain_sent(ledger: Ledger, specs: Specs, as_json: bool) -> None:
-    from kvchat.client.engines import CACHE_NOTE, GENERIC
-    from kvchat.ui.engine_view import explain_line, sent_explain_panel
+    from kvchat.client.peers import CACHE_NOTE, GENERIC
+    from kvchat.ui.peer_view import explain_line, sent_explain_panel
 
     note = CACHE_NOTE.get(ledger.engine, CACHE_NOTE[GENERIC])
     for line, spec in specs:
@@ -94,12 +94,12 @@ def _explain_sent(ledger: Ledger, specs: Specs, as_json: bool) -> None:
         stdout().print(sent_explain_panel(match, ledger.engine, source, note))
 
 
-def inspect_engine(client: OpenAIClient, engine: EngineInfo, sessions_dir: Path,
+def inspect_engine(client: OpenAIClient, engine: PeerInfo, sessions_dir: Path,
                    as_json: bool, depth: int | None) -> None:
     """What the engine says of itself, and what this client sent it."""
-    from kvchat.client.engine_chat import facts_of
+    from kvchat.chat.peer import facts_of
     from kvchat.client.ledger import Ledger
-    from kvchat.ui.engine_view import engine_panel, sent_tree
+    from kvchat.ui.peer_view import peer_panel, sent_tree
 
     client.close()
     ledger = Ledger.open(sessions_dir, engine.url, engine.kind)
@@ -107,5 +107,5 @@ def inspect_engine(client: OpenAIClient, engine: EngineInfo, sessions_dir: Path,
         typer.echo(json.dumps({"engine": engine.to_json(), "sent": ledger.to_json()},
                               ensure_ascii=False))
         return
-    stdout().print(engine_panel(facts_of(engine)))
+    stdout().print(peer_panel(facts_of(engine)))
     stdout().print(sent_tree(ledger.roots, engine.kind, depth=depth or 6, max_children=8))

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, cast
 from rich.console import Console
 from rich.text import Text
 
+from kvchat.chat.backend import ChatBackend, LocalBackend, Reply, TurnDone, TurnFailed
+from kvchat.chat.moves import MOVES, ConversationMoves
+from kvchat.chat.terminal import LineReader, WordWrap, cancel_on_sigint, typeahead_hidden
 from kvchat.errors import BackendGone, KvchatError
 from kvchat.inspect.previews import preview
 from kvchat.sessions import Session, SessionError, validate_name
 from kvchat.text_input import InvalidText, check_text
 from kvchat.ui import views
-from kvchat.ui.chat_backend import ChatBackend, LocalBackend, Reply, TurnDone, TurnFailed
-from kvchat.ui.chat_moves import MOVES, ConversationMoves
-from kvchat.ui.terminal import LineReader, WordWrap, cancel_on_sigint, typeahead_hidden
 
 if TYPE_CHECKING:
     from kvchat.config import SamplingParams

@@ -1,5 +1,5 @@
 """kvchat's front ends on a remote engine (`--connect` to an OpenAI-compatible server that is not
-kvchat), against the stand-in engine of tests/_fake_engine.py: batch rows from what the engine
+kvchat), against the stand-in engine of tests/_fake_peer.py: batch rows from what the engine
 reported, in cache-aware order, and --resume after it went away; the chat REPL with sessions
 kept here and panels labelled as the engine's reports; inspect and --explain from this
 client's record. tests/test_llama_server.py runs the same against a real llama-server."""
@@ -11,19 +11,19 @@ import json
 import re
 from pathlib import Path
 
-from _fake_engine import FakeEngine
+from _fake_peer import FakeEngine
 from rich.console import Console
 from test_chat_commands import Script
 from typer.testing import CliRunner
 
+from kvchat.chat.peer import PeerBackend
+from kvchat.chat.repl import Chat
 from kvchat.cli import app as cli_app
-from kvchat.client.engine_chat import EngineBackend
-from kvchat.client.engines import detect
 from kvchat.client.ledger import Ledger, ledger_path
 from kvchat.client.openai_http import OpenAIClient
+from kvchat.client.peers import detect
 from kvchat.config import SamplingParams
 from kvchat.sessions import Session, SessionStore
-from kvchat.ui.repl import Chat
 
 WIDE = {"COLUMNS": "200"}
 FEW_SHOT = "You answer questions about {}. Examples: Q: what is it? A: it is wide and old."
@@ -164,7 +164,7 @@ def run_chat(fake: FakeEngine, root: Path, *lines: str) -> tuple[str, Session]:
     client = OpenAIClient(fake.url)
     engine = detect(client)
     store = SessionStore(root)
-    backend = EngineBackend(client, engine, store, Ledger.open(root, engine.url, engine.kind))
+    backend = PeerBackend(client, engine, store, Ledger.open(root, engine.url, engine.kind))
     session = store.open("trip")
     Chat(backend, session, SamplingParams(max_new_tokens=4), console, Script(*lines)).run()
     client.close()

@@ -1,6 +1,6 @@
-"""Telling engines apart and reading their replies (`kvchat.client.engines`, `openai_http`), on the
+"""Telling engines apart and reading their replies (`kvchat.client.peers`, `openai_http`), on the
 response shapes of llama.cpp (recorded from llama-server), vLLM and SGLang (written from their
-documentation; neither can run on this machine), served over loopback by tests/_fake_engine.py;
+documentation; neither can run on this machine), served over loopback by tests/_fake_peer.py;
 and the one-paragraph errors for a URL that is not one."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from _fake_engine import FakeEngine
+from _fake_peer import FakeEngine
 from typer.testing import CliRunner
 
 from kvchat.cli import app as cli_app
-from kvchat.client.engines import LLAMA_CPP, SGLANG, VLLM, NotOpenAICompatible, detect
 from kvchat.client.http import ServerError, ServerGone
 from kvchat.client.openai_http import OpenAIClient
+from kvchat.client.peers import LLAMA_CPP, SGLANG, VLLM, NotOpenAICompatible, detect
 
 WIDE = {"COLUMNS": "200"}
 
