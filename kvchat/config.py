@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvchat.errors import KvchatError
 
@@ -169,3 +171,22 @@ class Bounds:
     def of_options(cls, connect_s: float, idle_s: float, total_s: float) -> Bounds:
         """From the command line, where 0 turns the idle or the overall bound off."""
         return cls(connect_s, idle_s or None, total_s or None)
+
+
+def merge_params(
+    defaults: SamplingParams,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+) -> SamplingParams:
+    """The defaults with what a request set (None: not set). Validated on creation."""
+    given: dict[str, Any] = {
+        "max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+        "top_k": top_k, "seed": seed,
+    }
+    if stop is not None:
+        given["stop"] = (stop,) if isinstance(stop, str) else tuple(s for s in stop if s)
+    return replace(defaults, **{k: v for k, v in given.items() if v is not None})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from kvchat.cache.radix import common_prefix
 from kvchat.config import SamplingParams
@@ -26,25 +26,6 @@ Message = dict[str, str]
 class TurnError(KvchatError):
     """A request whose messages cannot make a turn (e.g. a session turn not ending with the
     user's message)."""
-
-
-def merge_params(
-    defaults: SamplingParams,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-) -> SamplingParams:
-    """The defaults with what a request set (None: not set). Validated on creation."""
-    given: dict[str, Any] = {
-        "max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-        "top_k": top_k, "seed": seed,
-    }
-    if stop is not None:
-        given["stop"] = (stop,) if isinstance(stop, str) else tuple(s for s in stop if s)
-    return replace(defaults, **{k: v for k, v in given.items() if v is not None})
 
 
 def conversation(session: Session, user_text: str | None = None) -> list[Message]:

@@ -32,7 +32,7 @@ def words(messages: list[dict[str, str]]) -> list[str]:
     return [w for m in messages for w in f"<{m['role']}> {m['content']}".split()]
 
 
-class FakeEngine:
+class FakePeer:
     """`kind` is a fixture's name (llamacpp, vllm, sglang). `report_cached=False` answers as
     vLLM does without --enable-prompt-tokens-details (no prompt_tokens_details)."""
 
@@ -56,7 +56,7 @@ class FakeEngine:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> FakeEngine:
+    def __enter__(self) -> FakePeer:
         self.thread.start()
         return self
 

@@ -72,6 +72,9 @@ def test_bad_lines_are_skipped_and_fail_the_exit_code(tiny_model_dir, tmp_path):
     assert [("error" in r) for r in lines] == [False, True, True, False]
     assert lines[1]["line"] == 2 and "must be a string" in lines[1]["error"]
     assert "line 3:" in res.output
+    # the progress bar counts the bad lines as the summary does
+    assert "4/4" in res.output and "2 failed" in res.output, res.output
+    assert "2 done, 2 failed" in res.output
 
 
 def test_fail_fast_and_empty_file(tiny_model_dir, tmp_path):

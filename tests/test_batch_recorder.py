@@ -9,7 +9,7 @@ import threading
 
 from kvchat.batch import BatchItem, ItemResult, LineRun, parse_line
 from kvchat.batch.attached import AttachedRun
-from kvchat.batch.peer import EngineReply, PeerRun
+from kvchat.batch.peer import PeerReply, PeerRun
 from kvchat.batch.recorder import NOT_FINISHED, NOT_STARTED
 from kvchat.batch.run import BatchRun
 from kvchat.responses import result_from_fields
@@ -114,7 +114,7 @@ def test_a_servers_reply_reads_back_into_the_result_it_reports():
 
 def test_another_engines_reply_counts_what_it_reported():
     lines = items(1)
-    engine_reply = EngineReply("ok", "stop", 9, 2, None, 1.0, 2.0, 0.0, "llama.cpp", {})
-    run = Listed(lines, [ItemResult(lines[0], result=engine_reply)])
+    peer_reply = PeerReply("ok", "stop", 9, 2, None, 1.0, 2.0, 0.0, "llama.cpp", {})
+    run = Listed(lines, [ItemResult(lines[0], result=peer_reply)])
     run.run()
     assert (run.progress.prompt_tokens, run.progress.hit_tokens) == (9, 0)

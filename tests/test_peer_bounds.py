@@ -147,7 +147,7 @@ def test_bounds_are_checked_with_the_option_names() -> None:
     ("http-500", "answered HTTP 500 Internal Server Error: model crashed"),
     ("http-503", "answered HTTP 503 Service Unavailable: overloaded, try later"),
 ])
-def test_a_bad_engine_reply_says_what_was_wrong(behaviour, said) -> None:
+def test_a_bad_peer_reply_says_what_was_wrong(behaviour, said) -> None:
     with BadEngine() as bad, OpenAIClient(bad.url, bounds=SMALL) as client:
         error, _ = timed(lambda: client.chat(ask(behaviour)).drain())
     assert isinstance(error, ServerError), error

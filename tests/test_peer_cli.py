@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from _fake_peer import FakeEngine
+from _fake_peer import FakePeer
 from rich.console import Console
 from test_chat_commands import Script
 from typer.testing import CliRunner
@@ -39,7 +39,7 @@ def few_shot_file(path: Path, topics: tuple[str, ...] = ("the sea", "deserts"), 
     return path
 
 
-def batch(fake: FakeEngine, file: Path, out: Path, sessions: Path, *more: str):
+def batch(fake: FakePeer, file: Path, out: Path, sessions: Path, *more: str):
     return CliRunner().invoke(cli_app, ["batch", str(file), "-o", str(out), "--connect",
                                         fake.url, "--sessions-dir", str(sessions), *more],
                               env=WIDE)
@@ -55,7 +55,7 @@ def cached_share(found: list[dict]) -> float:
 
 def test_batch_rows_are_what_the_engine_reported_in_cache_aware_order(tmp_path: Path) -> None:
     file = few_shot_file(tmp_path / "lines.jsonl")
-    with FakeEngine("vllm") as fake:
+    with FakePeer("vllm") as fake:
         done = batch(fake, file, tmp_path / "out.jsonl", tmp_path / "s", "--concurrency", "3")
         events = list(fake.arrivals)
     assert done.exit_code == 0, done.output
@@ -81,7 +81,7 @@ def test_input_order_sends_a_group_at_once_and_caches_less(tmp_path: Path) -> No
     file = few_shot_file(tmp_path / "lines.jsonl")
     shares = {}
     for order in ("input", "cache-aware"):
-        with FakeEngine("sglang") as fake:
+        with FakePeer("sglang") as fake:
             done = batch(fake, file, tmp_path / f"{order}.jsonl", tmp_path / order,
                          "--order", order, "--concurrency", "3")
             assert done.exit_code == 0, done.output
@@ -91,7 +91,7 @@ def test_input_order_sends_a_group_at_once_and_caches_less(tmp_path: Path) -> No
 
 def test_a_llama_cpp_group_runs_line_after_line_in_one_slot(tmp_path: Path) -> None:
     file = few_shot_file(tmp_path / "lines.jsonl", interleaved=True)
-    with FakeEngine("llamacpp") as fake:
+    with FakePeer("llamacpp") as fake:
         done = batch(fake, file, tmp_path / "out.jsonl", tmp_path / "s")
         most = fake.most_running
         arrived = [msgs[0]["content"] for _, what, msgs in fake.arrivals if what == "arrived"]
@@ -105,7 +105,7 @@ def test_a_llama_cpp_group_runs_line_after_line_in_one_slot(tmp_path: Path) -> N
 def test_an_engine_that_goes_away_loses_no_row_and_resume_finishes(tmp_path: Path) -> None:
     file = few_shot_file(tmp_path / "lines.jsonl", each=4)
     out = tmp_path / "out.jsonl"
-    with FakeEngine("vllm", fail_from=3) as fake:
+    with FakePeer("vllm", fail_from=3) as fake:
         broken = batch(fake, file, out, tmp_path / "s", "--concurrency", "1")
     assert broken.exit_code == 2
     said = " ".join(broken.output.split())
@@ -115,7 +115,7 @@ def test_an_engine_that_goes_away_loses_no_row_and_resume_finishes(tmp_path: Pat
     finished = [r for r in first if r.get("finish_reason")]
     assert len(finished) == 3 and all(r["status"] == "not_started" for r in first
                                       if not r.get("finish_reason"))
-    with FakeEngine("vllm") as fake:
+    with FakePeer("vllm") as fake:
         again = batch(fake, file, out, tmp_path / "s", "--resume")
         assert len(fake.bodies) == 5  # only the lines that had not finished
     assert again.exit_code == 0, again.output
@@ -126,7 +126,7 @@ def test_an_engine_that_goes_away_loses_no_row_and_resume_finishes(tmp_path: Pat
 
 def test_unreported_cached_tokens_are_null_and_the_summary_says_so(tmp_path: Path) -> None:
     file = few_shot_file(tmp_path / "lines.jsonl", each=1)
-    with FakeEngine("vllm", report_cached=False) as fake:
+    with FakePeer("vllm", report_cached=False) as fake:
         done = batch(fake, file, tmp_path / "out.jsonl", tmp_path / "s")
     assert done.exit_code == 0, done.output
     assert [r["cache_hit_tokens"] for r in rows(tmp_path / "out.jsonl")] == [None, None]
@@ -137,7 +137,7 @@ def test_session_lines_continue_a_session_kept_here(tmp_path: Path) -> None:
     file = tmp_path / "lines.jsonl"
     file.write_text('{"session": "trip", "system": "Be brief.", "prompt": "Where to?"}\n'
                     '{"session": "trip", "prompt": "And then?"}\n')
-    with FakeEngine("sglang") as fake:
+    with FakePeer("sglang") as fake:
         done = batch(fake, file, tmp_path / "out.jsonl", tmp_path / "s")
         sent = [b["messages"] for b in fake.bodies]
     assert done.exit_code == 0, done.output
@@ -154,12 +154,12 @@ def test_session_lines_continue_a_session_kept_here(tmp_path: Path) -> None:
 
 def test_pin_system_is_refused_on_an_engine_without_pinning(tmp_path: Path) -> None:
     file = few_shot_file(tmp_path / "lines.jsonl", each=1)
-    with FakeEngine("vllm") as fake:
+    with FakePeer("vllm") as fake:
         done = batch(fake, file, tmp_path / "out.jsonl", tmp_path / "s", "--pin-system")
     assert done.exit_code == 2 and "no way to pin a prefix" in done.output
 
 
-def run_chat(fake: FakeEngine, root: Path, *lines: str) -> tuple[str, Session]:
+def run_chat(fake: FakePeer, root: Path, *lines: str) -> tuple[str, Session]:
     console = Console(file=io.StringIO(), width=100, color_system=None, force_terminal=False)
     client = OpenAIClient(fake.url)
     engine = detect(client)
@@ -172,7 +172,7 @@ def run_chat(fake: FakeEngine, root: Path, *lines: str) -> tuple[str, Session]:
 
 
 def test_chat_panels_show_the_engines_cached_tokens_and_the_clients_record(tmp_path) -> None:
-    with FakeEngine("llamacpp") as fake:
+    with FakePeer("llamacpp") as fake:
         out, session = run_chat(fake, tmp_path, "What is a wave?", "And a tide?", "/pin",
                                 "/tree", "/stats")
     found = [(int(a), int(b)) for a, b in re.findall(r"cached (\d+) / (\d+) tok", out)]
@@ -190,7 +190,7 @@ def test_chat_panels_show_the_engines_cached_tokens_and_the_clients_record(tmp_p
 
 
 def test_chat_moves_work_client_side(tmp_path: Path) -> None:
-    with FakeEngine("vllm") as fake:
+    with FakePeer("vllm") as fake:
         out, session = run_chat(fake, tmp_path, "What is a wave?", "/retry", "/fork other",
                                 "/branches", "/rewind")
         sent = [b["messages"] for b in fake.bodies]
@@ -209,7 +209,7 @@ def test_inspect_and_explain_answer_from_the_clients_record(tmp_path: Path) -> N
     probe.write_text(json.dumps({"system": FEW_SHOT.format("the sea"), "prompt": "question 9?"}))
     runner = CliRunner()
     sessions = ["--sessions-dir", str(tmp_path / "s")]
-    with FakeEngine("sglang") as fake:
+    with FakePeer("sglang") as fake:
         assert batch(fake, file, tmp_path / "out.jsonl", tmp_path / "s").exit_code == 0
         shown = runner.invoke(cli_app, ["inspect", "--connect", fake.url, *sessions], env=WIDE)
         doc = runner.invoke(cli_app, ["inspect", "--connect", fake.url, "--json", *sessions],
@@ -246,7 +246,7 @@ def test_chat_batch_and_inspect_on_an_engine_import_neither_torch_nor_transforme
     commands = [["chat", "-s", "sea", *common], ["batch", str(file), "-o",
                                                  str(tmp_path / "out.jsonl"), *common],
                 ["inspect", *common]]
-    with FakeEngine("llamacpp") as fake:
+    with FakePeer("llamacpp") as fake:
         for args in commands:
             argv = ["kvchat", *[fake.url if a == "URL" else a for a in args]]
             code = (f"import sys\nfrom kvchat.cli import app\nsys.argv = {argv!r}\n"
@@ -269,7 +269,7 @@ def test_sigterm_stops_an_engine_batch_with_a_row_for_every_line(tmp_path: Path)
     file.write_text("".join(json.dumps({"prompt": f"question {i}?", "max_tokens": 400}) + "\n"
                             for i in range(12)))
     out = tmp_path / "out.jsonl"
-    with FakeEngine("vllm", reply=" ".join(["word"] * 400)) as fake:  # 0.8 s a reply
+    with FakePeer("vllm", reply=" ".join(["word"] * 400)) as fake:  # 0.8 s a reply
         run = subprocess.Popen([sys.executable, "-m", "kvchat", "batch", str(file), "-o",
                                 str(out), "--connect", fake.url, "--concurrency", "2",
                                 "--sessions-dir", str(tmp_path / "s")],

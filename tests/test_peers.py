@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from _fake_peer import FakeEngine
+from _fake_peer import FakePeer
 from typer.testing import CliRunner
 
 from kvchat.cli import app as cli_app
@@ -31,7 +31,7 @@ WIDE = {"COLUMNS": "200"}
      (("cache report", "on"), ("page size", "1")), ("/v1/models", "/get_server_info")),
 ])
 def test_each_engine_is_told_from_its_own_api(kind, name, model, facts, found_by) -> None:
-    with FakeEngine(kind) as fake, OpenAIClient(fake.url + "/v1") as client:
+    with FakePeer(kind) as fake, OpenAIClient(fake.url + "/v1") as client:
         engine = detect(client)
     assert (engine.name(), engine.model, engine.facts, engine.found_by) == (
         name, model, facts, found_by)
@@ -44,7 +44,7 @@ def test_each_engine_is_told_from_its_own_api(kind, name, model, facts, found_by
 def test_a_streamed_reply_is_read_as_each_engine_reports_it(kind) -> None:
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "What is a wave?"}]
-    with FakeEngine(kind) as fake, OpenAIClient(fake.url) as client:
+    with FakePeer(kind) as fake, OpenAIClient(fake.url) as client:
         first = client.chat({"messages": messages, "max_tokens": 3})
         texts = list(first)
         again = client.chat({"messages": messages, "max_tokens": 3}).drain()
@@ -61,7 +61,7 @@ def test_a_streamed_reply_is_read_as_each_engine_reports_it(kind) -> None:
 
 
 def test_an_engine_that_does_not_report_cached_tokens_is_not_said_to_cache_nothing() -> None:
-    with FakeEngine("vllm", report_cached=False) as fake, OpenAIClient(fake.url) as client:
+    with FakePeer("vllm", report_cached=False) as fake, OpenAIClient(fake.url) as client:
         reply = client.chat({"messages": [{"role": "user", "content": "hi"}]}).drain()
     assert reply.usage.prompt_tokens == 2 and reply.usage.cached_tokens is None
 
@@ -100,7 +100,7 @@ def test_urls_that_are_no_engine_raise_what_went_wrong(web_page) -> None:
     with OpenAIClient(f"http://127.0.0.1:{free_port()}") as client, \
             pytest.raises(ServerGone, match="cannot be reached"):
         detect(client)
-    with FakeEngine("vllm", api_key="sk-right") as fake:
+    with FakePeer("vllm", api_key="sk-right") as fake:
         with OpenAIClient(fake.url, "sk-wrong") as client, pytest.raises(ServerError) as err:
             detect(client)
         assert err.value.status == 401 and "--api-key or $OPENAI_API_KEY" in str(err.value)
@@ -123,7 +123,7 @@ def test_the_commands_say_so_in_one_paragraph_and_exit_2(command, web_page, tmp_
     assert "Traceback" not in gone.output
     page = runner.invoke(cli_app, [*args, "--connect", web_page, *sessions], env=WIDE)
     assert page.exit_code == 2 and "not an OpenAI-compatible server" in page.output
-    with FakeEngine("llamacpp", api_key="sk-right") as fake:
+    with FakePeer("llamacpp", api_key="sk-right") as fake:
         refused = runner.invoke(cli_app, [*args, "--connect", fake.url, *sessions],
                                 env=WIDE)
         assert refused.exit_code == 2 and "refused the credentials (HTTP 401" in refused.output

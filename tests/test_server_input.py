@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvchat.config import CacheConfig
+from kvchat.config import CacheConfig, SamplingParams
 from kvchat.runtime import Runtime, RuntimeOptions
 from kvchat.server import create_app, serving
 
@@ -157,7 +157,8 @@ def test_a_session_turn_the_server_cannot_save_says_so(served: Served, monkeypat
     items = [parse_line(json.dumps({"session": name, "prompt": "hi"}), n)
              for n, name in enumerate(["full", "fine-s", "full"], 1)]
     with Client(str(served.client.base_url)) as client:
-        run = AttachedRun(client, items, (3, 0.0, None), False, lambda res: None)
+        run = AttachedRun(client, items, SamplingParams(max_new_tokens=3), False,
+                          lambda res: None)
         run.run()
     assert [(f.line, f.session) for f in run.save_errors] == [(1, "full"), (3, "full")]
     assert "the disk is full" in run.save_errors[0].message

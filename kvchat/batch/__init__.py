@@ -1,10 +1,11 @@
 """`kvchat batch`: JSONL request files through the shared cache and the engine.
 
-requests.py parses lines (prompt / messages / OpenAI batch lines); recorder.py is what every
-runner shares (each line's result recorded once, in input order); run.py runs them in this
-process (independent lines together, session lines in turn), attached.py on a kvchat server,
-remote_engine.py on another OpenAI-compatible engine; output.py writes one row per line as each
-finishes, to the -o file, which output_file.py locks for one run.
+`kvchat.request_file` parses lines (prompt / messages / OpenAI batch lines); recorder.py is
+what every runner shares (each line's result recorded once, in input order); run.py runs them
+in this process (independent lines together, session lines in turn), attached.py on a kvchat
+server, peer.py on a peer (another OpenAI-compatible engine); output.py writes one row per
+line as each finishes, to the -o file, which output_file.py locks for one run. Which runner a
+command gets is `kvchat.targets`' choice.
 """
 
 from kvchat.batch.output import (

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure
+from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure, line_params
 from kvchat.client import Client, ServerError, ServerGone
+from kvchat.config import SamplingParams
 from kvchat.request_file import BatchItem
 from kvchat.responses import result_from_fields
 
@@ -37,14 +38,11 @@ def in_flight(health: dict[str, Any]) -> int:
     return MAX_IN_FLIGHT
 
 
-def request_body(item: BatchItem, max_tokens: int, temperature: float,
-                 seed: int | None) -> dict[str, Any]:
+def request_body(item: BatchItem, defaults: SamplingParams) -> dict[str, Any]:
     """The /generate body of one line, with the command's defaults for what it leaves out."""
-    body: dict[str, Any] = {
-        "max_tokens": item.max_tokens if item.max_tokens is not None else max_tokens,
-        "temperature": item.temperature if item.temperature is not None else temperature,
-        "seed": item.seed if item.seed is not None else seed,
-    }
+    params = line_params(item, defaults)
+    body: dict[str, Any] = {"max_tokens": params.max_new_tokens,
+                            "temperature": params.temperature, "seed": params.seed}
     if item.system is not None:
         body["system"] = item.system
     if item.session is None:
@@ -67,7 +65,7 @@ class AttachedRun(LineRun):
     not_run = NOT_FINISHED
 
     def __init__(self, client: Client, items: list[BatchItem],
-                 defaults: tuple[int, float, int | None], fail_fast: bool,
+                 defaults: SamplingParams, fail_fast: bool,
                  on_update: Callable[[ItemResult], None], pin_system: bool = False,
                  concurrency: int | None = None) -> None:
         self._lock = threading.Lock()
@@ -118,7 +116,7 @@ class AttachedRun(LineRun):
 
     def _one(self, item: BatchItem) -> None:
         try:
-            body = request_body(item, *self.defaults)
+            body = request_body(item, self.defaults)
             if self.pin_system and has_system(item):
                 body["pin"] = "system"
             reply = self.client.generate(body)

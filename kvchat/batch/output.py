@@ -36,7 +36,7 @@ def result_row(res: ItemResult) -> dict[str, Any]:
         return {"id": item.id, **where, "status": "not_started", "error": res.error}
     if r is None:
         return {"id": item.id, **where, "error": res.error}
-    # another engine's reply has only the fields its API reports (`EngineReply.row_fields`)
+    # another engine's reply has only the fields its API reports (`PeerReply.row_fields`)
     fields = result_fields(r) if isinstance(r, GenerationResult) else r.row_fields()
     return {"id": item.id, **where, **fields,
             **({"session": item.session} if item.session else {})}

@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvchat.batch.order import SendQueue, input_order, prompt_text, shared_prefix_groups
-from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure
+from kvchat.batch.recorder import NOT_FINISHED, ItemResult, LineRun, SaveFailure, line_params
 from kvchat.client.errors import HungUp
 from kvchat.client.http import ServerGone
 from kvchat.client.openai_http import Completion, CompletionStream, OpenAIClient
-from kvchat.client.remote_turns import begin, conversation, record, request_body
+from kvchat.client.peer_turns import begin, conversation, record, request_body
 from kvchat.config import SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.request_file import BatchItem
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 Message = dict[str, str]
 
 
-class EngineReply(NamedTuple):
+class PeerReply(NamedTuple):
     """A reply as another engine reported it: a row holds only what it reported (its own
     OpenAI body for an OpenAI batch line), not the fields of kvchat's own result."""
 
@@ -55,14 +55,14 @@ class EngineReply(NamedTuple):
     body: dict[str, Any]
 
     @classmethod
-    def of(cls, reply: Completion, engine: str) -> EngineReply:
+    def of(cls, reply: Completion, engine: str) -> PeerReply:
         u = reply.usage
         return cls(reply.text, reply.finish_reason, u.prompt_tokens or 0,
                    u.completion_tokens or 0, u.cached_tokens, reply.ttft_ms or 0.0,
                    reply.total_ms, u.prefill_ms or 0.0, engine, reply.body)
 
     @classmethod
-    def interrupted(cls, text: str, total_ms: float, engine: str) -> EngineReply:
+    def interrupted(cls, text: str, total_ms: float, engine: str) -> PeerReply:
         """A reply hung up by Ctrl-C or SIGTERM: the text so far, nothing the engine reported
         (it reports its counts only at the end)."""
         return cls(text, "interrupted", 0, 0, None, 0.0, total_ms, 0.0, engine, {})
@@ -98,7 +98,7 @@ class PeerRun(LineRun):
     not_run = NOT_FINISHED
 
     def __init__(self, client: OpenAIClient, engine: PeerInfo, items: list[BatchItem],
-                 defaults: tuple[int, float, int | None], fail_fast: bool,
+                 defaults: SamplingParams, fail_fast: bool,
                  on_update: Callable[[ItemResult], None], store: SessionStore,
                  ledger: Ledger, order: str = "cache-aware", concurrency: int = 4) -> None:
         self._cond = threading.Condition()
@@ -181,11 +181,7 @@ class PeerRun(LineRun):
         stream: CompletionStream | None = None
         sent: float | None = None  # when the request went out
         try:
-            max_tokens, temperature, seed = self.defaults
-            params = SamplingParams(
-                max_new_tokens=item.max_tokens if item.max_tokens is not None else max_tokens,
-                temperature=item.temperature if item.temperature is not None else temperature,
-                seed=item.seed if item.seed is not None else seed)
+            params = line_params(item, self.defaults)
             if item.session is None:
                 messages = self._messages_of(item)
             else:
@@ -215,7 +211,7 @@ class PeerRun(LineRun):
                                      or (stream is not None and stream.aborted)):
                 # Ctrl-C or SIGTERM hung up: the line was interrupted, as far as it came
                 text = stream.text if stream is not None else ""
-                self._record(ItemResult(item, result=EngineReply.interrupted(
+                self._record(ItemResult(item, result=PeerReply.interrupted(
                     text, (time.perf_counter() - sent) * 1000, self.engine.kind)))
             elif isinstance(exc, ServerGone):
                 self._stop(exc)
@@ -232,7 +228,7 @@ class PeerRun(LineRun):
             except KvchatError as exc:  # the reply is still written; only the transcript not
                 self.save_errors.append(SaveFailure(item.line, session.name, str(exc)))
                 self._behind[session.name] = self._behind.get(session.name, 0) + 1
-        self._record(ItemResult(item, result=EngineReply.of(reply, self.engine.kind)))
+        self._record(ItemResult(item, result=PeerReply.of(reply, self.engine.kind)))
 
     def _stop(self, exc: ServerGone) -> None:
         if not self.stopped.is_set():  # not Ctrl-C closing the connections
@@ -264,7 +260,7 @@ class PeerRun(LineRun):
                f"{sum(len(g.lines) for g in shared)} lines, each group's first line alone, "
                f"{then}" if self.order == "cache-aware" else "input order")
         done = [r.result for r in self.results.values() if r.result is not None]
-        reported = sum(isinstance(r, EngineReply) and r.reported_cached is not None
+        reported = sum(isinstance(r, PeerReply) and r.reported_cached is not None
                        for r in done)
         rows = [("engine", self.engine.name()), ("order", how),
                 ("in flight", f"at most {self.concurrency}")]

@@ -3,8 +3,8 @@ in (the progress counters, --fail-fast, the row written by the command's `on_upd
 results in input order, and a result for each line that never ran.
 
 The runners subclass `LineRun`: `BatchRun` (the engine in this process, run.py), `AttachedRun`
-(a kvchat server, attached.py) and `PeerRun` (another OpenAI-compatible engine,
-remote_engine.py).
+(a kvchat server, attached.py) and `PeerRun` (a peer: another OpenAI-compatible engine,
+peer.py).
 The command (`kvchat.cli.batch`) drives any of them through this class alone.
 """
 
@@ -17,11 +17,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvchat.cache.stats import ratio
+from kvchat.config import SamplingParams, merge_params
 from kvchat.request_file import BatchItem
 
 if TYPE_CHECKING:
-    from kvchat.batch.peer import EngineReply
+    from kvchat.batch.peer import PeerReply
     from kvchat.engine.result import GenerationResult
+
+def line_params(item: BatchItem, defaults: SamplingParams) -> SamplingParams:
+    """A line's sampling parameters: what it sets over the run's defaults (every runner's one
+    rule)."""
+    return merge_params(defaults, item.max_tokens, item.temperature, seed=item.seed)
+
 
 NOT_STARTED = "not run: the batch stopped before this line started"
 NOT_FINISHED = "not run: the batch stopped before this line finished"
@@ -30,7 +37,7 @@ NOT_FINISHED = "not run: the batch stopped before this line finished"
 @dataclass
 class ItemResult:
     item: BatchItem
-    result: GenerationResult | EngineReply | None = None  # kvchat's own, or another engine's
+    result: GenerationResult | PeerReply | None = None  # kvchat's own, or another engine's
     error: str | None = None
     not_started: bool = False  # the run stopped before this line started
 

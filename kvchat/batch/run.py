@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvchat.batch.recorder import NOT_STARTED, ItemResult, LineRun, SaveFailure
+from kvchat.batch.recorder import NOT_STARTED, ItemResult, LineRun, SaveFailure, line_params
 from kvchat.config import SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.request_file import BatchItem
@@ -26,10 +26,9 @@ def line_turn(codec: ChatCodec, item: BatchItem, defaults: SamplingParams,
               session: Session | None = None) -> PreparedTurn:
     """A line's turn: its sampling parameters over the run's defaults, templated and
     tokenised (raises KvchatError or ValueError when the line cannot make one)."""
-    from kvchat.turns import merge_params, prepare_turn
+    from kvchat.turns import prepare_turn
 
-    params = merge_params(defaults, item.max_tokens, item.temperature, seed=item.seed)
-    return prepare_turn(codec, item.messages, params, session, item.system)
+    return prepare_turn(codec, item.messages, line_params(item, defaults), session, item.system)
 
 
 def prepare_independent(codec: ChatCodec, items: list[BatchItem], defaults: SamplingParams

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvchat.cache.blocks import BlockManager
     from kvchat.cache.exact import ExactIndex
+    from kvchat.cache.pins import PinTable
     from kvchat.cache.radix import RadixTree
-    from kvchat.pins import PinTable
 
 
 def check_cache(mgr: BlockManager, tree: RadixTree, exact: ExactIndex, pins: PinTable,

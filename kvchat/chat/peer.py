@@ -18,8 +18,8 @@ from kvchat.chat.backend import PinInfo, PinsInfo, Reply, Sessions, TurnDone, Tu
 from kvchat.client.errors import BadReply, ReplyTimeout, ServerError
 from kvchat.client.ledger import Ledger
 from kvchat.client.openai_http import CompletionStream, OpenAIClient, Usage
+from kvchat.client.peer_turns import conversation, record, request_body
 from kvchat.client.peers import CACHE_REPORT_HINT, PeerInfo
-from kvchat.client.remote_turns import conversation, record, request_body
 from kvchat.errors import KvchatError
 from kvchat.responses import result_from_turn
 from kvchat.sessions import Session, SessionStore
@@ -40,7 +40,7 @@ def facts_of(engine: PeerInfo) -> PeerFacts:
                        CACHE_REPORT_HINT.get(engine.kind, ""))
 
 
-class EngineReply:
+class PeerReply:
     cancel_event: threading.Event | None = None  # Ctrl-C hangs up the stream
 
     def __init__(self, backend: PeerBackend, stream: CompletionStream, session: Session,
@@ -128,7 +128,7 @@ class PeerBackend:
                 raise KvchatError(str(error)) from None
             raise KvchatError(f"{self.engine.kind} refused the turn: {error}") from None
         self._path = messages
-        return EngineReply(self, stream, session, text, messages)
+        return PeerReply(self, stream, session, text, messages)
 
     def sent(self, messages: Sequence[dict[str, str]], usage: Usage) -> None:
         """Count a finished request and add it to the record (saved as the REPL saves a

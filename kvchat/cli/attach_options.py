@@ -1,5 +1,5 @@
-"""The options of commands that attach to a running `kvchat serve` (--connect, --token,
---standalone), the bounds on how long they wait on it (`@bounds_options()`), and the runtime
+"""The options that say where a command runs (--connect, --token, --api-key, --standalone and
+the bounds on how long it waits on a server: `@where_options()`), and the runtime
 options such a command builds only when it runs in-process:
 building them imports the runtime (torch, transformers), which an attached command never
 needs."""
@@ -13,12 +13,11 @@ import typer
 
 from kvchat.cli import options as shared
 from kvchat.config import CONNECT_S, IDLE_S, TOTAL_S, Bounds
+from kvchat.targets import Where
 
 if TYPE_CHECKING:
-    from kvchat.client import Attachment
-    from kvchat.client.openai_http import OpenAIClient
-    from kvchat.client.peers import PeerInfo
     from kvchat.runtime import RuntimeOptions
+    from kvchat.targets import Target
 
 ConnectOption = Annotated[
     str | None,
@@ -69,12 +68,6 @@ _BOUNDS_FAMILY = (
 )
 
 
-def bounds_options() -> Any:
-    """--connect-timeout, --idle-timeout and --request-timeout, received as one `bounds:
-    Bounds` (checked before anything is sent)."""
-    return shared._option_family("bounds", _BOUNDS_FAMILY, _bounds)
-
-
 def _bounds(connect_timeout: float, idle_timeout: float, request_timeout: float) -> Bounds:
     return Bounds.of_options(connect_timeout, idle_timeout, request_timeout)
 
@@ -114,45 +107,31 @@ def _lazy(**values: Any) -> LazyRuntimeOptions:
     return LazyRuntimeOptions(values)
 
 
-def find_server(options: LazyRuntimeOptions | Path, connect: str | None, token: str | None,
-                standalone: bool, api_key: str | None = None,
-                bounds: Bounds | None = None) -> Attachment | None:
-    """The server to attach to (see `kvchat.client.attachment`), its calls under `bounds`;
-    says which of `options` it ignores then."""
-    from kvchat.client import attachment
-
-    if isinstance(options, LazyRuntimeOptions):
-        sessions_dir, ignored = options.sessions_dir, options.ignored_when_attached()
-    else:
-        sessions_dir, ignored = options, []
-    server = attachment(sessions_dir, connect, token, standalone, api_key)
-    if server is not None and bounds is not None:
-        server = server._replace(bounds=bounds)
-    if server is not None and ignored:
-        from kvchat.cli.app import stderr
-
-        stderr().print(f"[yellow]{', '.join(ignored)} ignored: the server at {server.url} "
-                       "keeps its own model and cache settings (--standalone runs one of "
-                       "this command's own).[/yellow]")
-    return server
+_WHERE_FAMILY = (
+    shared._option("connect", ConnectOption, None),
+    shared._option("token", TokenOption, None),
+    shared._option("api_key", ApiKeyOption, None),
+    shared._option("standalone", StandaloneOption, False),
+)
 
 
-def remote_engine(server: Attachment) -> tuple[OpenAIClient, PeerInfo] | None:
-    """For --connect: a client of the engine there and what it says it is; None for a kvchat
-    server, whose own API (sessions, tree, pins) the attached commands use. Raises one
-    paragraph when the URL is unreachable, not OpenAI-compatible, or refuses the key."""
-    if not server.connect:
-        return None
-    from kvchat.client.openai_http import OpenAIClient
-    from kvchat.client.peers import detect
+def where_options(bounds: bool = True) -> Any:
+    """--connect, --token, --api-key and --standalone (with `bounds`, the timeouts too),
+    received as one `where: Where`: what `kvchat.targets.choose` reads to pick where the
+    command runs."""
+    family = _WHERE_FAMILY + (_BOUNDS_FAMILY if bounds else ())
+    return shared._option_family("where", family, _where)
 
-    client = OpenAIClient(server.url, server.token, server.bounds)
-    try:
-        engine = detect(client)
-    except BaseException:
-        client.close()
-        raise
-    if engine.is_kvchat:
-        client.close()
-        return None
-    return client, engine
+
+def _where(connect: str | None, token: str | None, api_key: str | None, standalone: bool,
+           **timeouts: float) -> Where:
+    return Where(connect, token, api_key, standalone, _bounds(**timeouts) if timeouts else None)
+
+
+def choose_target(options: LazyRuntimeOptions, where: Where) -> Target:
+    """Where a command that may load a model runs (see `kvchat.targets.choose`)."""
+    from kvchat.cli.app import stderr
+    from kvchat.targets import choose
+
+    return choose(options.sessions_dir, where, stderr(), options.build,
+                  options.ignored_when_attached())

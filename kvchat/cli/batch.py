@@ -20,37 +20,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvchat.cli.app import INTERRUPT_EXIT_CODE, app, stderr, stdout, terminate_as_interrupt
-from kvchat.cli.attach_options import (
-    ApiKeyOption,
-    ConnectOption,
-    LazyRuntimeOptions,
-    StandaloneOption,
-    TokenOption,
-    bounds_options,
-    lazy_runtime_options,
-)
-from kvchat.cli.batch_engine import ConcurrencyOption, OrderOption, check_order
+from kvchat.cli.attach_options import LazyRuntimeOptions, lazy_runtime_options, where_options
 from kvchat.errors import KvchatError
 
 PIPE_EXIT_CODE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
 
 if TYPE_CHECKING:
-    from kvchat.batch import (
-        BadLine,
-        BatchItem,
-        BatchRun,
-        ItemResult,
-        LineRun,
-        OutputFile,
-        RowWriter,
-    )
-    from kvchat.batch.attached import AttachedRun
+    from kvchat.batch import BadLine, BatchItem, ItemResult, LineRun, OutputFile, RowWriter
     from kvchat.cache.stats import CacheStats
-    from kvchat.client import Attachment
-    from kvchat.client.openai_http import OpenAIClient
-    from kvchat.client.peers import PeerInfo
-    from kvchat.config import Bounds
-    from kvchat.runtime import Runtime
+    from kvchat.targets import BatchSpec, Target, Where
 
 
 @dataclass
@@ -73,6 +51,18 @@ class _Plan:
         return [i.line for i in self.items] + [b.line for b in self.bad]
 
 
+OrderOption = Annotated[
+    str, typer.Option("--order", help="With --connect to an engine other than kvchat serve: "
+                      "cache-aware (each shared-prefix group's first line alone, the rest once "
+                      "the engine has prefilled it) or input (file order).")
+]
+ConcurrencyOption = Annotated[
+    int | None,
+    typer.Option("--concurrency", min=1, show_default=False,
+                 help="Lines in flight at once (default: llama-server's slots, 4 on vLLM or "
+                 "SGLang, twice the batch size on a kvchat server: a line's wait in a "
+                 "server's queue counts toward --request-timeout)."),
+]
 LineMaxTokensOption = Annotated[
     int, typer.Option("--max-tokens", min=1, help="Most tokens per reply for lines that do not "
                       "set their own: a line's own max_tokens wins over this (the summary says "
@@ -82,7 +72,7 @@ LineMaxTokensOption = Annotated[
 
 @app.command()
 @lazy_runtime_options()
-@bounds_options()
+@where_options()
 def batch(
     file: Annotated[
         Path, typer.Argument(help="JSONL requests: prompt / messages / OpenAI batch lines.",
@@ -120,15 +110,11 @@ def batch(
                            "once it is cached: eviction never takes it, in this run or later "
                            "ones (up to --max-pinned of the pool).")
     ] = False,
-    connect: ConnectOption = None,
-    token: TokenOption = None,
-    api_key: ApiKeyOption = None,
     order: OrderOption = "cache-aware",
     concurrency: ConcurrencyOption = None,
-    standalone: StandaloneOption = False,
     *,
     options: LazyRuntimeOptions,
-    bounds: Bounds,
+    where: Where,
 ) -> None:
     """Run a file of requests through the shared cache with batched decoding.
 
@@ -144,11 +130,14 @@ def batch(
     line whose reply passes --connect-timeout, --idle-timeout or --request-timeout gets an
     error row saying which, and the rest go on.
     """
-    from kvchat.cli.attach_options import find_server, remote_engine
+    from kvchat.cli.attach_options import choose_target
+    from kvchat.config import SamplingParams
+    from kvchat.targets import BatchSpec
 
-    check_order(order)
-    server = find_server(options, connect, token, standalone, api_key, bounds)
-    engine = remote_engine(server) if server is not None else None
+    spec = BatchSpec(SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                    seed=seed), fail_fast, pin_system,
+                     _batch_size_option(batch_size), order, concurrency)
+    target = choose_target(options, where)
     to_stdout = output is None or str(output) == "-"
     out_path = None if to_stdout else output
     ui = stderr() if to_stdout else stdout()
@@ -157,30 +146,24 @@ def batch(
         plan.max_tokens = max_tokens
         if plan.bad and fail_fast:
             raise typer.Exit(1)
-        fixed_size = _batch_size_option(batch_size)
-        defaults, flags = (max_tokens, temperature, seed), (fail_fast, pin_system)
-        where = (engine, server, options, fixed_size, (order, concurrency))
-        run, interrupted = _dispatch(where, plan, defaults, flags, out_path, ui)
+        run, interrupted = _run_on(target, plan, spec, out_path, ui)
     _finish_command(run, interrupted, plan, file, out_path, pin_system, ui)
 
 
-def _dispatch(where: tuple[tuple[OpenAIClient, PeerInfo] | None, Attachment | None,
-                           LazyRuntimeOptions, int | None, tuple[str, int | None]],
-              plan: _Plan, defaults: tuple[int, float, int | None], flags: tuple[bool, bool],
-              out_path: Path | None, ui: Console) -> tuple[LineRun, bool]:
-    """The run on another engine, on a kvchat server, or in this process."""
-    engine, server, options, fixed_size, how = where
-    if engine is not None:
-        from kvchat.cli.batch_engine import run_on_engine
+def _run_on(target: Target, plan: _Plan, spec: BatchSpec, out_path: Path | None,
+            ui: Console) -> tuple[LineRun, bool]:
+    """The plan's lines through the target's runner; a server that goes away mid-run says how
+    to finish the other lines."""
+    from kvchat.client import ServerGone
 
-        with terminate_as_interrupt():
-            client, info = engine
-            return run_on_engine(client, info, plan, options.sessions_dir, defaults, out_path,
-                                 flags, how, ui, _run)
-    if server is not None:
-        with terminate_as_interrupt():
-            return _run_attached(server, plan, defaults, out_path, flags, ui, how[1])
-    return _run_standalone(options, plan, defaults, fixed_size, flags, ui)
+    with terminate_as_interrupt(), target.batch(plan.to_run, spec, ui) as runner:
+        try:
+            return _run(plan, ui, runner.size, runner.start, runner.stats, runner.save)
+        except ServerGone as exc:
+            again = f" kvchat batch FILE -o {out_path} --resume" if out_path else " --resume"
+            raise ServerGone(f"{exc} Every finished line has its row; once the server at "
+                             f"{target.label} runs again, finish the others with{again}."
+                             ) from None
 
 
 def _finish_command(run: LineRun, interrupted: bool, plan: _Plan, file: Path,
@@ -265,68 +248,6 @@ def _batch_size_option(value: str) -> int | None:
     return size
 
 
-def _run_standalone(options: LazyRuntimeOptions, plan: _Plan,
-                    defaults: tuple[int, float, int | None], fixed_size: int | None,
-                    flags: tuple[bool, bool], ui: Console) -> tuple[LineRun, bool]:
-    """The lines through an engine in this process, under the sessions dir's lock. `flags`:
-    (--fail-fast, --pin-system)."""
-    from kvchat.batch import BatchRun
-    from kvchat.batch.run import choose_size, prepare_independent
-    from kvchat.config import SamplingParams
-    from kvchat.runtime import Runtime
-    from kvchat.session_lock import sessions_lock
-
-    max_tokens, temperature, seed = defaults
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
-    with sessions_lock(options.sessions_dir, "kvchat batch"), terminate_as_interrupt():
-        runtime = Runtime.open(options.build())
-        if runtime.notice:
-            ui.print(f"[yellow]{escape(runtime.notice)}[/yellow]")
-        if not runtime.engine.codec.has_template:
-            from kvchat.models.chat_template import NO_TEMPLATE
-
-            ui.print(f"[yellow]{escape(runtime.model_label)} {escape(NO_TEMPLATE)}[/yellow]",
-                     soft_wrap=True)
-        prepared = prepare_independent(runtime.engine.codec, plan.to_run, params)
-        size = choose_size(runtime, fixed_size, plan.to_run, max_tokens, prepared, ui.status)
-
-        def start(update: Callable[[ItemResult], None]) -> BatchRun:
-            return BatchRun(runtime.engine, plan.to_run, params, runtime.store, flags[0],
-                            update, pin_system=flags[1], prepared=prepared)
-
-        return _run(plan, ui, size, start, runtime.cache.stats, lambda: _save(runtime, ui))
-
-
-def _run_attached(server: Attachment, plan: _Plan, defaults: tuple[int, float, int | None],
-                  out_path: Path | None, flags: tuple[bool, bool], ui: Console,
-                  concurrency: int | None = None) -> tuple[LineRun, bool]:
-    """The lines through a running server (which batches them and saves its own cache).
-    `flags`: (--fail-fast, --pin-system)."""
-    from kvchat.batch.attached import AttachedRun
-    from kvchat.cli.batch_attached import describe, server_stats
-    from kvchat.client import ServerGone
-
-    describe(server, ui)
-    client = server.client()
-    with client:
-        client.health()  # a server that is gone says so before any row is written
-
-        def start(update: Callable[[ItemResult], None]) -> AttachedRun:
-            return AttachedRun(client, plan.to_run, defaults, flags[0], update, flags[1],
-                               concurrency)
-
-        def stats() -> CacheStats | None:
-            with server.client() as fresh:  # the run's client may be closed
-                return server_stats(fresh)
-
-        try:
-            return _run(plan, ui, "the server's", start, stats, lambda: None)
-        except ServerGone as exc:
-            again = f" kvchat batch FILE -o {out_path} --resume" if out_path else " --resume"
-            raise ServerGone(f"{exc} Every finished line has its row; once a server runs "
-                             f"again, finish the others with{again}.") from None
-
-
 def _run(plan: _Plan, ui: Console, batch_size: str | None,
          start: Callable[[Callable[[ItemResult], None]], LineRun],
          stats: Callable[[], CacheStats | None], save: Callable[[], None]
@@ -348,12 +269,15 @@ def _run(plan: _Plan, ui: Console, batch_size: str | None,
     interrupted = False
     started = time.perf_counter()
     with batch_progress(ui) as progress:
-        task = progress.add_task("batch", total=len(plan.to_run), rate="")
+        bad = len(plan.bad)  # counted as failed here as in the summary
+        task = progress.add_task("batch", total=len(plan.to_run) + bad, completed=bad,
+                                 rate=progress_rate(None, bad))
 
         def update(res: ItemResult) -> None:
             if res.error is not None and not res.not_started:
                 progress.console.print(f"[red]line {res.item.line}:[/red] {escape(res.error)}")
-            progress.update(task, completed=run.progress.done, rate=progress_rate(run.progress))
+            progress.update(task, completed=run.progress.done + bad,
+                            rate=progress_rate(run.progress, bad))
             try:
                 writer.write(res.item.line, result_row(res))
             except OutputError as exc:  # stop between steps; raised once the cache is saved
@@ -420,13 +344,3 @@ def _finish(run: LineRun, writer: RowWriter, failure: list[KvchatError],
         failure.append(exc)
     save()
 
-
-def _save(runtime: Runtime, ui: Console) -> None:
-    try:
-        runtime.save()
-    except KvchatError as exc:
-        ui.print(f"[yellow]{escape(str(exc))}[/yellow]")
-    finally:
-        runtime.close()  # the disk tier's queued blocks reach the disk
-        for notice in runtime.take_notices():
-            ui.print(f"[yellow]{escape(notice)}[/yellow]")

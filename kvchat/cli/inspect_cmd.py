@@ -81,11 +81,12 @@ def inspect_snapshot(
     --connect to another OpenAI-compatible engine shows what its API says of itself and this
     client's record of what it sent (the engine's cache is its own); --explain answers from
     that record."""
-    from kvchat.cli.attach_options import find_server, remote_engine
+    from kvchat.targets import Peer, Server, Where, choose, find_server
 
+    where = Where(connect, token, api_key, standalone)
     specs = _explain_spec(explain_text, explain_file, system, raw)
     if specs is not None:
-        server = find_server(sessions_dir, connect, token, standalone, api_key)
+        server = find_server(sessions_dir, where, stderr())
         if server is None:
             _explain(sessions_dir, specs, as_json)
         else:
@@ -97,17 +98,15 @@ def inspect_snapshot(
 
     if session is not None:
         validate_name(session)
-    server = find_server(sessions_dir, connect, token, standalone, api_key)
-    engine = remote_engine(server) if server is not None else None
-    if engine is not None:
-        from kvchat.cli.inspect_peer import inspect_engine
+    target = choose(sessions_dir, where, stderr())
+    if isinstance(target, Peer):
+        from kvchat.cli.inspect_peer import inspect_peer
 
-        inspect_engine(*engine, sessions_dir, as_json, depth)
-        return
-    if server is not None:
-        _inspect_server(server, as_json, depth, session)
-        return
-    _inspect_saved(sessions_dir, as_json, depth, session)
+        inspect_peer(target, as_json, depth)
+    elif isinstance(target, Server):
+        _inspect_server(target.server, as_json, depth, session)
+    else:  # this process: the snapshot, read without the model
+        _inspect_saved(sessions_dir, as_json, depth, session)
 
 
 def _inspect_saved(sessions_dir: Path, as_json: bool, depth: int | None,

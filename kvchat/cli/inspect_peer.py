@@ -16,9 +16,8 @@ from kvchat.errors import KvchatError
 if TYPE_CHECKING:
     from kvchat.client import Attachment
     from kvchat.client.ledger import Ledger
-    from kvchat.client.openai_http import OpenAIClient
-    from kvchat.client.peers import PeerInfo
     from kvchat.inspect.explain import PromptSpec
+    from kvchat.targets import Peer
 
 Specs = list[tuple[int | None, "PromptSpec"]]
 
@@ -27,15 +26,15 @@ def explain_on_server(server: Attachment, sessions_dir: Path, specs: Specs,
                       as_json: bool) -> None:
     """--explain with a server: from this client's record for a remote engine (read without
     asking it, when there is one), from the live tree for a kvchat server."""
-    from kvchat.cli.attach_options import remote_engine
     from kvchat.client.ledger import Ledger, ledger_path
     from kvchat.client.peers import KVCHAT
+    from kvchat.targets import detect_peer
 
     saved = Ledger.read(ledger_path(sessions_dir, server.url)) if server.connect else None
     if saved is not None and saved.engine != KVCHAT:
         _explain_sent(saved, specs, as_json)
         return
-    found = remote_engine(server)
+    found = detect_peer(server)
     if found is not None:
         client, engine = found
         client.close()
@@ -94,15 +93,15 @@ def _explain_sent(ledger: Ledger, specs: Specs, as_json: bool) -> None:
         stdout().print(sent_explain_panel(match, ledger.engine, source, note))
 
 
-def inspect_engine(client: OpenAIClient, engine: PeerInfo, sessions_dir: Path,
-                   as_json: bool, depth: int | None) -> None:
-    """What the engine says of itself, and what this client sent it."""
+def inspect_peer(peer: Peer, as_json: bool, depth: int | None) -> None:
+    """What the peer says of itself, and what this client sent it."""
     from kvchat.chat.peer import facts_of
     from kvchat.client.ledger import Ledger
     from kvchat.ui.peer_view import peer_panel, sent_tree
 
-    client.close()
-    ledger = Ledger.open(sessions_dir, engine.url, engine.kind)
+    peer.client.close()
+    engine = peer.info
+    ledger = Ledger.open(peer.sessions_dir, engine.url, engine.kind)
     if as_json:
         typer.echo(json.dumps({"engine": engine.to_json(), "sent": ledger.to_json()},
                               ensure_ascii=False))

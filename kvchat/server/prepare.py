@@ -10,14 +10,14 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvchat.config import SamplingParams
+from kvchat.config import SamplingParams, merge_params
 from kvchat.engine.engine import Engine
 from kvchat.errors import KvchatError
 from kvchat.server.auth import TENANTS_DIR, Tenant
 from kvchat.server.errors import ApiError
 from kvchat.server.schemas import ChatCompletionBody, CompletionBody, GenerateBody
 from kvchat.sessions import Session, SessionNotFound, SessionStore, private_dir
-from kvchat.turns import PreparedTurn, merge_params, prepare_turn, refused
+from kvchat.turns import PreparedTurn, prepare_turn, refused
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,15 @@ def batch_progress(console: Console) -> Progress:
     )
 
 
-def progress_rate(p: BatchProgress) -> str:
+def progress_rate(p: BatchProgress | None, bad: int = 0) -> str:
+    """Tokens per second, hit rate and failures so far; `bad`: the file's unreadable lines,
+    failed before the run starts (the summary counts them the same way)."""
+    failed = (p.failed if p is not None else 0) + bad
+    note = f" · [red]{failed} failed[/red]" if failed else ""
+    if p is None:
+        return note.removeprefix(" · ")
     elapsed = max(time.perf_counter() - p.started, 1e-9)
-    failed = f" · [red]{p.failed} failed[/red]" if p.failed else ""
-    return f"{p.completion_tokens / elapsed:,.1f} tok/s · hit rate {p.hit_rate:.0%}{failed}"
+    return f"{p.completion_tokens / elapsed:,.1f} tok/s · hit rate {p.hit_rate:.0%}{note}"
 
 
 def estimated_saving_ms(results: Sequence[ItemResult]) -> float | None:
