@@ -370,7 +370,7 @@ def test_auto_batch_size_is_measured_once_and_bounded_by_the_pool(tiny_model, ti
     first = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=10**6, seq_tokens=100,
                               status=status)
     assert not first.reused and remember.exists() and set(first.measured) >= {1, 8, 32}
-    assert shown == [autobatch.MEASURING]  # the spinner's message, while it measured
+    assert shown == [autobatch.measuring(autobatch.SIZES)]  # the spinner, while it measured
     again = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=10**6, seq_tokens=100)
     assert again.reused and again.measured == first.measured and again.size == first.size
     tight = choose_batch_size(b.runner, "tiny|cpu", remember, pool_tokens=300, seq_tokens=100)
@@ -379,8 +379,8 @@ def test_auto_batch_size_is_measured_once_and_bounded_by_the_pool(tiny_model, ti
     assert len(shown) == 1  # nothing measured again, nothing shown
 
 
-def test_a_noisy_measurement_is_repeated_and_never_kept(tiny_model, tiny_tokenizer, tmp_path,
-                                                        monkeypatch):
+def test_a_noisy_measurement_is_repeated_kept_and_refined_only_by_a_long_run(
+        tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
     from kvchat.engine import autobatch
 
     assert autobatch.noisy(BUSY) and not autobatch.noisy(CLEAN)
@@ -390,17 +390,78 @@ def test_a_noisy_measurement_is_repeated_and_never_kept(tiny_model, tiny_tokeniz
     monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): sweeps.pop(0))
     settled = autobatch.choose_batch_size(b.runner, "k", remember, 10**6, 100)
     assert not sweeps and settled.measured == CLEAN and not settled.noisy  # measured again
-    assert json.loads(remember.read_text())["k"]["2"] == CLEAN[2]
-    # a machine busy through every sweep: used for this run, not kept
-    monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): dict(BUSY))
+    kept = json.loads(remember.read_text())["k"]
+    assert kept["steps"]["2"] == CLEAN[2] and kept["noisy"] is False
+    # a machine busy through every sweep: kept and marked noisy
+    calls: list[tuple[int, ...]] = []
+
+    def busy_steps(runner, sizes=()):
+        calls.append(tuple(sizes))
+        return {s: BUSY[s] for s in sizes}
+
+    monkeypatch.setattr(autobatch, "measure_steps", busy_steps)
     busy = autobatch.choose_batch_size(b.runner, "busy", remember, 10**6, 100)
-    assert busy.noisy and "noisy: not kept" in busy.describe()
-    assert "busy" not in json.loads(remember.read_text())
-    # a noisy measurement an older kvchat kept is measured again
+    assert busy.noisy and "noisy: kept, measured again by a long run" in busy.describe()
+    assert json.loads(remember.read_text())["busy"]["noisy"] is True
+    assert len(calls) == autobatch.ROUNDS  # each sweep was noisy: measured ROUNDS times
+    # a short run reuses the noisy sweep: measuring it again would cost more than the run
+    calls.clear()
+    short = autobatch.choose_batch_size(b.runner, "busy", remember, 10**6, 100, rows=4,
+                                        work_steps=64)
+    assert short.reused and short.noisy and calls == []
+    # a long run pays for measuring it again, and a clean sweep replaces the mark
+    monkeypatch.setattr(autobatch, "measure_steps",
+                        lambda runner, sizes=(): {s: CLEAN[s] for s in sizes})
+    cost = autobatch.measure_cost(autobatch.SIZES)
+    long = autobatch.choose_batch_size(b.runner, "busy", remember, 10**6, 100,
+                                       work_steps=autobatch.REFINE * cost)
+    assert not long.reused and not long.noisy and long.measured == CLEAN
+    assert json.loads(remember.read_text())["busy"]["noisy"] is False
+    # a noisy measurement an older kvchat kept in the flat format is measured again
     remember.write_text(json.dumps({"old": {str(k): v for k, v in BUSY.items()}}))
-    monkeypatch.setattr(autobatch, "measure_steps", lambda runner, sizes=(): dict(CLEAN))
     again = autobatch.choose_batch_size(b.runner, "old", remember, 10**6, 100)
-    assert not again.reused and json.loads(remember.read_text())["old"]["2"] == CLEAN[2]
+    assert not again.reused and json.loads(remember.read_text())["old"]["steps"]["2"] == CLEAN[2]
+    # a clean flat entry from an older kvchat is reused as it is
+    remember.write_text(json.dumps({"flat": {str(k): v for k, v in CLEAN.items()}}))
+    flat = autobatch.choose_batch_size(b.runner, "flat", remember, 10**6, 100)
+    assert flat.reused and flat.measured == CLEAN
+
+
+def test_a_small_file_measures_only_the_sizes_it_can_use_and_its_second_run_nothing(
+        tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    from kvchat.engine import autobatch
+
+    b = backend(tiny_model, tiny_tokenizer)
+    remember = tmp_path / "batch-size.json"
+    calls: list[tuple[int, ...]] = []
+
+    def steps(runner, sizes=()):
+        calls.append(tuple(sizes))
+        return {s: CLEAN[s] for s in sizes}
+
+    monkeypatch.setattr(autobatch, "measure_steps", steps)
+    shown: list[str] = []
+
+    def status(message: str):
+        shown.append(message)
+        return contextlib.nullcontext()
+
+    assert autobatch.usable_sizes(3) == (1, 2, 4)
+    assert autobatch.usable_sizes(None) == autobatch.SIZES
+    assert autobatch.usable_sizes(500) == autobatch.SIZES
+    first = autobatch.choose_batch_size(b.runner, "k", remember, 10**6, 100, status=status,
+                                        rows=3, work_steps=30)
+    assert calls == [(1, 2, 4)] and set(first.measured) == {1, 2, 4} and first.size <= 4
+    assert shown == [autobatch.measuring((1, 2, 4))] and "1 to 4 rows" in shown[0]
+    second = autobatch.choose_batch_size(b.runner, "k", remember, 10**6, 100, status=status,
+                                         rows=3, work_steps=30)
+    assert second.reused and calls == [(1, 2, 4)] and len(shown) == 1
+    assert second.size == first.size and "measured earlier" in second.describe()
+    # a larger file measures only the sizes nobody measured yet
+    bigger = autobatch.choose_batch_size(b.runner, "k", remember, 10**6, 100, rows=20,
+                                         work_steps=200)
+    assert calls[-1] == (8, 16, 32) and set(bigger.measured) == {1, 2, 4, 8, 16, 32}
+    assert json.loads(remember.read_text())["k"]["noisy"] is False
 
 
 def test_prefill_groups_tails_of_similar_length():

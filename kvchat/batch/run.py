@@ -235,7 +235,10 @@ def choose_size(runtime: Runtime, fixed: int | None, items: Sequence[BatchItem],
     facts = runtime.fingerprint
     key = f"{facts['model']}|{facts['config']}|{facts['dtype']}|{engine.device}|" \
           f"{torch.get_num_threads()}"
+    # rows at once: every independent line, one per session (its lines run in turn)
+    rows = sum(i.session is None for i in items) + len({i.session for i in items} - {None})
+    work = sum(i.max_tokens or max_tokens for i in items)
     choice = choose_batch_size(engine.runner, key, cache_dir() / "batch-size.json", pool,
-                               longest, status=status)
+                               longest, status=status, rows=max(1, rows), work_steps=work)
     engine.batch_size = choice.size
     return choice.describe()

@@ -2,15 +2,16 @@
 
 A decode step is bound by reading the weights, so on most devices it costs nearly the same for
 1 row or for many, until the batch's K/V and activations catch up. kvchat measures one decode
-step at a few batch sizes (once per model and device: the result is kept in the kvchat cache
-dir), takes the smallest size within 10% of the best throughput measured (one noisy point on a
-busy machine cannot stop the search early), and bounds it so that every row's K/V fits in the
-pool's budget.
+step at the batch sizes a run can use (once per model and device: what was measured is kept in
+the kvchat cache dir, and a later run measures only sizes nobody measured yet), takes the
+smallest size within 10% of the best throughput measured (one noisy point on a busy machine
+cannot stop the search early), and bounds it so that every row's K/V fits in the pool's budget.
 
 A step never gets cheaper with more rows, so a sweep in which fewer rows took clearly longer
 than more rows was disturbed (a busy machine): it is measured again, up to ROUNDS sweeps, each
-size keeping its fastest time; one still noisy is used for this run only and not kept, and a
-noisy measurement found in the cache dir (from an older kvchat) is measured again.
+size keeping its fastest time. One still noisy is kept, marked so, and measured again only by a
+run long enough that measuring is a small part of it (REFINE): a second run of a small file
+measures nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ NEAR_BEST = 0.90  # the smallest size reaching this share of the best tokens per
 CONTEXT = 64  # tokens of context per row while measuring
 NOISE = 1.3  # fewer rows measured this much slower than more rows: the sweep was disturbed
 ROUNDS = 3  # sweeps at most, until one is not noisy
-MEASURING = ("Measuring decode steps at 1 to 64 rows for --batch-size auto (once per model and "
+REFINE = 20  # a noisy kept sweep is measured again by a run with this many times its cost
+MEASURING = ("Measuring decode steps at {sizes} rows for --batch-size auto (once per model and "
              "device)…")
 Status = Callable[[str], AbstractContextManager[Any]]
 
@@ -52,7 +54,7 @@ class BatchChoice:
     def describe(self) -> str:
         source = "measured earlier" if self.reused else "measured now"
         if self.noisy:
-            source += ", noisy: not kept, measured again next run"
+            source += ", noisy: kept, measured again by a long run"
         limit = f", bounded by the pool to {self.bound}" if self.bound < self.best else ""
         return f"{self.size} (auto: {source}{limit})"
 
@@ -111,23 +113,65 @@ def best_size(measured: dict[int, float]) -> int:
 
 
 def choose_batch_size(runner: ModelRunner, key: str, remember: Path | None,
-                      pool_tokens: int, seq_tokens: int, status: Status | None = None
-                      ) -> BatchChoice:
-    """The batch size for this model and device (measured once, kept in `remember` unless
-    noisy), bounded so that `size` rows of `seq_tokens` tokens each fit in `pool_tokens`.
-    `status(message)` is shown while measuring (a spinner)."""
+                      pool_tokens: int, seq_tokens: int, status: Status | None = None,
+                      rows: int | None = None, work_steps: int | None = None) -> BatchChoice:
+    """The batch size for this model and device, bounded so that `size` rows of `seq_tokens`
+    tokens each fit in `pool_tokens`. `status(message)` is shown while measuring (a spinner).
+
+    What is measured is kept in `remember` and reused: a run measures only the sizes it can
+    use and nobody measured yet (`rows`: the most rows it can decode at once; None: any), so a
+    small file's first run measures little and its second run nothing. A sweep that stayed
+    noisy is kept too (each size's fastest time: a busy machine only ever adds time) and
+    measured again only by a run whose decode work (`work_steps`, row-steps) is REFINE times
+    what measuring costs."""
     saved = _load(remember)
-    measured = {int(k): float(v) for k, v in saved.get(key, {}).items()}
-    reused, still_noisy = bool(measured) and not noisy(measured), False
-    if not reused:
-        with (status or _quiet)(MEASURING):
-            measured, still_noisy = measure_settled(runner)
-        if remember is not None and not still_noisy:
-            saved[key] = {str(k): v for k, v in measured.items()}
+    entry = saved.get(key, {})
+    steps = entry.get("steps", entry) if isinstance(entry, dict) else {}
+    try:
+        measured = {int(k): float(v) for k, v in steps.items()}
+    except (TypeError, ValueError, AttributeError):
+        measured = {}
+    was_noisy = bool(entry.get("noisy", noisy(measured))) if isinstance(entry, dict) else False
+    wanted = usable_sizes(rows)
+    missing = tuple(size for size in wanted if size not in measured)
+    if was_noisy and work_steps is not None and work_steps >= REFINE * measure_cost(wanted):
+        missing = wanted  # a long run pays for measuring a noisy sweep again
+    elif was_noisy and work_steps is None:
+        missing = wanted
+    reused = not missing
+    if missing:
+        with (status or _quiet)(measuring(missing)):
+            fresh, still_noisy = measure_settled(runner, missing)
+        measured = {**measured, **fresh}
+        was_noisy = still_noisy or (was_noisy and set(missing) != set(wanted))
+        if remember is not None:
+            saved[key] = {"steps": {str(k): v for k, v in sorted(measured.items())},
+                          "noisy": was_noisy}
             _save(remember, saved)
-    best = best_size(measured)
+    usable = {size: t for size, t in measured.items() if size in wanted} or measured
+    best = best_size(usable)
     bound = max(1, pool_tokens // max(1, min(seq_tokens, runner.max_context)))
-    return BatchChoice(min(best, bound), measured, best, bound, reused, still_noisy)
+    return BatchChoice(min(best, bound), measured, best, bound, reused, was_noisy)
+
+
+def measuring(sizes: tuple[int, ...]) -> str:
+    """The spinner's message while `sizes` are measured."""
+    shown = f"{sizes[0]} to {sizes[-1]}" if len(sizes) > 1 else str(sizes[0])
+    return MEASURING.format(sizes=shown)
+
+
+def usable_sizes(rows: int | None) -> tuple[int, ...]:
+    """The sizes worth measuring for a run of at most `rows` rows at once: up to the first
+    size that holds them all (None: every size)."""
+    if rows is None:
+        return SIZES
+    top = next((size for size in SIZES if size >= rows), SIZES[-1])
+    return tuple(size for size in SIZES if size <= top)
+
+
+def measure_cost(sizes: tuple[int, ...], repeats: int = 3) -> int:
+    """Row-steps a sweep of `sizes` costs at most (ROUNDS sweeps of `repeats` each)."""
+    return ROUNDS * repeats * sum(sizes)
 
 
 def _quiet(message: str) -> AbstractContextManager[Any]:
