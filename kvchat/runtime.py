@@ -12,6 +12,7 @@ import atexit
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,14 +97,17 @@ def template_fields(codec: Any) -> dict[str, Any]:
 
 
 def compile_decode(engine: Engine) -> None:
-    """--compile: compile the engine's decode step now, under a spinner (torch keeps what it
-    compiled on disk, so a later start with the same model and shapes is faster)."""
-    from rich.console import Console
-
+    """--compile: compile the engine's decode step now (torch keeps what it compiled on disk,
+    so a later start with the same model and shapes is faster)."""
     engine.runner.compile_decode()
-    with Console(stderr=True).status("Compiling the decode step (--compile; a minute or two "
-                                     "the first time, less once torch has it on disk)…"):
-        engine.warm_up()
+    engine.warm_up()
+
+
+Stage = Callable[[str, str], None]  # (the stage's name, what it does), as each stage begins
+
+
+def _no_stage(name: str, what: str) -> None:
+    return None
 
 
 class Runtime:
@@ -158,9 +162,12 @@ class Runtime:
             self.disk.close()
 
     @classmethod
-    def open(cls, options: RuntimeOptions) -> Runtime:
+    def open(cls, options: RuntimeOptions, on_stage: Stage = _no_stage) -> Runtime:
+        """The runtime of `options`; `on_stage` hears each stage as it begins (load, compile,
+        restore), so that a command can say what its start waits on."""
         from kvchat.models.loading import load_model
 
+        on_stage("load", f"loading {options.model or 'the default model'}")
         loaded = load_model(options.model, dtype=options.dtype, device=options.device,
                             cache=options.cache)
         engine = Engine.create(loaded.model, loaded.tokenizer, options.cache,
@@ -171,7 +178,11 @@ class Runtime:
             # the tokenizer is left as it is: the fingerprint (and the cache) stay the model's
             engine.codec.use_template(resolve(options.chat_template, loaded.tokenizer))
         if options.compile:
+            on_stage("compile", "compiling the decode step (--compile; a minute or two the "
+                     "first time, less once torch has it on disk)")
             compile_decode(engine)
+        if options.persist:
+            on_stage("restore", "restoring the cache snapshot")
         runtime = cls(engine, options, loaded.source.description)
         runtime.restore()
         return runtime

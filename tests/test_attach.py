@@ -81,6 +81,10 @@ def test_the_lock_file_names_the_server_and_the_token_is_required(server: Runnin
     log = server.sessions / "serve.log"
     assert "Access token: generated; not written to this log" in log.read_text()
     assert server.token not in log.read_text()
+    said = " ".join(log.read_text().split())
+    assert f"kvchat serve listening on {server.url} " in said  # where it answers, said once
+    assert f"OpenAI base URL {server.url}/v1" in said
+    assert "ready in" in said and "import" in said and "load" in said  # what the start took
     for folder in (server.sessions, server.sessions / "cache", server.sessions / "cache" / "store"):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder  # before any save
     assert httpx.get(f"{server.url}/healthz").status_code == 200

@@ -318,7 +318,7 @@ def test_runtime_commands_build_their_options_from_one_family(command, persist, 
 
     seen = []
 
-    def fake_open(options):
+    def fake_open(options, on_stage=None):
         seen.append(options)
         raise KvchatError("stop before loading")
 

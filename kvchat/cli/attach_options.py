@@ -76,12 +76,13 @@ class LazyRuntimeOptions:
     """The runtime options' values; `build()` makes the RuntimeOptions (and checks them) only
     for a command that runs in-process."""
 
-    def __init__(self, values: dict[str, Any]) -> None:
+    def __init__(self, values: dict[str, Any], persist: bool = True) -> None:
         from kvchat.config import CacheConfig  # torch-free: a bad value fails before anything
 
         CacheConfig(block_size=values["block_size"], cache_mb=values["cache_mb"],
                     policy=values["policy"])
         self.values = values
+        self.persist = persist
 
     @property
     def sessions_dir(self) -> Path:
@@ -94,17 +95,19 @@ class LazyRuntimeOptions:
                 if p.name != "sessions_dir" and self.values.get(p.name, p.default) != p.default]
 
     def build(self) -> RuntimeOptions:
-        return shared._runtime_options(**self.values, persist=True)
+        return shared.build_runtime_options(**self.values, persist=self.persist)
 
 
-def lazy_runtime_options() -> Any:
-    """`@runtime_options()`'s options, received as one `options: LazyRuntimeOptions`."""
-    family = shared._MODEL_FAMILY + shared._CACHE_FAMILY + shared._SESSIONS_FAMILY
-    return shared._option_family("options", family, _lazy)
-
-
-def _lazy(**values: Any) -> LazyRuntimeOptions:
-    return LazyRuntimeOptions(values)
+def lazy_runtime_options(persist: bool = True) -> Any:
+    """Add --model, --dtype, --device, --chat-template, --policy, --block-size, --cache-mb,
+    --max-pinned, --prefill-chunk and, when the command loads and saves the cache (`persist`),
+    --sessions-dir, --disk-cache-gb and --store, received as one `options: LazyRuntimeOptions`:
+    built into a RuntimeOptions only once the command says what its start waits on, so that
+    importing torch is shown from the first moment."""
+    family = shared._MODEL_FAMILY + shared._CACHE_FAMILY + (
+        shared._SESSIONS_FAMILY if persist else ())
+    return shared._option_family("options", family,
+                                 lambda **values: LazyRuntimeOptions(values, persist))
 
 
 _WHERE_FAMILY = (

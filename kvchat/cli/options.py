@@ -1,6 +1,6 @@
 """Options shared by several commands, declared once: the model / cache / sessions family that
-`@runtime_options()` adds to a command (which then receives one `RuntimeOptions`), and help text
-that reflows to the terminal."""
+`@lazy_runtime_options()` adds to a command, `build_runtime_options` that turns their values into
+one `RuntimeOptions`, and help text that reflows to the terminal."""
 
 from __future__ import annotations
 
@@ -147,17 +147,7 @@ _SESSIONS_FAMILY = (
 )
 
 
-def runtime_options(*, persist: bool = True) -> Callable[[Command], Command]:
-    """Add --model, --dtype, --device, --chat-template, --policy, --block-size, --cache-mb,
-    --max-pinned, --prefill-chunk and,
-    when the command loads and saves the cache (`persist`), --sessions-dir, --disk-cache-gb
-    and --store to a
-    command, which receives them as one keyword argument `options: RuntimeOptions`."""
-    family = _MODEL_FAMILY + _CACHE_FAMILY + (_SESSIONS_FAMILY if persist else ())
-    return _option_family("options", family, functools.partial(_runtime_options, persist=persist))
-
-
-def _runtime_options(
+def build_runtime_options(
     *,
     model: str | None,
     dtype: str | None,

@@ -9,16 +9,15 @@ import typer
 from rich.markup import escape
 
 from kvchat.cli.app import app, stderr
-from kvchat.cli.options import runtime_options
+from kvchat.cli.attach_options import LazyRuntimeOptions, lazy_runtime_options
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    from kvchat.runtime import RuntimeOptions
     from kvchat.server.auth import StartupAuth
 
 
 @app.command()
-@runtime_options()
+@lazy_runtime_options()
 def serve(
     host: Annotated[
         str, typer.Option("--host", help="Address to bind. Anything but loopback lets every "
@@ -73,7 +72,7 @@ def serve(
                            "with `kvchat stop`.")
     ] = False,
     *,
-    options: RuntimeOptions,
+    options: LazyRuntimeOptions,
 ) -> None:
     """Serve the model over HTTP: /generate, /v1/chat/completions (OpenAI), /cache/stats,
     /cache/tree, /sessions, /metrics (Prometheus), /healthz. Stop with Ctrl-C, SIGTERM or
@@ -97,19 +96,20 @@ def serve(
     _serve(options, host, port, batch_size, max_tokens, access)
 
 
-def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_tokens: int,
+def _serve(options: LazyRuntimeOptions, host: str, port: int, batch_size: int, max_tokens: int,
            access: StartupAuth) -> None:
     import uvicorn
 
     from kvchat.cli.app import terminate_as_interrupt
-    from kvchat.runtime import Runtime
     from kvchat.server import Server, create_app, log_to_stderr
     from kvchat.session_lock import sessions_lock
+    from kvchat.targets.local import open_runtime
+    from kvchat.ui.startup_view import listening_line
 
     # uvicorn re-raises the signal it stopped on: as KeyboardInterrupt, the lock is left cleanly
     with sessions_lock(options.sessions_dir, "kvchat serve") as lock, terminate_as_interrupt():
         sock = _bind(host, port)
-        runtime = Runtime.open(options)
+        runtime = open_runtime(options.build, stderr())
         web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens,
                          auth=access.auth)
         if not runtime.engine.codec.has_template:
@@ -126,6 +126,7 @@ def _serve(options: RuntimeOptions, host: str, port: int, batch_size: int, max_t
         url = f"http://{_url_host(bound_host)}:{bound_port}"
         # attached clients find the server here: it is written before it answers
         lock.publish(url, access.auth.admin_token)
+        stderr().print(listening_line(url, host), soft_wrap=True, highlight=False)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.markup import escape
 
 from kvchat.cli.app import app, stdout
-from kvchat.cli.options import (
-    MaxTokensOption,
-    runtime_options,
-)
+from kvchat.cli.attach_options import LazyRuntimeOptions, lazy_runtime_options
+from kvchat.cli.options import MaxTokensOption
 from kvchat.errors import KvchatError
-
-if TYPE_CHECKING:
-    from kvchat.runtime import RuntimeOptions
-
 
 # ---- verify --------------------------------------------------------------------------------
 
@@ -67,7 +61,7 @@ def _read_prompt_file(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
 
 
 @app.command()
-@runtime_options(persist=False)
+@lazy_runtime_options(persist=False)
 def verify(
     prompt: Annotated[
         str | None,
@@ -82,7 +76,7 @@ def verify(
     ] = None,
     max_tokens: MaxTokensOption = 32,
     *,
-    options: RuntimeOptions,
+    options: LazyRuntimeOptions,
 ) -> None:
     """Check that cached generation equals cold generation, and cold generation equals
     transformers' own `generate` on the same model: per prompt, the first divergent token and
@@ -103,16 +97,17 @@ def verify(
         prompts = [(preview(t, 18), [{"role": "user", "content": t}]) for t in texts]
 
     from kvchat.engine.verify import verify_prompt
-    from kvchat.runtime import Runtime
+    from kvchat.targets.local import open_runtime
 
-    engine = Runtime.open(options).engine
-    rows = []
     console = stdout()
+    engine = open_runtime(options.build, console).engine
+    rows = []
     if not engine.codec.has_template:
         from kvchat.models.chat_template import NO_TEMPLATE
 
-        console.print(f"[yellow]{escape(options.model or 'The model')} {escape(NO_TEMPLATE)}"
-                      "[/yellow]", soft_wrap=True)
+        model = str(options.values.get("model") or "The model")
+        console.print(f"[yellow]{escape(model)} {escape(NO_TEMPLATE)}[/yellow]",
+                      soft_wrap=True)
     started = time.perf_counter()
     with console.status("verifying…") as status:
         for i, (label, messages) in enumerate(prompts, 1):

@@ -4,6 +4,7 @@ chat or batch on the same folder is refused before anything loads)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,16 +16,50 @@ from kvchat.targets.base import BatchRunner, BatchSpec, OpenedChat
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.status import Status
 
     from kvchat.request_file import BatchItem
     from kvchat.runtime import Runtime, RuntimeOptions
 
 
-def open_runtime(options: RuntimeOptions, ui: Console) -> Runtime:
-    """The model, engine and cache of this sessions dir, loaded here."""
-    from kvchat.runtime import Runtime
+class StartupClock:
+    """The stages of a start and the time each took; each stage's name is said on the status
+    line as it begins."""
 
-    return Runtime.open(options)
+    def __init__(self, status: Status) -> None:
+        self.status = status
+        self.stages: list[tuple[str, float]] = []
+        self._current: tuple[str, float] | None = None
+
+    def __call__(self, name: str, what: str) -> None:
+        self.stop()
+        self._current = (name, time.perf_counter())
+        self.status.update(f"{what}…")
+
+    def stop(self) -> list[tuple[str, float]]:
+        if self._current is not None:
+            name, began = self._current
+            self.stages.append((name, time.perf_counter() - began))
+            self._current = None
+        return self.stages
+
+
+def open_runtime(build: Callable[[], RuntimeOptions], ui: Console) -> Runtime:
+    """The model, engine and cache of this sessions dir, loaded here, a status line saying from
+    the first moment what the start waits on (import, load, compile, restore), and then the
+    time each took. The one place a command opens a runtime."""
+    from kvchat.ui.startup_view import startup_line
+
+    with ui.status("importing torch and transformers…") as status:
+        clock = StartupClock(status)
+        clock("import", "importing torch and transformers")
+        options = build()
+        from kvchat.runtime import Runtime
+
+        runtime = Runtime.open(options, clock)
+        stages = clock.stop()
+    ui.print(startup_line(stages))
+    return runtime
 
 
 def close_runtime(runtime: Runtime, ui: Console) -> None:
@@ -44,7 +79,7 @@ class Local:
         self.sessions_dir = sessions_dir
         self._build = build
 
-    def options(self) -> RuntimeOptions:
+    def build(self) -> RuntimeOptions:
         if self._build is None:
             raise KvchatError("This command does not load a model in this process.")
         return self._build()
@@ -58,7 +93,7 @@ class Local:
 
         with sessions_lock(self.sessions_dir, "kvchat chat"):
             name = name or next_session_name(SessionStore(self.sessions_dir).names())
-            runtime = open_runtime(self.options(), ui)
+            runtime = open_runtime(self.build, ui)
             try:
                 session = runtime.store.open(name)
                 if system is not None:
@@ -73,7 +108,7 @@ class Local:
         from kvchat.session_lock import sessions_lock
 
         with sessions_lock(self.sessions_dir, "kvchat batch"):
-            runtime = open_runtime(self.options(), ui)
+            runtime = open_runtime(self.build, ui)
             closed = False
 
             def save() -> None:
