@@ -339,7 +339,7 @@ def test_runtime_commands_build_their_options_from_one_family(command, persist, 
 @pytest.mark.parametrize("command", ["chat", "serve", "batch", "verify"])
 def test_runtime_commands_share_the_family_defaults(command):
     out = "\n".join(one_line(invoke(command, "--help").output))
-    for fragment in ("--device <str> auto (CUDA when available, else CPU), cpu, cuda or cuda:N. "
+    for fragment in ("--device [auto|cpu|cuda|cuda:N] auto: CUDA when available, else CPU. "
                      "[default: auto]",
                      "--block-size <int range> [1<=x<=4096] Tokens per cache block. [default: 16]",
                      "[default: 1024.0]", "Prompt tokens per prefill forward pass. [default: 512]",
@@ -364,6 +364,34 @@ def test_flags_show_no_value_type_in_help(command):
     out = invoke(*command, "--help").output
     assert "--help" in out and "<bool>" not in out
     assert re.search(r"--json\s+Print (JSON|the result)", out) or command in ([], ["chat"])
+
+
+@pytest.mark.parametrize("name", ["chat", "batch", "serve", "verify"])
+def test_help_groups_options_in_panels_and_shows_fixed_choices(name):
+    from kvchat.batch.order import ORDERS
+    from kvchat.config import POLICY_NAMES
+    from kvchat.ui.views import PANEL_MODES
+
+    out = CliRunner().invoke(cli.app, [name, "--help"], env={"COLUMNS": "200"}).output
+    panels = re.findall(r"╭─ (.+?) ─", out)
+    assert {"Model", "Cache"} <= set(panels), panels
+    assert ("Sessions and disk tier" in panels) == (name != "verify")
+    assert ("Where it runs" in panels) == (name in ("chat", "batch"))
+    assert "--policy [" + "|".join(POLICY_NAMES) + "]" in " ".join(out.split())
+    if name == "chat":
+        assert "[" + "|".join(PANEL_MODES) + "]" in out
+    if name == "batch":
+        assert "[" + "|".join(ORDERS) + "]" in out
+    # each option sits in the panel named for it
+    model_panel = out.split("╭─ Model ")[1].split("╰")[0]
+    assert "--dtype" in model_panel and "--policy" not in model_panel
+
+
+def test_chat_and_batch_help_stay_short():
+    for command, most in (("chat", 110), ("batch", 135)):
+        out = CliRunner().invoke(cli.app, [command, "--help"], env={"COLUMNS": "100"}).output
+        lines = out.count("\n")
+        assert lines <= most, f"kvchat {command} --help is {lines} lines at 100 columns"
 
 
 def test_inspect_standalone_help_says_it_reads_the_snapshot():

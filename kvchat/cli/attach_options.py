@@ -21,45 +21,46 @@ if TYPE_CHECKING:
 
 ConnectOption = Annotated[
     str | None,
-    typer.Option("--connect", help="Attach to the server at this URL: kvchat serve, or any "
-                 "OpenAI-compatible engine (llama.cpp's llama-server, vLLM, SGLang), told "
-                 "from its API (default: the kvchat server holding --sessions-dir, if one "
-                 "does).", show_default=False),
+    typer.Option("--connect", help="Run on the server at this URL: kvchat serve or a peer "
+                 "(llama-server, vLLM, SGLang). Default: the kvchat server holding "
+                 "--sessions-dir, if one does.", show_default=False,
+                 rich_help_panel=shared.WHERE_PANEL),
 ]
 ApiKeyOption = Annotated[
     str | None,
-    typer.Option("--api-key", show_default=False,
+    typer.Option("--api-key", show_default=False, rich_help_panel=shared.WHERE_PANEL,
                  help="API key for --connect (default: --token, else $OPENAI_API_KEY)."),
 ]
 TokenOption = Annotated[
     str | None,
     typer.Option("--token", envvar="KVCHAT_TOKEN", show_default=False,
-                 help="Access token for --connect (default: the one in the sessions dir's lock "
-                 "file)."),
+                 rich_help_panel=shared.WHERE_PANEL,
+                 help="Access token for --connect (default: the sessions dir's server's)."),
 ]
 StandaloneOption = Annotated[
     bool,
-    typer.Option("--standalone", help="Load the model in this process even if a server holds "
-                 "the sessions dir (then refused, as the dir is in use)."),
+    typer.Option("--standalone", rich_help_panel=shared.WHERE_PANEL,
+                 help="Load the model here, never attach (refused while a server holds the "
+                 "sessions dir)."),
 ]
 
 
 ConnectTimeoutOption = Annotated[
     float, typer.Option("--connect-timeout", min=0.0, metavar="SECONDS",
-                        help="With a server (--connect, or the one holding --sessions-dir): "
-                        "how long to wait for a connection before the line or turn fails.")
+                        rich_help_panel=shared.WHERE_PANEL,
+                        help="On a server: the longest wait for a connection.")
 ]
 IdleTimeoutOption = Annotated[
     float, typer.Option("--idle-timeout", min=0.0, metavar="SECONDS",
-                        help="With a server: how long a streamed reply may send nothing "
-                        "before its line or turn fails, the rest going on (0: no bound). A "
-                        "kvchat server's batch replies arrive whole: --request-timeout bounds "
-                        "them.")
+                        rich_help_panel=shared.WHERE_PANEL,
+                        help="On a server: the longest a streamed reply may send nothing (0: "
+                        "no bound).")
 ]
 RequestTimeoutOption = Annotated[
     float, typer.Option("--request-timeout", min=0.0, metavar="SECONDS",
-                        help="With a server: the longest one request may take in all, however "
-                        "it trickles in, before its line or turn fails (0: no bound).")
+                        rich_help_panel=shared.WHERE_PANEL,
+                        help="On a server: the longest one request may take in all (0: no "
+                        "bound). A line or turn past a bound fails alone.")
 ]
 _BOUNDS_FAMILY = (
     shared._option("connect_timeout", ConnectTimeoutOption, CONNECT_S),

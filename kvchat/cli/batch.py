@@ -19,8 +19,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from kvchat.batch.order import ORDERS
 from kvchat.cli.app import INTERRUPT_EXIT_CODE, app, stderr, stdout, terminate_as_interrupt
 from kvchat.cli.attach_options import LazyRuntimeOptions, lazy_runtime_options, where_options
+from kvchat.cli.options import SAMPLING_PANEL, WHERE_PANEL, choices
 from kvchat.errors import KvchatError
 
 PIPE_EXIT_CODE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
@@ -52,21 +54,19 @@ class _Plan:
 
 
 OrderOption = Annotated[
-    str, typer.Option("--order", help="With --connect to an engine other than kvchat serve: "
-                      "cache-aware (each shared-prefix group's first line alone, the rest once "
-                      "the engine has prefilled it) or input (file order).")
+    str, typer.Option("--order", metavar=choices(ORDERS), rich_help_panel=WHERE_PANEL,
+                      help="On a peer: cache-aware (each shared-prefix group's first line alone, "
+                      "the rest once the peer has prefilled it) or input (file order).")
 ]
 ConcurrencyOption = Annotated[
     int | None,
-    typer.Option("--concurrency", min=1, show_default=False,
-                 help="Lines in flight at once (default: llama-server's slots, 4 on vLLM or "
-                 "SGLang, twice the batch size on a kvchat server: a line's wait in a "
-                 "server's queue counts toward --request-timeout)."),
+    typer.Option("--concurrency", min=1, show_default=False, rich_help_panel=WHERE_PANEL,
+                 help="Lines in flight at once on a server (default: llama-server's slots, 4 "
+                 "on vLLM or SGLang, twice the batch size on kvchat serve)."),
 ]
 LineMaxTokensOption = Annotated[
-    int, typer.Option("--max-tokens", min=1, help="Most tokens per reply for lines that do not "
-                      "set their own: a line's own max_tokens wins over this (the summary says "
-                      "how many lines set one).")
+    int, typer.Option("--max-tokens", min=1, rich_help_panel=SAMPLING_PANEL,
+                      help="Most tokens per reply: a line's own max_tokens wins over this.")
 ]
 
 
@@ -80,9 +80,8 @@ def batch(
     ],
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="Where results go (JSONL, one row per line, in "
-                     "input order when the run ends; each row is written as soon as it "
-                     "finishes). '-' or nothing: stdout, with progress and summary on stderr.",
+        typer.Option("--output", "-o", help="Results, one JSON row per line, each written as "
+                     "it finishes (in input order at the end). Default or '-': stdout.",
                      show_default=False),
     ] = None,
     resume: Annotated[
@@ -90,25 +89,25 @@ def batch(
                            "input lines must be unchanged) and run only the other lines.")
     ] = False,
     batch_size: Annotated[
-        str, typer.Option("--batch-size", help="Sequences decoded together: a number, or auto "
-                          "(decode steps measured once per model and device, kept in the kvchat "
-                          "cache dir, and bounded so every row's K/V fits the pool).")
+        str, typer.Option("--batch-size", help="Rows decoded together: a number, or auto "
+                          "(steps measured once per model and machine at the sizes this file "
+                          "can use, kept, and bounded by the pool).")
     ] = "auto",
     max_tokens: LineMaxTokensOption = 256,
     temperature: Annotated[
         float, typer.Option("--temperature", help="Default for lines without one; 0 is greedy.",
-                            min=0.0)
+                            min=0.0, rich_help_panel=SAMPLING_PANEL)
     ] = 0.0,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Default sampling seed.", show_default=False)
+        int | None, typer.Option("--seed", help="Default sampling seed.", show_default=False,
+                                 rich_help_panel=SAMPLING_PANEL)
     ] = None,
     fail_fast: Annotated[
         bool, typer.Option("--fail-fast", help="Stop at the first line that fails.")
     ] = False,
     pin_system: Annotated[
-        bool, typer.Option("--pin-system", help="Pin each distinct system prompt of the file "
-                           "once it is cached: eviction never takes it, in this run or later "
-                           "ones (up to --max-pinned of the pool).")
+        bool, typer.Option("--pin-system", help="Pin each distinct system prompt once cached "
+                           "(up to --max-pinned of the pool): eviction never takes it.")
     ] = False,
     order: OrderOption = "cache-aware",
     concurrency: ConcurrencyOption = None,
@@ -125,7 +124,7 @@ def batch(
     SIGTERM writes a row for every line and saves the cache; --resume finishes a killed run.
 
     While a kvchat server holds the sessions dir (or with --connect), the lines go to it and
-    are batched with whatever else it runs. --connect to another OpenAI-compatible engine
+    are batched with whatever else it runs. --connect to a peer (another OpenAI-compatible engine)
     (llama-server, vLLM, SGLang) sends them in cache-aware order, --concurrency at a time. A
     line whose reply passes --connect-timeout, --idle-timeout or --request-timeout gets an
     error row saying which, and the rest go on.

@@ -8,8 +8,9 @@ import typer
 
 from kvchat.cli.app import app, stdout
 from kvchat.cli.attach_options import LazyRuntimeOptions, lazy_runtime_options, where_options
-from kvchat.cli.options import MaxTokensOption
+from kvchat.cli.options import SAMPLING_PANEL, MaxTokensOption, choices
 from kvchat.errors import KvchatError
+from kvchat.ui.views import PANEL_MODES
 
 if TYPE_CHECKING:
     from kvchat.targets import Where
@@ -30,15 +31,20 @@ def chat(
     ] = None,
     max_tokens: MaxTokensOption = 256,
     temperature: Annotated[
-        float, typer.Option("--temperature", help="0 is greedy decoding.", min=0.0)
+        float, typer.Option("--temperature", help="0 is greedy decoding.", min=0.0,
+                            rich_help_panel=SAMPLING_PANEL)
     ] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="0 keeps every token.", min=0)] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.",
+                                         rich_help_panel=SAMPLING_PANEL)] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 keeps every token.", min=0,
+                                       rich_help_panel=SAMPLING_PANEL)] = 0,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Sampling seed.", show_default=False)
+        int | None, typer.Option("--seed", help="Sampling seed.", show_default=False,
+                                 rich_help_panel=SAMPLING_PANEL)
     ] = None,
     panels: Annotated[
-        str, typer.Option("--panels", help="What to show after each reply: off, compact, full.")
+        str, typer.Option("--panels", metavar=choices(PANEL_MODES),
+                          help="What to show after each reply.")
     ] = "full",
     *,
     options: LazyRuntimeOptions,
@@ -47,16 +53,15 @@ def chat(
     """Chat in a REPL; after each reply, panels show what the cache served.
 
     While a kvchat server holds the sessions dir (or with --connect), the chat attaches to it:
-    its cache and sessions, shared with everything else it serves. --connect to another
-    OpenAI-compatible engine (llama-server, vLLM, SGLang) keeps the sessions here and shows
-    what that engine reports."""
+    its cache and sessions, shared with everything else it serves. --connect to a peer (another
+    OpenAI-compatible engine: llama-server, vLLM, SGLang) keeps the sessions here and shows
+    what the peer reports."""
     from kvchat.chat.repl import Chat
     from kvchat.chat.terminal import make_reader
     from kvchat.cli.attach_options import choose_target
     from kvchat.config import SamplingParams
     from kvchat.sessions import validate_name
     from kvchat.text_input import check_text
-    from kvchat.ui.views import PANEL_MODES
 
     name = validate_name(session) if session is not None else None
     if system is not None:

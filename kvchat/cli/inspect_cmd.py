@@ -78,7 +78,7 @@ def inspect_snapshot(
     a kvchat server holds the sessions dir (or with --connect), its live cache. --explain says
     why a prompt would miss the cache.
 
-    --connect to another OpenAI-compatible engine shows what its API says of itself and this
+    --connect to a peer (another OpenAI-compatible engine) shows what its API says of itself and this
     client's record of what it sent (the engine's cache is its own); --explain answers from
     that record."""
     from kvchat.targets import Peer, Server, Where, choose, find_server

@@ -12,10 +12,24 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvchat.config import H2O_COST_NOTE, POLICY_ENV_VAR
+from kvchat.config import H2O_COST_NOTE, POLICY_ENV_VAR, POLICY_NAMES
 
 if TYPE_CHECKING:
     from kvchat.runtime import RuntimeOptions
+
+# `--help` groups a command's options in these panels, the command's own first.
+MODEL_PANEL = "Model"
+CACHE_PANEL = "Cache"
+STORE_PANEL = "Sessions and disk tier"
+SAMPLING_PANEL = "Sampling"
+WHERE_PANEL = "Where it runs"
+DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+
+
+def choices(values: tuple[str, ...]) -> str:
+    """A metavar that shows an option's fixed set of values: [a|b|c]."""
+    return "[" + "|".join(values) + "]"
+
 
 ModelOption = Annotated[
     str | None,
@@ -24,96 +38,96 @@ ModelOption = Annotated[
         "-m",
         help="Hugging Face Hub id, local model folder or .gguf file "
         "(default: the embedded SmolLM2-135M-Instruct).",
-        show_default=False,
+        show_default=False, rich_help_panel=MODEL_PANEL,
     ),
 ]
 DtypeOption = Annotated[
     str | None,
     typer.Option(
         "--dtype",
-        help="float32, bfloat16, float16, or weight-only int8 / int4 (computing in bfloat16; "
-        "CPU). Default: a GGUF keeps its own class (Q4 -> int4, Q5-Q8 -> int8, F16 -> float16), "
-        "anything else float32 on CPU, bfloat16 on a GPU.",
-        show_default=False,
+        metavar=choices(DTYPES),
+        help="int8 / int4: weight-only, computing in bfloat16 (CPU). Default: a GGUF keeps its "
+        "own (Q4 -> int4, Q5-Q8 -> int8), anything else float32 on CPU, bfloat16 on a GPU.",
+        show_default=False, rich_help_panel=MODEL_PANEL,
     ),
 ]
 ChatTemplateOption = Annotated[
     str | None,
     typer.Option(
         "--chat-template",
-        help="Chat template to write conversations with: a Jinja file (or a "
-        "tokenizer_config.json), a name (chatml, or one of the model's named templates), or "
-        "plain for kvchat's plain-text format. Default: the model's own; a model without one "
-        "(a base model) gets the plain-text format.",
-        show_default=False,
+        help="A Jinja file (or tokenizer_config.json), chatml, one of the model's named "
+        "templates, or plain (kvchat's plain-text format). Default: the model's own, else plain.",
+        show_default=False, rich_help_panel=MODEL_PANEL,
     ),
 ]
 CompileOption = Annotated[
     bool,
-    typer.Option("--compile", help="Run batched decode steps through torch.compile: fewer "
-                 "small-op launches per step, after a one-time compile of a minute or two; "
-                 "outputs then round like a batch's (see Precision in the README). A lone "
-                 "sequence of an int4/int8 Llama-family model keeps the fused eager step, "
-                 "which is faster."),
+    typer.Option("--compile", help="Batched decode steps through torch.compile (a minute or "
+                 "two the first time); outputs then round like a batch's (docs/precision.md).",
+                 rich_help_panel=MODEL_PANEL),
 ]
 DeviceOption = Annotated[
     str,
-    typer.Option("--device", help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N."),
+    typer.Option("--device", metavar=choices(("auto", "cpu", "cuda", "cuda:N")),
+                 help="auto: CUDA when available, else CPU.", rich_help_panel=MODEL_PANEL),
 ]
 PolicyOption = Annotated[
     str | None,
     typer.Option(
         "--policy",
-        help=f"Eviction policy: lru, sink-lru (never evicts a sequence's first block) or h2o "
-        f"(evicts the blocks that received the least attention). Default: ${POLICY_ENV_VAR}, "
-        f"else lru. Cost of h2o: {H2O_COST_NOTE}",
-        show_default=False,
+        metavar=choices(POLICY_NAMES),
+        help=f"Eviction: sink-lru keeps each sequence's first block, h2o evicts the blocks that "
+        f"received the least attention. Default: ${POLICY_ENV_VAR}, else lru. {H2O_COST_NOTE}",
+        show_default=False, rich_help_panel=CACHE_PANEL,
     ),
 ]
 BlockSizeOption = Annotated[
-    int, typer.Option("--block-size", help="Tokens per cache block.", min=1, max=4096)
+    int, typer.Option("--block-size", help="Tokens per cache block.", min=1, max=4096,
+                      rich_help_panel=CACHE_PANEL)
 ]
 CacheMbOption = Annotated[
     float,
-    typer.Option("--cache-mb", help="K/V pool budget in MiB, all layers together; allocated once."),
+    typer.Option("--cache-mb", help="K/V pool in MiB, all layers; allocated once.",
+                 rich_help_panel=CACHE_PANEL),
 ]
 MaxPinnedOption = Annotated[
     float,
-    typer.Option("--max-pinned", help="The most of the pool pinned prefixes may hold, as a "
-                 "fraction (0.5: half); a pin beyond it is refused.", min=0.0, max=1.0),
+    typer.Option("--max-pinned", help="Share of the pool pinned prefixes may hold.", min=0.0,
+                 max=1.0, rich_help_panel=CACHE_PANEL),
 ]
 PrefillChunkOption = Annotated[
-    int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.", min=1)
+    int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward pass.", min=1,
+                      rich_help_panel=CACHE_PANEL)
 ]
 SessionsDirOption = Annotated[
     Path,
     typer.Option(
         "--sessions-dir",
-        help="Folder for session transcripts, input history and the cache snapshot.",
-        file_okay=False,
+        help="Session transcripts, input history and the cache snapshot.",
+        file_okay=False, rich_help_panel=STORE_PANEL,
     ),
 ]
 DiskCacheGbOption = Annotated[
     float,
-    typer.Option("--disk-cache-gb", help="Disk tier budget in GiB: blocks evicted from the pool "
-                 "are kept on disk and loaded back on a hit, and the cache persists across "
-                 "runs. 0 turns it off (evicted blocks are dropped, nothing is saved).", min=0),
+    typer.Option("--disk-cache-gb", help="Disk tier in GiB: evicted blocks are kept and loaded "
+                 "back on a hit, across runs. 0: off (nothing kept).", min=0,
+                 rich_help_panel=STORE_PANEL),
 ]
 StoreOption = Annotated[
     str | None,
-    typer.Option("--store", help="Where the disk tier keeps blocks: a folder (default: "
-                 "<sessions-dir>/cache/store), or redis://HOST:PORT/DB (Redis or Valkey, shared "
-                 "by every instance that names it; needs the redis package).",
-                 show_default=False),
+    typer.Option("--store", help="The disk tier's blocks: a folder (default: "
+                 "<sessions-dir>/cache/store) or redis://HOST:PORT/DB (shared by every "
+                 "instance naming it).", show_default=False, rich_help_panel=STORE_PANEL),
 ]
 SharedStoreOption = Annotated[
     bool,
-    typer.Option("--shared-store", help="Other kvchat instances use the --store folder too (a "
-                 "shared file system): write every computed block to it at once and look there "
-                 "for blocks this instance never computed. Always on for redis://."),
+    typer.Option("--shared-store", help="Other instances use the --store folder too: write "
+                 "blocks at once, read theirs (always on for redis://).",
+                 rich_help_panel=STORE_PANEL),
 ]
 MaxTokensOption = Annotated[
-    int, typer.Option("--max-tokens", help="Most tokens to generate per reply.", min=1)
+    int, typer.Option("--max-tokens", help="Most tokens to generate per reply.", min=1,
+                      rich_help_panel=SAMPLING_PANEL)
 ]
 
 Command = Callable[..., None]
