@@ -78,9 +78,9 @@ def inspect_snapshot(
     a kvchat server holds the sessions dir (or with --connect), its live cache. --explain says
     why a prompt would miss the cache.
 
-    --connect to a peer (another OpenAI-compatible engine) shows what its API says of itself and this
-    client's record of what it sent (the engine's cache is its own); --explain answers from
-    that record."""
+    --connect to a peer (another OpenAI-compatible engine) shows what its API says of itself
+    and this client's record of what it sent (the peer's cache is its own); --explain answers
+    from that record."""
     from kvchat.targets import Peer, Server, Where, choose, find_server
 
     where = Where(connect, token, api_key, standalone)

@@ -83,8 +83,10 @@ def serve(
 
     Requests need the access token (the admin: the whole cache and the sessions dir's
     sessions) or an API key (a tenant: its own salted cache, sessions and views)."""
-    from kvchat.server import bind_warning, startup_auth
+    from kvchat.targets.local import importing
 
+    with importing(stderr()) as imported:  # the server's modules pull in torch
+        from kvchat.server import bind_warning, startup_auth
     access = startup_auth(token, api_keys or [], no_auth, share_cache, cache_salts or [])
     if detach:
         from kvchat.cli.detach import start_detached
@@ -93,11 +95,11 @@ def serve(
         return
     for warning in filter(None, (bind_warning(host, access.auth.enabled), access.warning)):
         stderr().print(f"[bold yellow]Warning:[/bold yellow] [yellow]{escape(warning)}[/yellow]")
-    _serve(options, host, port, batch_size, max_tokens, access)
+    _serve(options, host, port, batch_size, max_tokens, access, imported())
 
 
 def _serve(options: LazyRuntimeOptions, host: str, port: int, batch_size: int, max_tokens: int,
-           access: StartupAuth) -> None:
+           access: StartupAuth, imported: float) -> None:
     import uvicorn
 
     from kvchat.cli.app import terminate_as_interrupt
@@ -109,7 +111,7 @@ def _serve(options: LazyRuntimeOptions, host: str, port: int, batch_size: int, m
     # uvicorn re-raises the signal it stopped on: as KeyboardInterrupt, the lock is left cleanly
     with sessions_lock(options.sessions_dir, "kvchat serve") as lock, terminate_as_interrupt():
         sock = _bind(host, port)
-        runtime = open_runtime(options.build, stderr())
+        runtime = open_runtime(options.build, stderr(), imported)
         web = create_app(runtime, batch_size=batch_size, max_tokens=max_tokens,
                          auth=access.auth)
         if not runtime.engine.codec.has_template:

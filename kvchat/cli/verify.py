@@ -96,11 +96,11 @@ def verify(
         texts = [prompt] if prompt is not None else list(VERIFY_PROMPTS)
         prompts = [(preview(t, 18), [{"role": "user", "content": t}]) for t in texts]
 
-    from kvchat.engine.verify import verify_prompt
     from kvchat.targets.local import open_runtime
 
     console = stdout()
-    engine = open_runtime(options.build, console).engine
+    engine = open_runtime(options.build, console).engine  # imports torch under its status line
+    from kvchat.engine.verify import verify_prompt
     rows = []
     if not engine.codec.has_template:
         from kvchat.models.chat_template import NO_TEMPLATE

@@ -14,6 +14,8 @@ from rich.markup import escape
 from kvchat.errors import KvchatError
 from kvchat.targets.base import BatchRunner, BatchSpec, OpenedChat
 
+IMPORTING = "importing torch and transformers…"
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.status import Status
@@ -44,22 +46,37 @@ class StartupClock:
         return self.stages
 
 
-def open_runtime(build: Callable[[], RuntimeOptions], ui: Console) -> Runtime:
+def open_runtime(build: Callable[[], RuntimeOptions], ui: Console,
+                 imported: float = 0.0) -> Runtime:
     """The model, engine and cache of this sessions dir, loaded here, a status line saying from
     the first moment what the start waits on (import, load, compile, restore), and then the
-    time each took. The one place a command opens a runtime."""
+    time each took. The one place a command opens a runtime. `imported`: seconds the command
+    already spent importing torch under `importing()`, counted in the import stage."""
     from kvchat.ui.startup_view import startup_line
 
-    with ui.status("importing torch and transformers…") as status:
+    with ui.status(IMPORTING) as status:
         clock = StartupClock(status)
-        clock("import", "importing torch and transformers")
+        clock("import", IMPORTING.removesuffix("…"))
         options = build()
         from kvchat.runtime import Runtime
 
         runtime = Runtime.open(options, clock)
         stages = clock.stop()
+    if imported and stages and stages[0][0] == "import":
+        stages[0] = ("import", stages[0][1] + imported)
     ui.print(startup_line(stages))
     return runtime
+
+
+@contextlib.contextmanager
+def importing(ui: Console) -> Iterator[Callable[[], float]]:
+    """A status line while a command imports what pulls in torch before `open_runtime`; yields
+    a function giving the seconds it took, for `open_runtime(imported=...)`."""
+    began = time.perf_counter()
+    took: list[float] = []
+    with ui.status(IMPORTING):
+        yield lambda: took[0] if took else time.perf_counter() - began
+    took.append(time.perf_counter() - began)
 
 
 def close_runtime(runtime: Runtime, ui: Console) -> None:
