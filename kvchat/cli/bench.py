@@ -1,4 +1,4 @@
-"""`kvchat bench ...`: the measurements behind every performance claim in the README.
+"""`kvchat bench ...`: the measurements behind every performance claim in docs/performance.md.
 
 Thin commands: parse options, load the model, call a bench function, render its typed result
 (or print it as JSON). Heavy imports happen inside the commands so `kvchat --help` stays fast.

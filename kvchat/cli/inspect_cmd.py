@@ -53,7 +53,7 @@ RawOption = Annotated[
 def inspect_snapshot(
     sessions_dir: SessionsDirOption = Path("sessions"),
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print JSON (schema in the README) instead of text.")
+        bool, typer.Option("--json", help="Print JSON (schema in docs/inspect.md) instead of text.")
     ] = False,
     depth: Annotated[
         int | None,

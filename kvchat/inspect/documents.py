@@ -2,7 +2,7 @@
 from a snapshot's index.json, so that `kvchat chat`, `kvchat inspect` and the server describe it
 with one schema: the tree as NodeViews, the exact index as ExactViews, the numbers as
 `CacheStats`, and the JSON document of `kvchat inspect --json` and the server's `/cache/tree`
-from `inspect_document` (the server's JSON schema; README has it).
+from `inspect_document` (the server's JSON schema; docs/inspect.md has it).
 
 Nothing here imports torch or Rich: `kvchat inspect` reads a snapshot with this module alone.
 The snapshot's tree records are parsed by `kvchat.cache.tree_index.read_tree`; adapters from a
@@ -278,7 +278,7 @@ def inspect_document(
     disk: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of `kvchat inspect --json` and the server's `/cache/tree` (schema in
-    the README). `snapshot_info` holds "path", "saved_at", "model_label" and "tokenizer_file";
+    docs/inspect.md). `snapshot_info` holds "path", "saved_at", "model_label" and "tokenizer_file";
     with `session`, the tree and exact entries are that session's (`for_session`), while
     "stats" and "pool" stay the whole cache's."""
     nodes, exact = for_session(nodes, exact, session)

@@ -42,9 +42,9 @@ CHATML = (
 BUILTIN = {"chatml": CHATML}
 NO_TEMPLATE = (
     "has no chat template, so kvchat sends plain text: a single prompt as it is, a "
-    "conversation as 'System:', 'User:' and 'Assistant:' paragraphs (README: Models without a "
-    "chat template). --chat-template FILE|NAME sets one (names: chatml, or the model's own "
-    "named templates)."
+    "conversation as 'System:', 'User:' and 'Assistant:' paragraphs (docs/models.md: Models "
+    "without a chat template). --chat-template FILE|NAME sets one (names: chatml, or the "
+    "model's own named templates)."
 )
 
 
