@@ -14,6 +14,7 @@ surrogate escape such as "\\ud800") is an error of its own line, not of the file
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -86,8 +87,8 @@ def parse_line(text: str, line: int) -> BatchItem:
     if not isinstance(obj, dict):
         raise LineError("each line must be a JSON object")
     openai = "body" in obj or "custom_id" in obj
+    _refuse_unknown(obj, _OPENAI | _COMMON if openai else _COMMON | {"prompt", "messages"})
     if openai:
-        unknown = set(obj) - _OPENAI - _COMMON
         body = obj.get("body")
         if not isinstance(body, dict):
             raise LineError('OpenAI batch lines need a "body" object')
@@ -100,7 +101,6 @@ def parse_line(text: str, line: int) -> BatchItem:
         messages = _messages(body.get("messages"))
         custom_id = _typed(obj, "custom_id", str, "a string")
     else:
-        unknown = set(obj) - _COMMON - {"prompt", "messages"}
         fields = obj
         if ("prompt" in obj) == ("messages" in obj):
             raise LineError('give exactly one of "prompt" or "messages"')
@@ -112,8 +112,6 @@ def parse_line(text: str, line: int) -> BatchItem:
         else:
             messages = _messages(obj["messages"])
         custom_id = None
-    if unknown:
-        raise LineError(f"unknown field(s): {', '.join(sorted(unknown))}")
     session = _typed(obj, "session", str, "a string")
     if session is not None:
         try:
@@ -145,14 +143,30 @@ def parse_line(text: str, line: int) -> BatchItem:
     )
 
 
+def _refuse_unknown(obj: dict[str, Any], known: set[str]) -> None:
+    """A field kvchat does not know is named, with the known one it most looks like: a misspelt
+    "promt" is not reported as a line without a prompt."""
+    unknown = sorted(set(obj) - known)
+    if not unknown:
+        return
+    named = []
+    for field in unknown:
+        close = difflib.get_close_matches(field, sorted(known), n=1, cutoff=0.6)
+        named.append(f'"{field}"' + (f' (did you mean "{close[0]}"?)' if close else ""))
+    fields = "field" if len(named) == 1 else "fields"
+    raise LineError(f"unknown {fields} {', '.join(named)}; a line takes "
+                    f"{', '.join(sorted(known))}")
+
+
 class BadLine(NamedTuple):
-    """A line that cannot run, reported in the output with its line number (and custom_id, when
-    it is an OpenAI-form line whose custom_id could be read)."""
+    """A line that cannot run, reported in the output with its line number, and with its own
+    "id" (or custom_id, for an OpenAI-form line) when that could be read."""
 
     line: int
     message: str
     digest: str
     custom_id: str | None = None
+    id: str | None = None  # the line's own "id" (else its row's id is "line-N")
 
 
 def line_digest(raw: bytes) -> str:
@@ -160,13 +174,17 @@ def line_digest(raw: bytes) -> str:
     return hashlib.sha256(raw.strip()).hexdigest()[:16]
 
 
-def _custom_id(text: str) -> str | None:
+def _own_ids(text: str) -> tuple[str | None, str | None]:
+    """A bad line's own "custom_id" and "id", where it is a JSON object that has them."""
     try:
         obj = json.loads(text)
     except ValueError:
-        return None
-    value = obj.get("custom_id") if isinstance(obj, dict) else None
-    return value if isinstance(value, str) else None
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    custom_id, own = obj.get("custom_id"), obj.get("id")
+    return (custom_id if isinstance(custom_id, str) else None,
+            str(own) if isinstance(own, (str, int)) and not isinstance(own, bool) else None)
 
 
 def read_batch(path: Path) -> tuple[list[BatchItem], list[BadLine]]:
@@ -189,7 +207,7 @@ def read_batch(path: Path) -> tuple[list[BatchItem], list[BadLine]]:
             try:
                 item = parse_line(text, number)
             except LineError as exc:
-                errors.append(BadLine(number, str(exc), digest, _custom_id(text)))
+                errors.append(BadLine(number, str(exc), digest, *_own_ids(text)))
                 continue
             item.digest = digest
             items.append(item)

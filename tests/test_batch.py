@@ -73,6 +73,35 @@ def test_bad_lines_are_reported(text, message):
         parse_line(text, 1)
 
 
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ({"promt": "hi"}, 'unknown field "promt" (did you mean "prompt"?)'),
+        ({"prompt": "hi", "max_token": 5},
+         'unknown field "max_token" (did you mean "max_tokens"?)'),
+        ({"prompt": "hi", "colour": "red", "sesion": "a"},
+         'unknown fields "colour", "sesion" (did you mean "session"?)'),
+        ({"custom_id": "r", "body": {"messages": []}, "metod": "POST"},
+         'unknown field "metod" (did you mean "method"?)'),
+    ],
+)
+def test_an_unknown_field_is_named_with_the_field_it_looks_like(line, named):
+    with pytest.raises(LineError) as caught:
+        parse_line(json.dumps(line), 1)
+    assert str(caught.value).startswith(named), str(caught.value)
+    assert "exactly one" not in str(caught.value)
+
+
+def test_a_bad_lines_row_carries_the_lines_own_id(tmp_path):
+    from kvchat.batch.output import bad_line_row
+
+    path = write_file(tmp_path, [{"id": "q7", "promt": "hi"}, {"id": 9, "prompt": 5},
+                                 {"promt": "no id"}, "{oops"])
+    items, errors = read_batch(path)
+    assert items == []
+    assert [bad_line_row(e)["id"] for e in errors] == ["q7", "9", "line-3", "line-4"]
+
+
 def test_read_batch_skips_blank_and_reports_bad_lines(tmp_path):
     path = write_file(tmp_path, [{"prompt": "a"}, "", "{oops", {"prompt": "b"}])
     items, errors = read_batch(path)

@@ -271,7 +271,7 @@ def test_no_snapshot_and_misused_options(tmp_path):
     bad.write_text(json.dumps({"prompt": "x", "colour": "red"}))
     result = runner.invoke(cli.app, ["inspect", "--sessions-dir", str(tmp_path),
                                      "--explain-file", str(bad)], env=WIDE)
-    assert result.exit_code == 2 and "not a batch row: unknown field(s): colour" in result.output
+    assert result.exit_code == 2 and 'not a batch row: unknown field "colour"' in result.output
 
 
 RICH_TEMPLATE = """{{ bos_token }}

@@ -59,7 +59,7 @@ def _openai_row(res: ItemResult) -> dict[str, Any]:
 
 
 def bad_line_row(bad: BadLine) -> dict[str, Any]:
-    row: dict[str, Any] = {"id": f"line-{bad.line}", "line": bad.line,
+    row: dict[str, Any] = {"id": bad.id or f"line-{bad.line}", "line": bad.line,
                            "input_digest": bad.digest, "error": bad.message}
     if bad.custom_id is not None:
         row = {"id": f"batch_req_{bad.line}", "custom_id": bad.custom_id, "line": bad.line,
