@@ -258,6 +258,8 @@ def test_an_attached_chat_runs_turns_and_commands_without_torch(server: Running)
     assert "Pinned system prompt:" in out and "pins · " in out
     assert "Unpinned system prompt" in out
     assert "Saved session piped and the cache snapshot" in out
+    assert f"Saved session piped (2 turns) on the kvchat server at {server.url}, which keeps " \
+        "the cache and saves its snapshot when it stops." in out
     with Client(server.url, server.token) as client:
         session = client.session("piped")
     assert session is not None and session["system"] == "Be brief."

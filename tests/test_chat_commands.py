@@ -169,6 +169,18 @@ def test_an_empty_new_session_is_not_saved_and_its_name_stays_free(tiny_model, t
     assert rt.store.names() == ["chat-1"]
 
 
+def test_quitting_says_what_was_saved_and_where(tiny_model, tiny_tokenizer, tmp_path):
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
+    out, chat = run_chat(rt, "hello", "again", "/exit")
+    tokens = chat.backend.stats().tree_tokens
+    assert tokens > 0 and len(rt.store.load("demo").turns) == 2
+    said = " ".join(out.split())
+    assert said.endswith(f"Saved session demo (2 turns) and the cache snapshot ({tokens:,} "
+                         f"tokens) in {rt.options.sessions_dir}.")
+    out, chat = run_chat(rt, name="chat-9")  # Ctrl-D at once: nothing for the session
+    assert "Saved nothing for session chat-9 (no turns) and the cache snapshot" in out
+
+
 def test_snapshot_every_three_turns_and_on_an_exception(tiny_model, tiny_tokenizer, tmp_path):
     rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path)
 

@@ -187,6 +187,10 @@ def test_chat_panels_show_the_engines_cached_tokens_and_the_clients_record(tmp_p
     assert len(saved.turns) == 2 and saved.turns[1].reported_by == "llama.cpp"
     assert saved.turns[1].source == "reported"
     assert ledger_path(tmp_path, fake.url).is_file()
+    said = " ".join(out.split())  # quitting says what was saved, and where
+    assert f"Saved session trip (2 turns) in {tmp_path} and the record of what this client " \
+        f"sent ({ledger_path(tmp_path, fake.url)}); the llama.cpp peer keeps its own cache." \
+        in said
 
 
 def test_chat_moves_work_client_side(tmp_path: Path) -> None:

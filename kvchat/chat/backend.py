@@ -127,6 +127,10 @@ class ChatBackend(Protocol):
     def saved(self) -> str:
         """What /save wrote besides the session, for its message."""
 
+    def exit_note(self, session: str) -> str:
+        """What quitting left saved, and where: `session` says what became of the session
+        ("session trip (2 turns)")."""
+
 
 class CacheViews:
     """The views of a kvchat cache, in this process or on a kvchat server: pool, radix tree,
@@ -210,6 +214,10 @@ class LocalBackend(CacheViews):
     @property
     def store(self) -> SessionStore:
         return self.rt.store
+
+    def exit_note(self, session: str) -> str:
+        where = self.rt.options.sessions_dir
+        return f"Saved {session} and {self.saved()} in {where}."
 
     def banner_lines(self) -> list[str]:
         rt = self.rt

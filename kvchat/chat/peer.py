@@ -169,6 +169,10 @@ class PeerBackend:
     def saved(self) -> str:
         return f"the record of what this client sent ({self.ledger.path})"
 
+    def exit_note(self, session: str) -> str:
+        return (f"Saved {session} in {self.store.root} and {self.saved()}; the "
+                f"{self.kind} peer keeps its own cache.")
+
     def save_snapshot(self) -> None:
         self.ledger.save()
 

@@ -163,7 +163,8 @@ class Chat(ConversationMoves):
         self.console.print(views.banner(self.banner_lines()))
         try:
             self._loop()
-            self.save_all(snapshot=self.backend.owns_cache)  # a server saves its own
+            if self.save_all(snapshot=self.backend.owns_cache):  # a server saves its own
+                self._say(self.backend.exit_note(self._session_note()), "dim")
         except BackendGone as gone:
             raise BackendGone(f"{gone} The chat ends here; once a server runs again, `kvchat "
                               f"chat --session {self.session.name}` goes on from the last turn "
@@ -301,9 +302,21 @@ class Chat(ConversationMoves):
     def _save_session(self) -> None:
         """Write the session's file, unless it is new and nothing happened in it: opening
         `kvchat chat` and quitting leaves no empty chat-N behind."""
+        if self._worth_saving():
+            self.store.save(self.session)
+
+    def _worth_saving(self) -> bool:
         s = self.session
-        if s.turns or s.messages or s.tokens or s.system or s.name in self.store.names():
-            self.store.save(s)
+        return bool(s.turns or s.messages or s.tokens or s.system) or \
+            s.name in self.store.names()
+
+    def _session_note(self) -> str:
+        """What became of the session on quitting, for the backend's exit note."""
+        s = self.session
+        if not self._worth_saving():
+            return f"nothing for session {s.name} (no turns)"
+        turns = len(s.turns)
+        return f"session {s.name} ({turns} turn{'s' if turns != 1 else ''})"
 
     def save_all(self, snapshot: bool = True) -> bool:
         session = self._saving(self._save_session)

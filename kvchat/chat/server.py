@@ -135,6 +135,10 @@ class ServerBackend(CacheViews):
         self._tree: dict[str, Any] | None = None
         self._pinned: dict[str, list[PinInfo]] = {}  # session -> pins this chat made on it
 
+    def exit_note(self, session: str) -> str:
+        return (f"Saved {session} on the kvchat server at {self.client.url}, which keeps the "
+                "cache and saves its snapshot when it stops.")
+
     def banner_lines(self) -> list[str]:
         stats = self.stats()
         pool = stats.pool
