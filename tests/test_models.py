@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 from conftest import CHAT_TEMPLATE, build_tiny_config
@@ -131,7 +133,10 @@ def test_home_relative_path_is_expanded(tiny_model_dir, monkeypatch):
 
 @pytest.mark.parametrize("spec", ["HuggingFaceTB/SmolLM2-360M-Instruct", "gpt2", "org/name.v2"])
 def test_hub_ids_resolve_to_hub(spec, tmp_path, monkeypatch):
+    from kvchat.models import hub
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "offline_reason", lambda: None)  # a hub that answers
     source = resolve_model(spec)
     assert (source.kind, source.location, source.is_local) == ("hub", spec, False)
 
@@ -179,10 +184,58 @@ def test_hub_client_connection_errors_become_hub_unreachable(monkeypatch):
     def refuse(*args, **kwargs):
         raise httpx.ConnectError("[Errno -2] Name or service not known")
 
-    monkeypatch.setattr(AutoConfig, "from_pretrained", refuse)
+    from kvchat.models import hub
+
+    monkeypatch.setattr(hub, "offline_reason", lambda: None)  # the hub seems to answer...
+    monkeypatch.setattr(AutoConfig, "from_pretrained", refuse)  # ...then fails mid-request
     with pytest.raises(HubUnreachable) as info:
         load_config(resolve_model("HuggingFaceTB/SmolLM2-360M-Instruct"))
     assert "Name or service not known" in str(info.value)
+
+
+def test_an_unknown_name_fails_at_once_without_asking_the_hub(monkeypatch, tmp_path):
+    """Neither a path nor in the Hugging Face cache, with the hub away: the paragraph comes
+    before any hub call (the hub client would retry for some 20 s first)."""
+    from transformers import AutoConfig
+
+    calls = []
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubUnreachable) as info:
+        load_config(resolve_model("tinyllama"))
+    assert calls == []
+    message = flat(str(info.value))
+    assert "HF_HUB_OFFLINE is set" in message and str(tmp_path / "hf") in message
+    assert "the path of a .gguf file, the path of a model folder (one with config.json), or a " \
+        "Hub id already in that cache" in message
+    # without HF_HUB_OFFLINE, a hub that does not accept a connection reads the same
+    from kvchat.models import hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    assert "no connection to 127.0.0.1:9" in (hub.offline_reason() or "")
+    with pytest.raises(HubUnreachable, match="no connection to 127.0.0.1:9"):
+        resolve_model("tinyllama")
+    assert calls == []
+
+
+def test_a_hub_id_in_the_hugging_face_cache_loads_from_it_while_the_hub_is_away(
+        monkeypatch, tmp_path, tiny_model_dir):
+    cache = tmp_path / "hf"
+    snapshot = cache / "models--kvchat-tests--tiny" / "snapshots" / "abc123"
+    snapshot.parent.mkdir(parents=True)
+    shutil.copytree(tiny_model_dir, snapshot)
+    (cache / "models--kvchat-tests--tiny" / "refs").mkdir()
+    (cache / "models--kvchat-tests--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = resolve_model("kvchat-tests/tiny")
+    assert source.cached_only and source.is_local and "from the Hugging Face cache" in \
+        source.description
+    assert load_config(source).model_type
 
 
 def test_masked_lm_folder_is_not_a_causal_lm(bert_dir):

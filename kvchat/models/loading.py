@@ -29,6 +29,7 @@ from kvchat.models.architectures import (
 from kvchat.models.chat_template import folder_has_template
 from kvchat.models.embedded import EMBEDDED_FILE, EMBEDDED_NAME, EMBEDDED_PACKAGE, EMBEDDED_PIP_SPEC
 from kvchat.models.gguf import ensure_converted, quiet_transformers
+from kvchat.models.hub import cached_only
 from kvchat.models.load_errors import load_errors
 from kvchat.models.precision import (
     Precision,
@@ -58,6 +59,7 @@ class ModelSource:
     kind: SourceKind
     location: str
     description: str
+    cached_only: bool = False  # a hub id read from the Hugging Face cache: the hub is away
 
     @property
     def is_gguf(self) -> bool:
@@ -65,7 +67,7 @@ class ModelSource:
 
     @property
     def is_local(self) -> bool:
-        return self.kind != "hub"
+        return self.kind != "hub" or self.cached_only
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ class ModelReport:
 
 
 def resolve_model(spec: str | None) -> ModelSource:
-    """Decide what `--model spec` names. Touches only the local filesystem."""
+    """Decide what `--model spec` names. Touches only the local filesystem, and for a Hub id
+    the hub (a connection within PROBE_S seconds) when it is not in the Hugging Face cache."""
     if spec is None or spec.strip().lower() in DEFAULT_SPECS:
         return ModelSource(
             "embedded",
@@ -171,6 +174,9 @@ def resolve_model(spec: str | None) -> ModelSource:
             "a .gguf file, or a Hugging Face Hub id such as HuggingFaceTB/SmolLM2-360M-Instruct; "
             f"leave it out to use the embedded {EMBEDDED_NAME}."
         )
+    if cached_only(text):
+        return ModelSource("hub", text, f"Hugging Face Hub model {text} (from the Hugging Face "
+                           "cache: the hub is unreachable)", cached_only=True)
     return ModelSource("hub", text, f"Hugging Face Hub model {text}")
 
 
