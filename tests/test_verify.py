@@ -95,8 +95,10 @@ def test_prompt_file_with_messages_ids_and_system(verify, tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"prompt": "ok"}\n{"nothing": 1}\n',
+        ('{"prompt": "ok"}\n{"id": 1}\n',
          'prompts.jsonl line 2: give exactly one of "prompt" or "messages".'),
+        ('{"prompt": "ok"}\n{"promt": 1}\n',
+         'prompts.jsonl line 2: unknown field "promt" (did you mean "prompt"?)'),
         ("not json\n", "prompts.jsonl line 1: invalid JSON"),
         ("\n\n", "holds no prompts"),
     ],
