@@ -11,7 +11,7 @@ from rich.console import Console
 
 from kvchat.bench import fleet as fleet_bench
 from kvchat.bench.fleet import FleetConfig, Setup, bench_fleet
-from kvchat.bench.results import FleetBench, FleetRun
+from kvchat.bench.fleet_results import FleetBench, FleetRun
 from kvchat.ui.fleet_view import fleet_table
 
 SYSTEM = "<|im_start|>system\\n" + "Answer every question about tents briefly. " * 12

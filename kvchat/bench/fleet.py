@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from kvchat.bench.results import FleetBench, FleetRun
+from kvchat.bench.fleet_results import FleetBench, FleetRun
 from kvchat.errors import KvchatError
 
 Progress = Callable[[str], None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-from kvchat.bench.results import FleetBench
+from kvchat.bench.fleet_results import FleetBench
 
 
 def fleet_table(bench: FleetBench) -> Table:
