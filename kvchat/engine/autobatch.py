@@ -134,10 +134,8 @@ def choose_batch_size(runner: ModelRunner, key: str, remember: Path | None,
     was_noisy = bool(entry.get("noisy", noisy(measured))) if isinstance(entry, dict) else False
     wanted = usable_sizes(rows)
     missing = tuple(size for size in wanted if size not in measured)
-    if was_noisy and work_steps is not None and work_steps >= REFINE * measure_cost(wanted):
-        missing = wanted  # a long run pays for measuring a noisy sweep again
-    elif was_noisy and work_steps is None:
-        missing = wanted
+    if was_noisy and (work_steps is None or work_steps >= REFINE * measure_cost(wanted)):
+        missing = wanted  # a long run (or one of unknown length) measures a noisy sweep again
     reused = not missing
     if missing:
         with (status or _quiet)(measuring(missing)):
