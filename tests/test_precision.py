@@ -18,6 +18,7 @@ from kvchat.models.precision import (
 )
 from kvchat.models.quant import (
     Int4Linear,
+    Int8HeadLinear,
     Int8Linear,
     precision_of,
     quantize_model,
@@ -163,7 +164,7 @@ def test_quantize_model_swaps_layers_and_counts_bytes(tiny_model):
     layers = tiny_model.model.layers
     assert all(isinstance(getattr(layer.self_attn, name), Int4Linear)
                for layer in layers for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    assert isinstance(tiny_model.lm_head, Int8Linear)  # the head stays at 8 bits
+    assert isinstance(tiny_model.lm_head, Int8HeadLinear)  # the head stays at 8 bits
     assert (summary.int4_layers, summary.int8_layers, summary.dense_layers) == (14, 1, 0)
     assert precision_of(tiny_model) == "int4"
     assert {p.dtype for p in tiny_model.parameters()} == {torch.bfloat16}

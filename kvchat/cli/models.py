@@ -40,11 +40,16 @@ def models(
     per_token = report.facts.kv_bytes_per_token(report.dtype)
     footprint = footprint_of(report.source, report.folder, report.precision.name,
                              report.tied_head, per_token, cache)
-    stdout().print(model_table(report, footprint, available_memory()))
+    head = None
+    if report.precision.quantized:
+        from kvchat.models.native import kernel_name
+
+        head = kernel_name()
+    stdout().print(model_table(report, footprint, available_memory(), head))
 
 
 def model_table(report: ModelReport, footprint: Footprint | None = None,
-                available: Available | None = None) -> Table:
+                available: Available | None = None, head_kernel: str | None = None) -> Table:
     """The `kvchat models` table: a pure function of the report and the memory estimate."""
     facts = report.facts
     table = Table(title=report.source.description, box=box.SIMPLE_HEAD, show_header=False)
@@ -75,6 +80,8 @@ def model_table(report: ModelReport, footprint: Footprint | None = None,
     runs = precision.name + (f" weights, {precision.compute_dtype} compute"
                              if precision.quantized else "")
     table.add_row("Precision", f"{runs} on {report.device} ({precision.why})")
+    if head_kernel is not None:
+        table.add_row("Output head", f"int8, a float32 scale per 32 weights, {head_kernel}")
     step = report.step_bytes
     table.add_row("Weights read per decode step",
                   "unknown" if step is None else f"≈ {_size(step)}")

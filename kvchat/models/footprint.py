@@ -3,8 +3,9 @@ has for it.
 
 Four parts, each from files alone (a GGUF's header, a folder's safetensors headers):
 - weights as kvchat packs them (`kvchat.models.quant`, `kvchat.models.gguf_weights`): under int4
-  a linear weight is 4 bits plus a bfloat16 scale and zero per 32 weights (5/8 byte), the output
-  head int8 (1 byte plus a bfloat16 scale per row), as under int8; a tied head is packed on its
+  a linear weight is 4 bits plus a bfloat16 scale and zero per 32 weights (5/8 byte), under int8
+  1 byte plus a bfloat16 scale per row, the output head int8 with a float32 scale per 32 weights
+  (9/8 byte) under both; a tied head is packed on its
   own while the embedding, the norms and the biases stay bfloat16. Float precisions: the
   precision's itemsize per parameter, a tied head stored once.
 - the K/V pool at its configured size (`CacheConfig.blocks_for`), counted full: it is reserved
@@ -141,6 +142,9 @@ def _linear_bytes(n: int, k: int, precision: str, is_head: bool) -> int:
     kernels' own shape conditions (`Int4Linear.fits`, `Int8Linear.fits`) decide, else dense."""
     if precision == "int4" and not is_head and k % _GROUP == 0 and n % 16 == 0:
         return n * k // 2 + (k // _GROUP) * n * 4  # (N, K/2) uint8 + (K/32, N, 2) bfloat16
+    if is_head and precision in ("int4", "int8") and k % 16 == 0:
+        groups = k // _GROUP if k % _GROUP == 0 else 1
+        return n * k + n * groups * 4  # (N, K) int8 + (N, K/32) float32
     if precision in ("int4", "int8") and k % 16 == 0:
         return n * k + n * 2  # (N, K) int8 + (N,) bfloat16
     return n * k * _ITEMSIZE[precision]

@@ -32,7 +32,7 @@ from torch import nn
 from kvchat.errors import ModelError
 from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED
 from kvchat.models.precision import GGUFTensor, gguf_layout
-from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
+from kvchat.models.quant import Int4Linear, Int8HeadLinear, Int8Linear, QuantLinear
 
 Progress = Callable[[int, int], None]
 # transformers' processors that leave those two as they are (GPT-2's, for one, renames the head)
@@ -181,7 +181,7 @@ def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     int8_head = packs and isinstance(head, nn.Linear) and head.bias is None \
-        and int(head.in_features) % 16 == 0  # Int8Linear.fits
+        and int(head.in_features) % 16 == 0  # Int8HeadLinear.fits
     if leaf != "weight" or parent is not head and parent is not embed:
         return None
     if parent is head:
@@ -204,11 +204,12 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
                dtype: torch.dtype | None, head_int8: bool,
                tie_plain: bool = False) -> tuple[list[str], int, int]:
     """Fill `target`'s weight (in `dtype`) and / or pack the int8 head from `tensor`'s rows, a
-    chunk at a time; `tie_plain`: the head's weight is the embedding's. Returns (kinds packed,
-    the chunk's float bytes, parameters read)."""
+    chunk at a time (a Q8_0 head comes back as the file holds it: its scales are each group's
+    amax / 127); `tie_plain`: the head's weight is the embedding's. Returns (kinds packed, the
+    chunk's float bytes, parameters read)."""
     from gguf import GGMLQuantizationType, dequantize
 
-    from kvchat.models.quant import quantize_int8
+    from kvchat.models.quant import head_group, quantize_int8_groups
 
     kind = GGMLQuantizationType(tensor.ggml_type)
     cols, rows = tensor.dims
@@ -222,7 +223,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         if table is not None:
             table[start : start + len(value)] = value.to(dtype)
         if head_int8:
-            q, scale = quantize_int8(value)
+            q, scale = quantize_int8_groups(value, head_group(cols))
             qs.append(q)
             scales.append(scale)
         _release_freed(int(chunk.nbytes))
@@ -236,7 +237,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
     if head_int8:
         head_path = _name_of(model, model.get_output_embeddings())
         owner, attr = _owner(model, head_path)
-        setattr(owner, attr, Int8Linear.from_quantized(torch.cat(qs), torch.cat(scales)))
+        setattr(owner, attr, Int8HeadLinear.from_quantized(torch.cat(qs), torch.cat(scales)))
         packed.append("int8")
     return packed, min(rows, step) * cols * 4, rows * cols
 
@@ -307,7 +308,9 @@ def _pack(model: nn.Module, name: str, weight: torch.Tensor, precision: str,
     if bias is not None and not waits:
         dense.bias = nn.Parameter(bias.detach(), requires_grad=False)
     packed: nn.Module
-    if precision == "int4" and not is_head and Int4Linear.fits(dense):
+    if is_head and Int8HeadLinear.fits(dense):
+        packed, kind = Int8HeadLinear(dense), "int8"
+    elif precision == "int4" and not is_head and Int4Linear.fits(dense):
         packed, kind = Int4Linear(dense), "int4"
     elif Int8Linear.fits(dense):
         packed, kind = Int8Linear(dense), "int8"

@@ -1,0 +1,192 @@
+/* The output head's matmul: int8 weights in groups with one float32 scale each (the layout of
+ * GGUF's Q8_0), float32 activations in, float32 logits out.
+ *
+ * out[m, r] = sum over c of (scale[r, c / group] * q[r, c]) * x[m, c]
+ *
+ * Every output is computed by one thread, in one order that does not depend on the number of
+ * rows, the threads or the instruction set: 16 lanes, lane l accumulating the columns c with
+ * c % 16 == l by fused multiply-adds in column order, the weight first rounded to
+ * float32(scale * q); then the lanes are summed as a fixed tree (l + l+8, then + l+4, + l+2,
+ * + l+1). The AVX-512 path holds the 16 lanes in one register, the AVX2 path in two, the
+ * portable path in an array, so all three give the same bits.
+ *
+ * Built by kvchat/models/native.py with -fopenmp; it needs only libc, libm and libgomp. */
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KVCHAT_X86 1
+#endif
+
+#define ROW_BLOCK 4 /* activation rows sharing one pass over the weights */
+
+typedef struct {
+    const int8_t *q;
+    const float *scales;
+    const float *x;
+    float *out;
+    long m_rows, n, k, group, lo, hi;
+    int isa;
+} job_t;
+
+static float tree16(const float *lane)
+{
+    float a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = lane[i] + lane[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    for (int i = 0; i < 2; i++) c[i] = b[i] + b[i + 2];
+    return c[0] + c[1];
+}
+
+static void rows_portable(const job_t *j)
+{
+    long groups = j->k / j->group;
+    for (long m = 0; m < j->m_rows; m++) {
+        const float *x = j->x + m * j->k;
+        for (long r = j->lo; r < j->hi; r++) {
+            const int8_t *q = j->q + r * j->k;
+            const float *s = j->scales + r * groups;
+            float lane[16] = {0};
+            for (long c = 0; c < j->k; c += 16) {
+                float scale = s[c / j->group];
+                for (int l = 0; l < 16; l++) {
+                    float w = scale * (float)q[c + l];
+                    lane[l] = fmaf(w, x[c + l], lane[l]);
+                }
+            }
+            j->out[m * j->n + r] = tree16(lane);
+        }
+    }
+}
+
+#ifdef KVCHAT_X86
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq")))
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX512 static inline float sum512(__m512 v)
+{
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+AVX512 static void rows_avx512(const job_t *j)
+{
+    long groups = j->k / j->group, k = j->k, n = j->n;
+    for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK) {
+        long mb = j->m_rows - m0 < ROW_BLOCK ? j->m_rows - m0 : ROW_BLOCK;
+        const float *x = j->x + m0 * k;
+        float *out = j->out + m0 * n;
+        for (long r = j->lo; r < j->hi; r++) {
+            const int8_t *q = j->q + r * k;
+            const float *s = j->scales + r * groups;
+            __m512 t[ROW_BLOCK];
+            for (int m = 0; m < ROW_BLOCK; m++) t[m] = _mm512_setzero_ps();
+            for (long c = 0; c < k; c += 16) {
+                __m512 w = _mm512_mul_ps(_mm512_set1_ps(s[c / j->group]),
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(q + c)))));
+                /* spelt out, so that the accumulators stay in registers */
+                t[0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + c), t[0]);
+                if (mb > 1) t[1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + k + c), t[1]);
+                if (mb > 2) t[2] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 2 * k + c), t[2]);
+                if (mb > 3) t[3] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 3 * k + c), t[3]);
+            }
+            for (long m = 0; m < mb; m++) out[m * n + r] = sum512(t[m]);
+        }
+    }
+}
+
+AVX2 static inline float sum256x2(__m256 lo, __m256 hi)
+{
+    __m256 a = _mm256_add_ps(lo, hi);
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+AVX2 static inline __m256 weights8(const int8_t *q, __m256 scale)
+{
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)q);
+    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+}
+
+AVX2 static void rows_avx2(const job_t *j)
+{
+    long groups = j->k / j->group, k = j->k, n = j->n;
+    for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK) {
+        long mb = j->m_rows - m0 < ROW_BLOCK ? j->m_rows - m0 : ROW_BLOCK;
+        const float *x = j->x + m0 * k;
+        float *out = j->out + m0 * n;
+        for (long r = j->lo; r < j->hi; r++) {
+            const int8_t *q = j->q + r * k;
+            const float *s = j->scales + r * groups;
+            __m256 lo[ROW_BLOCK], hi[ROW_BLOCK];
+            for (int m = 0; m < ROW_BLOCK; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+            for (long c = 0; c < k; c += 16) {
+                __m256 scale = _mm256_set1_ps(s[c / j->group]);
+                __m256 w0 = weights8(q + c, scale), w1 = weights8(q + c + 8, scale);
+#define ROW(m) if (mb > m) { \
+                    lo[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * k + c), lo[m]); \
+                    hi[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * k + c + 8), hi[m]); }
+                ROW(0) ROW(1) ROW(2) ROW(3)
+#undef ROW
+            }
+            for (long m = 0; m < mb; m++) out[m * n + r] = sum256x2(lo[m], hi[m]);
+        }
+    }
+}
+#endif
+
+/* 2: AVX-512, 1: AVX2 + FMA, 0: portable C */
+int kvchat_int8_head_isa(void)
+{
+#ifdef KVCHAT_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512dq"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return 1;
+#endif
+    return 0;
+}
+
+static int best_isa = -1;
+
+static void run(const job_t *j)
+{
+#ifdef KVCHAT_X86
+    if (j->isa == 2) { rows_avx512(j); return; }
+    if (j->isa == 1) { rows_avx2(j); return; }
+#endif
+    rows_portable(j);
+}
+
+/* q: (n, k) int8; scales: (n, k / group) float32; x: (m_rows, k) float32; out: (m_rows, n)
+ * float32. k and group must be multiples of 16, and group must divide k. Returns 0, or -1
+ * when the arguments are not that. */
+int kvchat_int8_head_mm(const int8_t *q, const float *scales, const float *x, float *out,
+                        long m_rows, long n, long k, long group, int threads, int force_isa)
+{
+    if (k <= 0 || group <= 0 || k % 16 || group % 16 || k % group || n <= 0 || m_rows < 0)
+        return -1;
+    if (best_isa < 0) best_isa = kvchat_int8_head_isa();
+    int isa = force_isa >= 0 && force_isa < best_isa ? force_isa : best_isa;
+    if (threads < 1) threads = 1;
+    long per = (n + threads - 1) / threads;
+    per = (per + 15) / 16 * 16; /* whole cache lines of output per thread */
+    long chunks = (n + per - 1) / per;
+    /* OpenMP, so that the threads are torch's own (the same libgomp): no second pool to wake
+     * or to spin beside it */
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (long c = 0; c < chunks; c++) {
+        job_t job = {q, scales, x, out, m_rows, n, k, group, c * per,
+                     c * per + per < n ? c * per + per : n, isa};
+        run(&job);
+    }
+    return 0;
+}
