@@ -126,3 +126,32 @@ def test_the_embedding_and_head_read_by_rows_give_the_whole_tensors_numbers(
     assert by_rows.largest_float_bytes == 256 * 256 * 4 < embedding
     if tied and precision == "bfloat16":
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize(("quant", "shared"), [("Q8_0", True), ("Q4_K_M", False)])
+def test_a_tied_embedding_the_int8_head_holds_exactly_is_read_from_it(
+        quant, shared, tiny_tokenizer, tmp_path, monkeypatch):
+    """Read by rows, a tied Q8_0 table is the int8 head's rows exactly, so the embedding reads
+    them from the head instead of holding a bfloat16 copy: the same logits, bitwise, as a
+    load that keeps the copy. Q4_K_M's Q6_K table is not on int8's grid and keeps its own."""
+    from kvchat.models import gguf_weights
+    from kvchat.models.precision import torch_dtype
+    from kvchat.models.quant import TiedInt8Embedding
+
+    config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
+                               num_hidden_layers=1, tie_word_embeddings=True)
+    path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "m.gguf",
+                           QUANTS[quant])
+    whole = load_model(str(path), dtype="int8")
+    assert type(whole.model.get_input_embeddings()) is torch.nn.Embedding
+    monkeypatch.setattr(gguf_weights, "CHUNK_ROWS_BYTES", 4096)
+    model, _ = gguf_weights.load_gguf_weights(path, whole.model.config, "int8",
+                                              torch_dtype("bfloat16"))
+    embed = model.get_input_embeddings()
+    assert isinstance(embed, TiedInt8Embedding) == shared
+    ids = torch.tensor([[5, 9, 2, 40, 7, 0]])
+    assert torch.equal(embed(ids), whole.model.get_input_embeddings()(ids))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, whole.model(ids).logits)
+    if shared:  # no parameter holds the table
+        assert not any(p.numel() == len(tiny_tokenizer) * 256 for p in model.parameters())

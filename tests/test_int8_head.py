@@ -110,3 +110,19 @@ def test_the_library_is_built_once_and_privately(tmp_path, monkeypatch):
         assert native.library() is None and "KVCHAT_NATIVE=0" in native.kernel_name()
     finally:
         native.library.cache_clear()
+
+
+def test_gemmas_scaled_embedding_read_from_the_head_gives_its_own_numbers():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from kvchat.models.quant import TiedInt8Embedding
+
+    head = _head(n=300, k=64)
+    own = Gemma3TextScaledWordEmbedding(300, 64, padding_idx=0, embed_scale=64**0.5)
+    own.weight.data = head.dequantized().to(torch.bfloat16)
+    own.embed_scale.fill_(64**0.5)
+    assert TiedInt8Embedding.takes(own)
+    ours = TiedInt8Embedding(own, head)
+    ids = torch.tensor([[0, 5, 299, 17], [3, 3, 2, 1]])
+    assert torch.equal(ours(ids), own(ids))
+    assert not list(ours.parameters())  # the head holds the numbers

@@ -5,9 +5,9 @@ Four parts, each from files alone (a GGUF's header, a folder's safetensors heade
 - weights as kvchat packs them (`kvchat.models.quant`, `kvchat.models.gguf_weights`): under int4
   a linear weight is 4 bits plus a bfloat16 scale and zero per 32 weights (5/8 byte), under int8
   1 byte plus a bfloat16 scale per row, the output head int8 with a float32 scale per 32 weights
-  (9/8 byte) under both; a tied head is packed on its
-  own while the embedding, the norms and the biases stay bfloat16. Float precisions: the
-  precision's itemsize per parameter, a tied head stored once.
+  (9/8 byte) under both; a tied head is packed on its own while the embedding, the norms and
+  the biases stay bfloat16 (a large Q8_0 embedding is read from the head's rows instead).
+  Float precisions: the precision's itemsize per parameter, a tied head stored once.
 - the K/V pool at its configured size (`CacheConfig.blocks_for`), counted full: it is reserved
   at once and its pages become resident as blocks fill.
 - the runtime: python with torch, transformers and kvchat imported, and a tokenizer.
@@ -57,6 +57,7 @@ CHUNK_ROWS_BYTES = 32 << 20
 ROW_CHUNKED = frozenset({"token_embd.weight", "output.weight"})
 IGNORE_ENV_VAR = "KVCHAT_IGNORE_MEMORY"
 _GROUP = 32  # int4 weights per bfloat16 scale and zero (kvchat.models.quant.GROUP)
+_Q8_0 = 8  # GGMLQuantizationType.Q8_0: a tied embedding the int8 head holds exactly
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2, "int4": 2}
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
                          "I8": 1, "U8": 1, "BOOL": 1}
@@ -172,6 +173,8 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
         if packs and tied and tensor.name == "token_embd.weight":
             k, n = tensor.dims  # the head, packed from the embedding's numbers
             total += _linear_bytes(n, k, precision, True)
+            if tensor.ggml_type == _Q8_0 and chunked and count * 4 > CHUNK_ROWS_BYTES:
+                total -= count * size  # read from the head's rows (`TiedInt8Embedding`)
     return _Weights(total, int(GGUF_LOAD_COPIES * 4 * largest))
 
 

@@ -205,27 +205,42 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
                tie_plain: bool = False) -> tuple[list[str], int, int]:
     """Fill `target`'s weight (in `dtype`) and / or pack the int8 head from `tensor`'s rows, a
     chunk at a time (a Q8_0 head comes back as the file holds it: its scales are each group's
-    amax / 127); `tie_plain`: the head's weight is the embedding's. Returns (kinds packed, the
-    chunk's float bytes, parameters read)."""
+    amax / 127); `tie_plain`: the head's weight is the embedding's. A tied embedding whose
+    rows the int8 head gives back exactly (Q8_0) is read from the head (`TiedInt8Embedding`)
+    instead of held again in bfloat16. Returns (kinds packed, the chunk's float bytes,
+    parameters read)."""
     from gguf import GGMLQuantizationType, dequantize
 
-    from kvchat.models.quant import head_group, quantize_int8_groups
+    from kvchat.models.quant import (
+        TiedInt8Embedding,
+        head_group,
+        int8_group_values,
+        quantize_int8_groups,
+    )
 
     kind = GGMLQuantizationType(tensor.ggml_type)
     cols, rows = tensor.dims
     data = _data(buf, tensor)
     step = max(1, CHUNK_ROWS_BYTES // (cols * 4))
-    table = torch.empty(rows, cols, dtype=dtype) if target is not None else None
-    qs, scales = [], []
+    group = head_group(cols)
+    shares = head_int8 and target is not None and dtype == torch.bfloat16 \
+        and TiedInt8Embedding.takes(target)
+    table = torch.empty(rows, cols, dtype=dtype) if target is not None and not shares else None
+    q = torch.empty(rows, cols, dtype=torch.int8) if head_int8 else None
+    scales = torch.empty(rows, cols // group) if head_int8 else None
     for start in range(0, rows, step):
         chunk = dequantize(data[start : start + step], kind)
         value = torch.from_numpy(chunk if chunk.flags.writeable else chunk.copy()).float()
+        end = start + len(value)
+        if q is not None and scales is not None:
+            q[start:end], scales[start:end] = quantize_int8_groups(value, group)
+            if table is None and target is not None and not torch.equal(
+                    int8_group_values(q[start:end], scales[start:end], group), value):
+                # not exact: the embedding keeps its own table, the rows so far from the head
+                table = torch.empty(rows, cols, dtype=dtype)
+                table[:start] = int8_group_values(q[:start], scales[:start], group).to(dtype)
         if table is not None:
-            table[start : start + len(value)] = value.to(dtype)
-        if head_int8:
-            q, scale = quantize_int8_groups(value, head_group(cols))
-            qs.append(q)
-            scales.append(scale)
+            table[start:end] = value.to(dtype)
         _release_freed(int(chunk.nbytes))
         del chunk, value
     packed: list[str] = []
@@ -234,11 +249,14 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         target.register_parameter("weight", param)
         if tie_plain:
             model.get_output_embeddings().weight = param
-    if head_int8:
+    if q is not None and scales is not None:
         head_path = _name_of(model, model.get_output_embeddings())
         owner, attr = _owner(model, head_path)
-        setattr(owner, attr, Int8HeadLinear.from_quantized(torch.cat(qs), torch.cat(scales)))
+        head = Int8HeadLinear.from_quantized(q, scales)
+        setattr(owner, attr, head)
         packed.append("int8")
+        if target is not None and table is None:
+            model.set_input_embeddings(TiedInt8Embedding(target, head))
     return packed, min(rows, step) * cols * 4, rows * cols
 
 

@@ -440,5 +440,9 @@ def _load_gguf(source: ModelSource, config: PretrainedConfig, precision: Precisi
 
 def _input_device(model: Any) -> torch.device:
     # Where input ids must go; with a device_map the layers may sit on several devices.
-    device: torch.device = model.get_input_embeddings().weight.device
+    from kvchat.models.quant import TiedInt8Embedding
+
+    embed = model.get_input_embeddings()
+    device: torch.device = embed.device if isinstance(embed, TiedInt8Embedding) \
+        else embed.weight.device
     return device

@@ -104,6 +104,14 @@ def quantize_int8_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor
     return q.clamp_(-127, 127).to(torch.int8).reshape(n, k), scale.contiguous()
 
 
+def int8_group_values(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 q * scale, `quantize_int8_groups`' inverse: (..., K) from (..., K) int8 and
+    (..., K / group) scales."""
+    k = q.shape[-1]
+    grouped = q.float().view(*q.shape[:-1], k // group, group) * scales[..., None]
+    return grouped.view(q.shape)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (N, K) int8, scales (N,) bfloat16) with one symmetric scale per output row."""
     w = weight.detach().float()
@@ -246,10 +254,49 @@ class Int8HeadLinear(QuantLinear):
         return int8_head_mm(x, self.get_buffer("qweight"), self.get_buffer("scales"),
                             self.group)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows `ids` (any shape): (*ids.shape, K)."""
+        q, scales = self.get_buffer("qweight")[ids], self.get_buffer("scales")[ids]
+        return int8_group_values(q, scales, self.group)
+
     def dequantized(self) -> torch.Tensor:
-        q, scales = self.get_buffer("qweight"), self.get_buffer("scales")
-        n, k = q.shape
-        return (q.float().view(n, k // self.group, self.group) * scales[..., None]).view(n, k)
+        return self.rows(torch.arange(self.out_features, device=self.get_buffer("qweight").device))
+
+
+class TiedInt8Embedding(nn.Module):
+    """A tied model's token embedding read from its int8 head's rows and cast to bfloat16:
+    where those rows are exactly the file's numbers (a GGUF's Q8_0 table), the same values as
+    a bfloat16 table of them, without holding one (Gemma 3 270M: 320 MiB). Gemma's scaled
+    embedding multiplies by its scale as its own forward does."""
+
+    def __init__(self, embed: nn.Module, head: Int8HeadLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.padding_idx = getattr(embed, "padding_idx", None)
+        scale = getattr(embed, "embed_scale", None)
+        self.embed_scale: torch.Tensor | None
+        if isinstance(scale, torch.Tensor):
+            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = None
+        self.__dict__["head"] = head  # not a submodule: the head owns the weights
+
+    @property
+    def device(self) -> torch.device:
+        return self.__dict__["head"].get_buffer("qweight").device
+
+    @staticmethod
+    def takes(embed: nn.Module) -> bool:
+        """A plain embedding, or one whose forward only multiplies by `embed_scale`."""
+        return type(embed) is nn.Embedding or (
+            type(embed).__name__.endswith("ScaledWordEmbedding")
+            and isinstance(getattr(embed, "embed_scale", None), torch.Tensor))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.__dict__["head"].rows(ids).to(_BF16)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(_BF16)
+        return rows
 
 
 @dataclass(frozen=True)
