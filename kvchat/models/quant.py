@@ -193,17 +193,6 @@ class Int8Linear(QuantLinear):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
 
-    @classmethod
-    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor) -> Int8Linear:
-        """The layer of `quantize_int8`'s (q, scales), quantized elsewhere (row by row: each
-        row's numbers depend on that row alone)."""
-        layer = cls.__new__(cls)
-        n, k = q.shape
-        QuantLinear.__init__(layer, nn.Linear(k, n, bias=False, device="meta"))
-        layer.register_buffer("qweight", q)
-        layer.register_buffer("scales", scales)
-        return layer
-
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
