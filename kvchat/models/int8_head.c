@@ -85,15 +85,17 @@ AVX512 static void rows_avx512(const job_t *j)
             const float *s = j->scales + r * groups;
             __m512 t[ROW_BLOCK];
             for (int m = 0; m < ROW_BLOCK; m++) t[m] = _mm512_setzero_ps();
-            for (long c = 0; c < k; c += 16) {
-                __m512 w = _mm512_mul_ps(_mm512_set1_ps(s[c / j->group]),
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i *)(q + c)))));
+            for (long c = 0, g = 0; c < k; g++) {
+              __m512 scale = _mm512_set1_ps(s[g]);
+              for (long end = c + j->group; c < end; c += 16) {
+                __m512 w = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(q + c)))));
                 /* spelt out, so that the accumulators stay in registers */
                 t[0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + c), t[0]);
                 if (mb > 1) t[1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + k + c), t[1]);
                 if (mb > 2) t[2] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 2 * k + c), t[2]);
                 if (mb > 3) t[3] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 3 * k + c), t[3]);
+              }
             }
             for (long m = 0; m < mb; m++) out[m * n + r] = sum512(t[m]);
         }
@@ -126,14 +128,16 @@ AVX2 static void rows_avx2(const job_t *j)
             const float *s = j->scales + r * groups;
             __m256 lo[ROW_BLOCK], hi[ROW_BLOCK];
             for (int m = 0; m < ROW_BLOCK; m++) lo[m] = hi[m] = _mm256_setzero_ps();
-            for (long c = 0; c < k; c += 16) {
-                __m256 scale = _mm256_set1_ps(s[c / j->group]);
+            for (long c = 0, g = 0; c < k; g++) {
+              __m256 scale = _mm256_set1_ps(s[g]); /* a loop per group: no division per step */
+              for (long end = c + j->group; c < end; c += 16) {
                 __m256 w0 = weights8(q + c, scale), w1 = weights8(q + c + 8, scale);
 #define ROW(m) if (mb > m) { \
                     lo[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * k + c), lo[m]); \
                     hi[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * k + c + 8), hi[m]); }
                 ROW(0) ROW(1) ROW(2) ROW(3)
 #undef ROW
+              }
             }
             for (long m = 0; m < mb; m++) out[m * n + r] = sum256x2(lo[m], hi[m]);
         }
