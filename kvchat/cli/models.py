@@ -40,16 +40,18 @@ def models(
     per_token = report.facts.kv_bytes_per_token(report.dtype)
     footprint = footprint_of(report.source, report.folder, report.precision.name,
                              report.tied_head, per_token, cache)
-    head = None
+    head = int4 = None
     if report.precision.quantized:
-        from kvchat.models.native import kernel_name
+        from kvchat.models.native import int4_kernel_name, kernel_name
 
         head = kernel_name()
-    stdout().print(model_table(report, footprint, available_memory(), head))
+        int4 = int4_kernel_name() if report.precision.name == "int4" else None
+    stdout().print(model_table(report, footprint, available_memory(), head, int4))
 
 
 def model_table(report: ModelReport, footprint: Footprint | None = None,
-                available: Available | None = None, head_kernel: str | None = None) -> Table:
+                available: Available | None = None, head_kernel: str | None = None,
+                int4_kernel: str | None = None) -> Table:
     """The `kvchat models` table: a pure function of the report and the memory estimate."""
     facts = report.facts
     table = Table(title=report.source.description, box=box.SIMPLE_HEAD, show_header=False)
@@ -80,6 +82,8 @@ def model_table(report: ModelReport, footprint: Footprint | None = None,
     runs = precision.name + (f" weights, {precision.compute_dtype} compute"
                              if precision.quantized else "")
     table.add_row("Precision", f"{runs} on {report.device} ({precision.why})")
+    if int4_kernel is not None:
+        table.add_row("Int4 layers", f"a bfloat16 scale and zero per 32 weights, {int4_kernel}")
     if head_kernel is not None:
         table.add_row("Output head", f"int8, a float32 scale per 32 weights, {head_kernel}")
     step = report.step_bytes

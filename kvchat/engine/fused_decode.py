@@ -6,10 +6,11 @@ transformers' eager forward spends about as long in Python and small ops as in t
 kernels (SmolLM2 int4, 2 threads: ~5 ms of kernels in an ~11 ms step). This forward runs the
 same arithmetic with less around it:
 - q, k and v are one int4 matmul, and so are gate and up: the packed weights are stacked by
-  output row, and the kernel computes every output column from its own weight row, so each part
-  comes out bitwise as its own layer's would (the fused matmul over SmolLM2's q/k/v takes 11 µs
-  against 22 µs for three calls); biases (Qwen2's q/k/v) are added to the stacked output, the
-  same additions; Phi-3's fused qkv and gate_up layers are one matmul already;
+  output row, and either int4 kernel (kvchat's or torch's) computes every output column from
+  its own weight row, so each part comes out bitwise as its own layer's would (the fused
+  matmul over SmolLM2's q/k/v takes 11 µs against 22 µs for three calls); biases (Qwen2's
+  q/k/v) are added to the stacked output, the same additions; Phi-3's fused qkv and gate_up
+  layers are one matmul already;
 - the norms, rotary embedding, residuals and the attention function are the same operations in
   the same dtypes as transformers' modules, called directly, without module dispatch, keyword
   plumbing or casts that change nothing. What differs between the families is read from the
@@ -44,6 +45,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from kvchat.engine.decode_attention import NAME, SMALL_Q, head_attention, small_q_attention
 from kvchat.engine.past import shared_head
+from kvchat.models.native import int4_mm as native_int4_mm
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
 # the causal LMs whose decoder layers this forward covers, by family
@@ -117,8 +119,11 @@ def _stack(layers: Sequence[QuantLinear]) -> Matmul | None:
     if len(layers) == 1:
         return _biased(layers[0]._mm, bias)
     int4 = [layer for layer in layers if isinstance(layer, Int4Linear)]
+    if len(int4) == len(layers) and all(layer.native for layer in int4):
+        return _biased(_stack_native_int4(int4), bias)
     if len(int4) == len(layers) and all(layer.out_features % _INT4_BLOCK_N == 0
-                                        and layer.group == int4[0].group for layer in int4):
+                                        and layer.group == int4[0].group
+                                        and not layer.native for layer in int4):
         return _biased(_stack_int4(int4), bias)
     int8 = [layer for layer in layers if isinstance(layer, Int8Linear)]
     if len(int8) == len(layers):
@@ -147,6 +152,21 @@ def _stack_int4(layers: Sequence[Int4Linear]) -> Matmul:
 
     def int4_mm(x: torch.Tensor) -> torch.Tensor:
         return _INT4_MM(x, packed, group, scales)
+
+    return int4_mm
+
+
+def _stack_native_int4(layers: Sequence[Int4Linear]) -> Matmul:
+    """kvchat's int4 kernel computes each output row from its own weight row, scales and zeros
+    only, in one order: stacked rows give each layer's own bits."""
+    stacked = {name: torch.cat([layer.get_buffer(name) for layer in layers], dim=0)
+               for name in ("qweight", "scales", "zeros")}
+    for name, tensor in stacked.items():
+        _share_rows(layers, name, tensor)
+    qweight, scales, zeros = stacked["qweight"], stacked["scales"], stacked["zeros"]
+
+    def int4_mm(x: torch.Tensor) -> torch.Tensor:
+        return native_int4_mm(x.contiguous(), qweight, scales, zeros)
 
     return int4_mm
 

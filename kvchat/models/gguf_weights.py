@@ -249,12 +249,8 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
     parameters read)."""
     from gguf import GGMLQuantizationType, dequantize
 
-    from kvchat.models.quant import (
-        TiedInt8Embedding,
-        head_group,
-        int8_group_values,
-        quantize_int8_groups,
-    )
+    from kvchat.models.native import int8_group_values
+    from kvchat.models.quant import TiedInt8Embedding, head_group, quantize_int8_groups
 
     kind = GGMLQuantizationType(tensor.ggml_type)
     cols, rows = tensor.dims

@@ -1,5 +1,6 @@
-"""The output head's native kernel (int8_head.c): built with the machine's C compiler on first
-use, once per source and compiler, into the kvchat cache dir, and loaded with ctypes.
+"""kvchat's native kernels, the output head's (int8_head.c) and the int4 layers' (int4_matmul.c):
+built with the machine's C compiler on first use, once per source and compiler, into one library
+in the kvchat cache dir, and loaded with ctypes.
 
 torch's own int8 kernel reads a 262,144 x 640 head (Gemma 3) at a fraction of what the memory
 gives; this one reads the head's int8 groups once per step and computes each logit in a fixed
@@ -8,6 +9,11 @@ AVX-512, AVX2 or portable C (tests check all three against each other and agains
 definition). Where no compiler is found, or KVCHAT_NATIVE=0, `int8_head_mm` computes the same
 sum in torch (float32, one row at a time, a fixed chunk of weight rows at a time): slower, and
 its bits are its own.
+
+The int4 kernel runs where the CPU has AVX-512 BF16 dot products (AMD Zen 4 and later, Intel
+Sapphire Rapids and later): it reads the 4-bit groups once per step and gives each output one
+order of sums whatever the rows or threads, as its source says. Elsewhere the int4 layers keep
+torch's own kernel and layout (`int4_native`).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ if TYPE_CHECKING:
     import torch
 
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
-SOURCE = Path(__file__).with_name("int8_head.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_head.c", "int4_matmul.c"))
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
+INT4_ISAS = ("portable C", "AVX-512 BF16")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fopenmp"]
 _FALLBACK_ROWS = 16384  # weight rows de-quantized at a time by the torch path
 
@@ -58,7 +65,7 @@ def _build(target: Path, compiler: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *_FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise OSError(done.stderr.strip()[-2000:] or f"exit {done.returncode}")
@@ -72,14 +79,15 @@ def _build(target: Path, compiler: str) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, built first if needed; None where it cannot be (see `reason`)."""
-    if os.environ.get(ENV_VAR, "1") == "0" or not SOURCE.is_file():
+    if os.environ.get(ENV_VAR, "1") == "0" or not all(src.is_file() for src in SOURCES):
         return None
     found = _compiler()
     if found is None:
         return None
     compiler, version = found
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(_FLAGS).encode())
-    target = cache_dir() / "native" / f"int8_head-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + version.encode()
+                         + " ".join(_FLAGS).encode())
+    target = cache_dir() / "native" / f"kvchat-{key.hexdigest()[:16]}.so"
     try:
         if not target.is_file():
             _build(target, compiler)
@@ -90,6 +98,10 @@ def library() -> ctypes.CDLL | None:
     lib.kvchat_int8_head_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + \
         [ctypes.c_int, ctypes.c_int]
     lib.kvchat_int8_head_isa.restype = ctypes.c_int
+    lib.kvchat_int4_mm.restype = ctypes.c_int
+    lib.kvchat_int4_mm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + \
+        [ctypes.c_int, ctypes.c_int]
+    lib.kvchat_int4_isa.restype = ctypes.c_int
     return lib
 
 
@@ -100,6 +112,40 @@ def kernel_name() -> str:
         return "torch (no native kernel: " + ("KVCHAT_NATIVE=0" if os.environ.get(ENV_VAR) == "0"
                                               else "no C compiler found") + ")"
     return f"native {ISAS[lib.kvchat_int8_head_isa()]}"
+
+
+@cache
+def int4_native() -> bool:
+    """Whether the int4 layers run on kvchat's kernel here (else on torch's)."""
+    lib = library()
+    return lib is not None and lib.kvchat_int4_isa() == 1
+
+
+def int4_kernel_name() -> str:
+    if int4_native():
+        return "native AVX-512 BF16"
+    if library() is None:
+        return kernel_name().replace("no native kernel", "no native int4 kernel")
+    return "torch (this CPU has no AVX-512 BF16)"
+
+
+def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+            isa: int = -1) -> torch.Tensor:
+    """(M, K) bfloat16 activations times the int4 weight `q` ((N, K / 2) bytes, int4_matmul.c's
+    layout) whose groups of 32 columns have bfloat16 `scales` and `zeros` ((N, K / 32)):
+    (M, N) bfloat16. `isa` caps the instruction set (tests: 0 is the portable path)."""
+    import torch
+
+    lib = library()
+    if lib is None or x.device.type != "cpu":
+        raise KvchatError("the native int4 kernel runs on CPU tensors, where it is built")
+    m, k = x.shape
+    out = torch.empty(m, q.shape[0], dtype=torch.bfloat16)
+    rc = lib.kvchat_int4_mm(q.data_ptr(), scales.data_ptr(), zeros.data_ptr(), x.data_ptr(),
+                            out.data_ptr(), m, q.shape[0], k, torch.get_num_threads(), isa)
+    if rc != 0:
+        raise ValueError(f"int4 matmul: no kernel for K={k}" if rc == -1 else "out of memory")
+    return out
 
 
 def int8_head_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
@@ -122,17 +168,24 @@ def int8_head_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: 
     return out
 
 
+def int8_group_values(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 q * scale, `quant.quantize_int8_groups`' inverse: (..., K) from (..., K) int8 and
+    (..., K / group) scales."""
+    k = q.shape[-1]
+    grouped = q.float().view(*q.shape[:-1], k // group, group) * scales[..., None]
+    return grouped.view(q.shape)
+
+
 def _torch_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
               group: int) -> torch.Tensor:
     """The same sum in torch, each row alone so that no row's bits depend on the others."""
     import torch
 
-    n, k = q.shape
+    n = q.shape[0]
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     for lo in range(0, n, _FALLBACK_ROWS):
         hi = min(n, lo + _FALLBACK_ROWS)
-        w = (q[lo:hi].view(hi - lo, k // group, group).float()
-             * scales[lo:hi, :, None]).view(hi - lo, k)
+        w = int8_group_values(q[lo:hi], scales[lo:hi], group)
         for row in range(x.shape[0]):
             out[row, lo:hi] = torch.mv(w, x[row])
     return out

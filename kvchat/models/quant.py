@@ -1,5 +1,5 @@
-"""Weight-only quantized linear layers, run by torch's own CPU kernels, and the swap that puts
-them into a loaded model.
+"""Weight-only quantized linear layers, run by torch's own CPU kernels and kvchat's (native.py),
+and the swap that puts them into a loaded model.
 
 Decode on CPU is bound by reading the weights, so bytes per step are the speed: SmolLM2's 30
 layers x 7 linear shapes at one row took 25.5 ms in float32, 14.1 ms in bfloat16, 4.6 ms as
@@ -9,7 +9,9 @@ a row's result is bitwise the same whatever else is in the batch, so prefill, ba
 draft verification all see the same numbers.
 
 - int4: groups of 32 input columns share a scale and a zero, w = (q - 8) * scale + zero with q
-  in [0, 15] (GGUF's Q4_1 and Q4_K are such grids), packed by `_convert_weight_to_int4pack_for_cpu`.
+  in [0, 15] (GGUF's Q4_1 and Q4_K are such grids), computed by kvchat's kernel where the CPU
+  has AVX-512 BF16 (int4_matmul.c: each output in one fixed order of sums), else packed by
+  `_convert_weight_to_int4pack_for_cpu` for torch's.
 - int8: one scale per output row, w = q * scale, q in [-127, 127].
 - the output head, under int4 and int8: int8 in groups of 32 columns with a float32 scale each
   (GGUF's Q8_0, which a GGUF's Q8_0 head loads as without rounding), float32 logits, computed by
@@ -24,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kvchat.models.native import int8_group_values
 
 GROUP = 32
 _BF16 = torch.bfloat16
@@ -96,20 +100,13 @@ def head_group(k: int) -> int:
 
 def quantize_int8_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (N, K) int8, scales (N, K / group) float32): w = q * scale per group of `group`
-    columns, symmetric, as GGUF's Q8_0 makes them. Each row depends on itself only."""
+    columns, symmetric, as GGUF's Q8_0 makes them (`int8_group_values` is the inverse). Each
+    row depends on itself only."""
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // group, group)
     scale = w.abs().amax(-1) / 127
     q = (w / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round_()
     return q.clamp_(-127, 127).to(torch.int8).reshape(n, k), scale.contiguous()
-
-
-def int8_group_values(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """float32 q * scale, `quantize_int8_groups`' inverse: (..., K) from (..., K) int8 and
-    (..., K / group) scales."""
-    k = q.shape[-1]
-    grouped = q.float().view(*q.shape[:-1], k // group, group) * scales[..., None]
-    return grouped.view(q.shape)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +150,24 @@ class QuantLinear(nn.Module):
                f"bits={self.bits}"
 
 
+def pack_int4_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 15] as int4_matmul.c's (N, K / 2) bytes: in each pair of groups
+    (64 columns) byte i holds column i low and 32 + i high; an odd last group, i and 16 + i."""
+    n, k = q.shape
+    pairs = k // GROUP // 2
+    body = q[:, : pairs * 2 * GROUP].reshape(n, pairs, 2, GROUP).to(torch.uint8)
+    parts = [(body[:, :, 0] | (body[:, :, 1] << 4)).reshape(n, pairs * GROUP)]
+    if (k // GROUP) % 2:
+        tail = q[:, pairs * 2 * GROUP :].reshape(n, 2, GROUP // 2).to(torch.uint8)
+        parts.append(tail[:, 0] | (tail[:, 1] << 4))
+    return torch.cat(parts, dim=1).contiguous()
+
+
 class Int4Linear(QuantLinear):
+    """4-bit groups of 32 columns. Where kvchat's kernel runs (`native.int4_native`) the layer
+    holds its layout: `qweight` (N, K / 2) bytes, `scales` and `zeros` (N, K / 32) bfloat16;
+    elsewhere torch's packed weight and (K / 32, N, 2) scales and zeros."""
+
     bits = 4
 
     @staticmethod
@@ -162,14 +176,27 @@ class Int4Linear(QuantLinear):
         return linear.in_features % GROUP == 0 and linear.out_features % 16 == 0
 
     def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
+        from kvchat.models.native import int4_native
+
         super().__init__(linear)
         self.group = group
         q, scales_and_zeros = quantize_int4(linear.weight, group)
+        self.native = group == GROUP and linear.weight.device.type == "cpu" and int4_native()
+        if self.native:
+            self.register_buffer("qweight", pack_int4_nibbles(q))
+            self.register_buffer("scales", scales_and_zeros[:, :, 0].t().contiguous())
+            self.register_buffer("zeros", scales_and_zeros[:, :, 1].t().contiguous())
+            return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K / 2) uint8
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            from kvchat.models.native import int4_mm
+
+            return int4_mm(x, self.get_buffer("qweight"), self.get_buffer("scales"),
+                           self.get_buffer("zeros"))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
                                                           self.scales_and_zeros)
 

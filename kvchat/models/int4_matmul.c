@@ -1,0 +1,312 @@
+/* The int4 linear layers' matmul: 4-bit weights in groups of 32 columns sharing a bfloat16
+ * scale and zero (w = (q - 8) * scale + zero, q in [0, 15]: GGUF's Q4_1 and Q4_K grids),
+ * bfloat16 activations in, bfloat16 outputs out:
+ *
+ * out[m, r] = bf16( sum over groups g of  scale[r, g] * D(r, g, m)  +  zero[r, g] * S(g, m) )
+ *
+ * with D the group's dot product of (q - 8) and x and S the group's sum of x, all in one fixed
+ * order that depends on neither the number of rows, nor the threads, nor the instruction set:
+ * - D in 16 lanes, lane l = float(p[2l] + p[2l+1]), p[c] = (q[c] - 8) * x[c] (exact in float:
+ *   4 bits times bfloat16's 8). This is what AVX-512 BF16's vdpbf16ps gives with a zero
+ *   accumulator (its products are exact and their sum is rounded once), so that path and the
+ *   portable one agree bit for bit; denormal inputs and sums count as zero in both, as the
+ *   instruction flushes them;
+ * - the lanes accumulate by fma(D[l], scale, .), the even groups in one set of 16 lanes and the
+ *   odd ones in another, each in group order (two chains, so one row is not bound by the fma
+ *   latency);
+ * - S per group: the same pair sums over x, then the tree below; the zero terms in 16 lanes,
+ *   lane l taking the groups g with g % 16 == l by fma in group order;
+ * - the three sets are added lane by lane ((even + odd) + zero) and the 16 lanes summed as a
+ *   fixed tree (l + l+8, + l+4, + l+2, + l+1).
+ *
+ * Layout of q (N, K / 2 bytes): each pair of groups (64 columns, 32 bytes) holds column i in
+ * byte i's low nibble and column 32 + i in its high nibble; an odd last group (16 bytes) holds
+ * column i low and 16 + i high.
+ *
+ * Built by kvchat/models/native.py with -fopenmp; it needs only libc, libm and libgomp. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KVCHAT_X86 1
+#endif
+
+#define GROUP 32
+#define ROW_BLOCK 8 /* activation rows sharing one decode of a weight group */
+#define TILE_BYTES (192 * 1024) /* packed weight rows kept in cache across the row blocks */
+#define PREFETCH 2048 /* bytes of weights ahead of the one read */
+
+typedef struct {
+    const uint8_t *q;
+    const uint16_t *scales, *zeros, *x;
+    const float *xsum; /* (m_rows, groups) */
+    uint16_t *out;
+    long m_rows, n, k, lo, hi;
+} job_t;
+
+static inline float bf16_float(uint16_t v)
+{
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float flushed(float f) /* denormals to zero, as vdpbf16ps takes and gives them */
+{
+    return fabsf(f) < 1.17549435e-38f ? 0.0f * f : f;
+}
+
+static inline uint16_t float_bf16(float f) /* round to nearest even, as torch rounds */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float tree16(const float *lane)
+{
+    float a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = lane[i] + lane[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    for (int i = 0; i < 2; i++) c[i] = b[i] + b[i + 2];
+    return c[0] + c[1];
+}
+
+/* q[c] for column c of a row (the layout above) */
+static inline int nibble(const uint8_t *row, long c, long groups)
+{
+    long g = c / GROUP, i = c % GROUP;
+    if (g == groups - 1 && groups % 2) {
+        uint8_t byte = row[g * 16 + (i % 16)];
+        return i < 16 ? byte & 15 : byte >> 4;
+    }
+    long pair = g / 2, j = (g % 2) * 32 + i; /* column within the pair's 64 */
+    uint8_t byte = row[pair * 32 + (j % 32)];
+    return j < 32 ? byte & 15 : byte >> 4;
+}
+
+static void group_sums(const uint16_t *x, float *xsum, long m_rows, long k)
+{
+    long groups = k / GROUP;
+    for (long m = 0; m < m_rows; m++)
+        for (long g = 0; g < groups; g++) {
+            const uint16_t *v = x + m * k + g * GROUP;
+            float lane[16];
+            for (int l = 0; l < 16; l++) lane[l] = bf16_float(v[2 * l]) + bf16_float(v[2 * l + 1]);
+            xsum[m * groups + g] = tree16(lane);
+        }
+}
+
+static void zero_lanes(const uint16_t *zeros, const float *xsum, long groups, float *lane)
+{
+    for (int l = 0; l < 16; l++) lane[l] = 0.0f;
+    for (long g = 0; g < groups; g++)
+        lane[g % 16] = fmaf(bf16_float(zeros[g]), xsum[g], lane[g % 16]);
+}
+
+static void rows_portable(const job_t *j)
+{
+    long groups = j->k / GROUP, k = j->k;
+    for (long m = 0; m < j->m_rows; m++) {
+        const uint16_t *x = j->x + m * k;
+        for (long r = j->lo; r < j->hi; r++) {
+            const uint8_t *row = j->q + r * (k / 2);
+            float acc[2][16] = {{0}}, lanes[16];
+            for (long g = 0; g < groups; g++) {
+                float scale = bf16_float(j->scales[r * groups + g]);
+                for (int l = 0; l < 16; l++) {
+                    long c = g * GROUP + 2 * l;
+                    float p0 = (float)(nibble(row, c, groups) - 8) * flushed(bf16_float(x[c]));
+                    float p1 = (float)(nibble(row, c + 1, groups) - 8)
+                        * flushed(bf16_float(x[c + 1]));
+                    acc[g % 2][l] = fmaf(flushed(p0 + p1), scale, acc[g % 2][l]);
+                }
+            }
+            float z[16];
+            zero_lanes(j->zeros + r * groups, j->xsum + m * groups, groups, z);
+            for (int l = 0; l < 16; l++) lanes[l] = (acc[0][l] + acc[1][l]) + z[l];
+            j->out[m * j->n + r] = float_bf16(tree16(lanes));
+        }
+    }
+}
+
+#ifdef KVCHAT_X86
+#define BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"), \
+                            always_inline)) inline
+
+BF16 static float sum512(__m512 v)
+{
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+BF16 static __m512 scale_of(const uint16_t *s) /* a bfloat16 broadcast as float32 */
+{
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi16((short)*s),
+                                                _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* zero_lanes, 16 groups a step */
+BF16 static __m512 zero_lanes512(const uint16_t *zeros, const float *xsum, long groups)
+{
+    __m512 lane = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g += 16) {
+        __mmask16 live = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, zeros + g)), 16));
+        lane = _mm512_mask3_fmadd_ps(z, _mm512_maskz_loadu_ps(live, xsum + g), lane, live);
+    }
+    return lane;
+}
+
+/* One row block of `mb` activation rows against weight rows [lo, hi); mb is a constant where
+ * this is inlined, so the accumulators stay in registers. */
+BF16 static void block_bf16(const job_t *j, long m0, int mb, long lo, long hi)
+{
+    long groups = j->k / GROUP, k = j->k, pairs = groups / 2;
+    /* bfloat16 of q - 8 for q = 0..15, twice (vpermw reads 32 words) */
+    const __m512i table = _mm512_set_epi16(
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0,
+        (short)0xc0c0, (short)0xc0e0, (short)0xc100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0,
+        (short)0xc0c0, (short)0xc0e0, (short)0xc100);
+    const __m512 zero = _mm512_setzero_ps();
+    const uint16_t *x = j->x + m0 * k;
+    for (long r = lo; r < hi; r++) {
+        const uint8_t *row = j->q + r * (k / 2);
+        const uint16_t *s = j->scales + r * groups;
+        __m512 acc[ROW_BLOCK], odd[ROW_BLOCK];
+#pragma GCC unroll 8
+        for (int m = 0; m < mb; m++) acc[m] = odd[m] = zero;
+        for (long p = 0; p < pairs; p++) {
+            /* one stream per thread reaches about 16 GB/s from memory on its own, 25 with
+             * this (a 2-core EPYC, 17,920 x 1,536 weights out of cache) */
+            _mm_prefetch((const char *)(row + 32 * p + PREFETCH), _MM_HINT_T0);
+            if (p % 16 == 0) { /* a cache line of scales and of zeros per 16 pairs */
+                _mm_prefetch((const char *)(s + 2 * p + PREFETCH / 8), _MM_HINT_T0);
+                _mm_prefetch((const char *)(j->zeros + r * groups + 2 * p + PREFETCH / 8),
+                             _MM_HINT_T0);
+            }
+            /* a byte per word: vpermw reads the low 5 bits, so the low nibble indexes the
+             * twice-written table as it is, and the high one once shifted down */
+            __m512i words = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256((const __m256i *)(row + 32 * p)));
+            __m512i w0 = _mm512_permutexvar_epi16(words, table);
+            __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+            __m512 s0 = scale_of(s + 2 * p), s1 = scale_of(s + 2 * p + 1);
+#pragma GCC unroll 8
+            for (int m = 0; m < mb; m++) {
+                const uint16_t *xm = x + m * k + 64 * p;
+                __m512 d0 = _mm512_dpbf16_ps(zero, (__m512bh)w0,
+                                             (__m512bh)_mm512_loadu_si512(xm));
+                acc[m] = _mm512_fmadd_ps(d0, s0, acc[m]);
+                __m512 d1 = _mm512_dpbf16_ps(zero, (__m512bh)w1,
+                                             (__m512bh)_mm512_loadu_si512(xm + 32));
+                odd[m] = _mm512_fmadd_ps(d1, s1, odd[m]);
+            }
+        }
+        if (groups % 2) { /* an odd last group: 16 bytes, columns i and 16 + i */
+            long g = groups - 1;
+            __m128i b = _mm_loadu_si128((const __m128i *)(row + 16 * g));
+            __m256i both = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_and_si128(b, _mm_set1_epi8(15))),
+                _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)), 1);
+            __m512i w = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), table);
+            __m512 sg = scale_of(s + g);
+#pragma GCC unroll 8
+            for (int m = 0; m < mb; m++) {
+                __m512 d = _mm512_dpbf16_ps(zero, (__m512bh)w,
+                                            (__m512bh)_mm512_loadu_si512(x + m * k + GROUP * g));
+                acc[m] = _mm512_fmadd_ps(d, sg, acc[m]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < mb; m++) {
+            __m512 z = zero_lanes512(j->zeros + r * groups, j->xsum + (m0 + m) * groups, groups);
+            __m512 lanes = _mm512_add_ps(_mm512_add_ps(acc[m], odd[m]), z);
+            j->out[(m0 + m) * j->n + r] = float_bf16(sum512(lanes));
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+static void rows_bf16(const job_t *j)
+{
+    long row_bytes = j->k / 2;
+    long tile = TILE_BYTES / row_bytes;
+    tile = tile < 16 ? 16 : tile / 16 * 16;
+    for (long t = j->lo; t < j->hi; t += tile) {
+        long hi = t + tile < j->hi ? t + tile : j->hi;
+        for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK) {
+            long left = j->m_rows - m0;
+            switch (left < ROW_BLOCK ? left : ROW_BLOCK) {
+            case 1: block_bf16(j, m0, 1, t, hi); break;
+            case 2: block_bf16(j, m0, 2, t, hi); break;
+            case 3: block_bf16(j, m0, 3, t, hi); break;
+            case 4: block_bf16(j, m0, 4, t, hi); break;
+            case 5: block_bf16(j, m0, 5, t, hi); break;
+            case 6: block_bf16(j, m0, 6, t, hi); break;
+            case 7: block_bf16(j, m0, 7, t, hi); break;
+            default: block_bf16(j, m0, 8, t, hi); break;
+            }
+        }
+    }
+}
+#endif
+
+/* 1: AVX-512 with BF16 dot products, 0: portable C */
+int kvchat_int4_isa(void)
+{
+#ifdef KVCHAT_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
+        && __builtin_cpu_supports("avx512bf16"))
+        return 1;
+#endif
+    return 0;
+}
+
+static int best_isa = -1;
+
+/* q: (n, k / 2) bytes, the layout above; scales, zeros: (n, k / 32) bfloat16; x: (m_rows, k)
+ * bfloat16; out: (m_rows, n) bfloat16. k must be a multiple of 32. Returns 0, -1 when the
+ * arguments are not that, -2 when out of memory. */
+int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                   const uint16_t *x, uint16_t *out, long m_rows, long n, long k,
+                   int threads, int force_isa)
+{
+    if (k <= 0 || k % GROUP || n <= 0 || m_rows < 0) return -1;
+    if (m_rows == 0) return 0;
+    float *xsum = malloc(sizeof(float) * (size_t)(m_rows * (k / GROUP)));
+    if (xsum == NULL) return -2;
+    if (best_isa < 0) best_isa = kvchat_int4_isa();
+    int isa = force_isa >= 0 && force_isa < best_isa ? force_isa : best_isa;
+    if (threads < 1) threads = 1;
+    group_sums(x, xsum, m_rows, k);
+    long per = (n + threads - 1) / threads;
+    per = (per + 15) / 16 * 16;
+    long chunks = (n + per - 1) / per;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (long c = 0; c < chunks; c++) {
+        job_t job = {q, scales, zeros, x, xsum, out, m_rows, n, k, c * per,
+                     c * per + per < n ? c * per + per : n};
+#ifdef KVCHAT_X86
+        if (isa == 1) { rows_bf16(&job); continue; }
+#endif
+        rows_portable(&job);
+    }
+    free(xsum);
+    return 0;
+}

@@ -1,0 +1,123 @@
+"""The int4 layers' kernel (models/int4_matmul.c via models/native.py): the float definition's
+sum, one set of bits per output whatever the batch, the threads, the tiling or the instruction
+set, and `Int4Linear` on it where the CPU has AVX-512 BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvchat.models import native
+from kvchat.models.quant import GROUP, Int4Linear, pack_int4_nibbles, quantize_int4
+
+needs_library = pytest.mark.skipif(native.library() is None, reason=native.kernel_name())
+needs_native = pytest.mark.skipif(not native.int4_native(), reason=native.int4_kernel_name())
+
+
+def _weights(n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, sz = quantize_int4(torch.randn(n, k, generator=gen))
+    scales, zeros = sz[:, :, 0].t().contiguous(), sz[:, :, 1].t().contiguous()
+    return q, pack_int4_nibbles(q), scales, zeros
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _unpack(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """pack_int4_nibbles' inverse, written from the layout's description in int4_matmul.c."""
+    n = packed.shape[0]
+    groups = k // GROUP
+    q = torch.empty(n, k, dtype=torch.int64)
+    p = packed.long()
+    for g in range(groups):
+        if g == groups - 1 and groups % 2:
+            b = p[:, 16 * g : 16 * g + 16]
+            q[:, 32 * g : 32 * g + 16], q[:, 32 * g + 16 : 32 * g + 32] = b & 15, b >> 4
+        elif g % 2 == 0:
+            b = p[:, 16 * g : 16 * g + 32]  # the pair's 32 bytes: columns 64p + i and + 32
+            q[:, 32 * g : 32 * g + 32], q[:, 32 * g + 32 : 32 * g + 64] = b & 15, b >> 4
+    return q
+
+
+@pytest.mark.parametrize("k", [32, 64, 96, 576])
+def test_the_nibbles_hold_each_column_where_the_layout_says(k):
+    q, packed, _, _ = _weights(48, k)
+    assert packed.shape == (48, k // 2) and packed.dtype == torch.uint8
+    assert torch.equal(_unpack(packed, k), q.long())
+
+
+@needs_library
+@pytest.mark.parametrize("k", [32, 96, 128])
+def test_every_path_computes_the_float_definition(k):
+    q, packed, scales, zeros = _weights(64, k)
+    x = _x(5, k)
+    groups = k // GROUP
+    w = ((q.double() - 8).view(64, groups, GROUP) * scales.double()[..., None]
+         + zeros.double()[..., None]).view(64, k)
+    exact = x.double() @ w.t()
+    for isa in range(2 if native.int4_native() else 1):
+        out = native.int4_mm(x, packed, scales, zeros, isa=isa)
+        assert out.dtype == torch.bfloat16 and out.shape == (5, 64)
+        # one bfloat16 rounding of a float32 sum: within a few bfloat16 steps of the exact value
+        assert torch.allclose(out.double(), exact, rtol=2**-7, atol=1e-3), isa
+
+
+@needs_native
+@pytest.mark.parametrize("k", [64, 96])
+def test_a_row_gets_the_same_bits_alone_in_any_batch_under_any_threads_and_isa(k):
+    # 4,200 rows of 96 columns cross the kernel's 192 KiB weight tiles
+    n = 4200 if k == 96 else 80
+    _, packed, scales, zeros = _weights(n, k)
+    x = _x(11, k)
+    alone = [native.int4_mm(x[i : i + 1], packed, scales, zeros, isa=0)[0] for i in range(11)]
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            for isa in (0, 1):
+                for rows in (1, 2, 7, 8, 9, 11):
+                    got = native.int4_mm(x[:rows], packed, scales, zeros, isa=isa)
+                    for i in range(rows):
+                        assert torch.equal(got[i], alone[i]), (n_threads, isa, rows, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_int4_linear_runs_on_the_kernel_with_its_bias():
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(96, 48)
+    linear.weight.data = torch.randn(48, 96, generator=gen)
+    layer = Int4Linear(linear)
+    assert layer.native and set(dict(layer.named_buffers())) == {"qweight", "scales", "zeros"}
+    x = _x(4, 96)
+    q, sz = quantize_int4(linear.weight)
+    want = native.int4_mm(x, pack_int4_nibbles(q), sz[:, :, 0].t().contiguous(),
+                          sz[:, :, 1].t().contiguous()) + layer.bias
+    assert torch.equal(layer(x), want)
+    assert torch.equal(layer(x[None])[0], want)  # any leading shape
+    # the same bytes as torch's layout: 4 bits a weight, a bfloat16 scale and zero per group
+    assert layer.weight_bytes() == 48 * 96 // 2 + 2 * 2 * 48 * 96 // GROUP + 2 * 48
+
+
+def test_without_the_native_kernel_int4_keeps_torchs(monkeypatch):
+    monkeypatch.setattr(native, "int4_native", lambda: False)
+    layer = Int4Linear(nn.Linear(64, 32))
+    assert not layer.native and "packed" in dict(layer.named_buffers())
+    x = _x(3, 64)
+    assert layer(x).shape == (3, 32)
+
+
+def test_kvchat_models_names_the_int4_kernel(tiny_model_dir):
+    from tests.test_cli import invoke, row
+
+    result = invoke("models", "--model", str(tiny_model_dir), "--device", "cpu",
+                    "--dtype", "int4")
+    assert result.exit_code == 0, result.output
+    assert row(result.output, "Int4 layers").endswith(native.int4_kernel_name())
+    bf16 = invoke("models", "--model", str(tiny_model_dir), "--device", "cpu",
+                  "--dtype", "bfloat16")
+    assert "Int4 layers" not in bf16.output
