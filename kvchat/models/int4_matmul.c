@@ -35,6 +35,8 @@
 #define KVCHAT_X86 1
 #endif
 
+#include "native_sums.h"
+
 #define GROUP 32
 #define ROW_BLOCK 8 /* activation rows sharing one decode of a weight group */
 #define TILE_BYTES (192 * 1024) /* packed weight rows kept in cache across the row blocks */
@@ -68,15 +70,6 @@ static inline uint16_t float_bf16(float f) /* round to nearest even, as torch ro
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
-}
-
-static float tree16(const float *lane)
-{
-    float a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) a[i] = lane[i] + lane[i + 8];
-    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
-    for (int i = 0; i < 2; i++) c[i] = b[i] + b[i + 2];
-    return c[0] + c[1];
 }
 
 /* q[c] for column c of a row (the layout above) */
@@ -140,14 +133,6 @@ static void rows_portable(const job_t *j)
 #ifdef KVCHAT_X86
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"), \
                             always_inline)) inline
-
-BF16 static float sum512(__m512 v)
-{
-    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
 
 BF16 static __m512 scale_of(const uint16_t *s) /* a bfloat16 broadcast as float32 */
 {

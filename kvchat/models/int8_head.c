@@ -20,6 +20,8 @@
 #define KVCHAT_X86 1
 #endif
 
+#include "native_sums.h"
+
 #define ROW_BLOCK 4 /* activation rows sharing one pass over the weights */
 
 typedef struct {
@@ -30,15 +32,6 @@ typedef struct {
     long m_rows, n, k, group, lo, hi;
     int isa;
 } job_t;
-
-static float tree16(const float *lane)
-{
-    float a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) a[i] = lane[i] + lane[i + 8];
-    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
-    for (int i = 0; i < 2; i++) c[i] = b[i] + b[i + 2];
-    return c[0] + c[1];
-}
 
 static void rows_portable(const job_t *j)
 {
@@ -64,14 +57,6 @@ static void rows_portable(const job_t *j)
 #ifdef KVCHAT_X86
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq")))
 #define AVX2 __attribute__((target("avx2,fma")))
-
-AVX512 static inline float sum512(__m512 v)
-{
-    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
 
 AVX512 static void rows_avx512(const job_t *j)
 {

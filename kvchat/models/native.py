@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_head.c", "int4_matmul.c"))
+HEADERS = (Path(__file__).with_name("native_sums.h"),)  # included by both: part of the key
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
 INT4_ISAS = ("portable C", "AVX-512 BF16")
@@ -79,13 +80,13 @@ def _build(target: Path, compiler: str) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, built first if needed; None where it cannot be (see `reason`)."""
-    if os.environ.get(ENV_VAR, "1") == "0" or not all(src.is_file() for src in SOURCES):
+    if os.environ.get(ENV_VAR, "1") == "0" or not all(f.is_file() for f in SOURCES + HEADERS):
         return None
     found = _compiler()
     if found is None:
         return None
     compiler, version = found
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + version.encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + version.encode()
                          + " ".join(_FLAGS).encode())
     target = cache_dir() / "native" / f"kvchat-{key.hexdigest()[:16]}.so"
     try:

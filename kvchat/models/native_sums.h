@@ -1,0 +1,29 @@
+/* The fixed sum of 16 lanes both native kernels end each output with: l + l+8, then + l+4,
+ * + l+2, + l+1. `tree16` over an array (the portable paths) and `sum512` over an AVX-512
+ * register give the same bits. */
+
+#ifndef KVCHAT_NATIVE_SUMS_H
+#define KVCHAT_NATIVE_SUMS_H
+
+static inline float tree16(const float *lane)
+{
+    float a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = lane[i] + lane[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    for (int i = 0; i < 2; i++) c[i] = b[i] + b[i + 2];
+    return c[0] + c[1];
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+__attribute__((target("avx512f,avx512dq"))) static inline float sum512(__m512 v)
+{
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+#endif
+
+#endif
