@@ -121,3 +121,15 @@ def test_kvchat_models_names_the_int4_kernel(tiny_model_dir):
     bf16 = invoke("models", "--model", str(tiny_model_dir), "--device", "cpu",
                   "--dtype", "bfloat16")
     assert "Int4 layers" not in bf16.output
+
+
+def test_a_cpu_with_avx512_bf16_runs_the_native_kernel():
+    """So that the tests above cannot skip where they should run: /proc/cpuinfo's flags decide."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    if native._compiler() is None or native.library() is None:
+        pytest.skip(native.kernel_name())
+    wanted = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}
+    assert native.int4_native() == wanted.issubset(flags), native.int4_kernel_name()
