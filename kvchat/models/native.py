@@ -123,10 +123,12 @@ def int4_native() -> bool:
 
 
 def int4_kernel_name() -> str:
+    """What computes the int4 layers here, for `kvchat models` and the tests."""
+    lib = library()
+    if lib is None:
+        return kernel_name()  # why there is no native library
     if int4_native():
-        return "native AVX-512 BF16"
-    if library() is None:
-        return kernel_name().replace("no native kernel", "no native int4 kernel")
+        return f"native {INT4_ISAS[lib.kvchat_int4_isa()]}"
     return "torch (this CPU has no AVX-512 BF16)"
 
 
