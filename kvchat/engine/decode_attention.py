@@ -1,22 +1,21 @@
-"""Attention for a few queries over a long past: decode steps and draft verification.
+"""Attention for every forward kvchat runs on a model: prefill, decode steps, drafts, shared heads.
 
-torch's fused SDPA kernel on CPU splits its work by query block, so a few queries per row leave
-it scanning the keys serially. Two batched matmuls do better on a batch: SmolLM2 (int4, 2
-threads) decoding 16 rows took 54 ms per step over 1,000 keys this way against 69 ms with SDPA
-(36 vs 39 ms over 200 keys). For one row SDPA is as fast or faster (9.6 vs 10.8 ms per step at
-60 keys, 13.6 vs 13.8 at 1,000; 16.1 vs 14.7 at 2,000) and computes its scores in float32 (the
-matmuls round them to bfloat16), and `generate` over the same model runs it too (through
-`one_query`), so a lone sequence decodes bitwise as `generate` does. Forwards of several rows
-with at most `SMALL_Q` queries each therefore take the matmul path; one row, and longer
-forwards (prefill), keep the model's own kernel. Registered once per process under `NAME`;
-`use_decode_attention(model)` switches a model whose attention is SDPA to it.
+Where kvchat's native library is built (`native.attention_native`), every call on CPU tensors
+of bfloat16 or float32 goes to its fixed-order kernel (attention.c): each query visits the keys
+it may see in position order and sums them in one order that depends on those keys only. So a
+sequence's attention is bitwise the same whatever else is in the call: its batch row, left
+padding, holes left by rejected drafts, draft columns beside it, a shared head held once, the
+chunk its prompt was prefilled in, the number of threads. transformers' own `generate` over the
+same model runs it too (the model's attention implementation is `NAME`), so a lone cold run and
+`generate` agree bitwise. The kernel computes scores, softmax and the weighted sum in float32 and
+rounds each output once.
 
-One row of a few queries (a draft being verified, a short prompt tail) runs SDPA once per
-query, over the keys that query may see, exactly as a one-token decode step at that position
-would: the fused kernel rounds a query's output differently when other queries share its call,
-and under bfloat16 that is enough to change a greedy token now and then. So verifying a draft
-yields bitwise the logits decoding one token at a time would have (the packed linear layers
-compute each row on its own too), at ~20 µs per extra query and layer.
+Without the library (KVCHAT_NATIVE=0, no C compiler, GPU tensors), the earlier kernels stay:
+SDPA for one row and for prefill, two batched matmuls for several rows of at most `SMALL_Q`
+queries, one SDPA call per query for one row's draft; their bits depend on the batch. Features
+the kernel lacks (dropout, attention sinks, position biases, per-head masks) keep SDPA too.
+Registered once per process under `NAME`; `use_decode_attention(model)` switches a model whose
+attention is SDPA to it.
 """
 
 from __future__ import annotations
@@ -29,10 +28,37 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvchat.models import native
+
 NAME = "kvchat_decode"
 SMALL_Q = 16
 # keyword arguments only the fused kernel (or eager) knows how to apply
 _FUSED_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
+_NATIVE_LACKS = ("s_aux", "sinks", "position_bias")
+
+
+def fixed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    head: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """attention.c's fixed-order attention, (B, Q, H, D), or None where it cannot run (no
+    library, not CPU, another dtype, a mask per head or of other values than keep / drop).
+    The mask is SDPA's: (B or 1, 1, Q, >= K) boolean (True: attend) or None (causal,
+    bottom-right aligned)."""
+    if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float32) \
+            or not native.attention_native():
+        return None
+    if attention_mask is not None and (attention_mask.dtype != torch.bool
+                                       or attention_mask.shape[1] != 1):
+        return None
+    mask = None if attention_mask is None else attention_mask[:, 0, :, : key.shape[2]]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    return native.attention(q, k, v, mask, scaling, softcap, head)
 
 
 def small_q_attention(
@@ -45,11 +71,20 @@ def small_q_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Matmul attention for several rows of at most SMALL_Q queries, else (or for features it
-    lacks) SDPA.
+    """The fixed-order kernel where it runs (see the module doc); else matmul attention for
+    several rows of at most SMALL_Q queries, and SDPA for the rest (and for features neither
+    has).
     query (B, H, Q, D), key / value (B, KH, K, D); the mask is SDPA's (B, 1, Q, K) boolean
     (True: attend) or additive float, or None (no padding: causal, bottom-right aligned)."""
     n_queries = query.shape[2]
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+    if not dropout and not any(kwargs.get(k) is not None for k in _NATIVE_LACKS) \
+            and (attention_mask is not None or causal or n_queries == 1):
+        fixed = fixed_attention(query, key, value, attention_mask,
+                                scaling if scaling is not None else query.shape[-1] ** -0.5,
+                                kwargs.get("softcap"))
+        if fixed is not None:
+            return fixed, None
     if n_queries > SMALL_Q or dropout or any(kwargs.get(k) is not None for k in _FUSED_ONLY):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
@@ -96,9 +131,13 @@ def head_attention(
 ) -> torch.Tensor:
     """`small_q_attention` for a batch whose rows all start with the same K/V (`head`, per
     layer (1, KH, P, D), held once) and then have their own (key / value (B, KH, C, D), the mask
-    over those columns only). Every row's queries meet the head in one matmul per KV head, as
-    one tall matrix, instead of a small matmul per row over its own copy of it; the softmax runs
-    over head and own scores together, as over one row's keys. Returns (B, Q, H, D)."""
+    over those columns only). The fixed-order kernel reads the head before each row's own keys,
+    as it reads one row's keys; without it, every row's queries meet the head in one matmul per
+    KV head, as one tall matrix, and the softmax runs over head and own scores together.
+    Returns (B, Q, H, D)."""
+    fixed = fixed_attention(query, key, value, attention_mask, scaling, head=head)
+    if fixed is not None:
+        return fixed
     head_k, head_v = head
     b, heads, n_queries, dim = query.shape
     kv_heads, n_own, n_head = key.shape[1], key.shape[2], head_k.shape[2]

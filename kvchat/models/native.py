@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     import torch
 
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_head.c", "int4_matmul.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("int8_head.c", "int4_matmul.c", "attention.c"))
 HEADERS = (Path(__file__).with_name("native_sums.h"),)  # included by both: part of the key
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
@@ -103,6 +104,9 @@ def library() -> ctypes.CDLL | None:
     lib.kvchat_int4_mm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + \
         [ctypes.c_int, ctypes.c_int]
     lib.kvchat_int4_isa.restype = ctypes.c_int
+    lib.kvchat_attention.restype = ctypes.c_int
+    lib.kvchat_attention.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_float] * 2 + \
+        [ctypes.c_int] * 3
     return lib
 
 
@@ -148,6 +152,49 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch
                             out.data_ptr(), m, q.shape[0], k, torch.get_num_threads(), isa)
     if rc != 0:
         raise ValueError(f"int4 matmul: no kernel for K={k}" if rc == -1 else "out of memory")
+    return out
+
+
+def attention_native() -> bool:
+    """Whether attention runs on kvchat's fixed-order kernel here (`attention`)."""
+    return library() is not None
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              mask: torch.Tensor | None, scaling: float, softcap: float | None = None,
+              head: tuple[torch.Tensor, torch.Tensor] | None = None,
+              isa: int = -1) -> torch.Tensor:
+    """attention.c's fixed-order attention: query (B, H, Q, D), key / value (B, KH, N, D),
+    each with its last dim contiguous, in one dtype (bfloat16 or float32); `mask` (B, Q, N)
+    bool (True: attend) or None (causal, bottom-right aligned); `head` a (1, KH, P, D) K/V
+    every row sees first. Returns (B, Q, H, D) in the query's dtype."""
+    import torch
+
+    lib = library()
+    if lib is None:
+        raise KvchatError("the native attention kernel is not built here")
+    b, heads, n_queries, dim = query.shape
+    kv_heads, n_keys = key.shape[1], key.shape[2]
+    parts = [query, key, value, *(head or ())]
+    if any(t.stride(-1) != 1 or t.dtype != query.dtype for t in parts):
+        raise ValueError("attention: tensors of one dtype with a contiguous last dim")
+    hk, hv = head if head is not None else (key, value)
+    mask_bytes = None
+    if mask is not None:
+        mask_bytes = mask.expand(b, n_queries, n_keys).contiguous().view(torch.uint8)
+    out = torch.empty(b, n_queries, heads, dim, dtype=query.dtype)
+    shape = (ctypes.c_long * 7)(b, heads, kv_heads, n_queries, n_keys,
+                                hk.shape[2] if head is not None else 0, dim)
+    strides = (ctypes.c_long * 13)(*query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
+                                   *hk.stride()[1:3], *hv.stride()[1:3])
+    rc = lib.kvchat_attention(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(),
+        hk.data_ptr() if head is not None else None, hv.data_ptr() if head is not None else None,
+        None if mask_bytes is None else mask_bytes.data_ptr(), out.data_ptr(), shape, strides,
+        scaling, softcap or 0.0, int(query.dtype == torch.bfloat16), torch.get_num_threads(),
+        isa)
+    if rc != 0:
+        raise ValueError("attention: bad shapes" if rc == -1 else "out of memory")
     return out
 
 
