@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from kvchat.cache.blocks import KV
 from kvchat.engine.attention import attention_mass, track_attention
-from kvchat.engine.decode_attention import use_decode_attention
+from kvchat.engine.decode_attention import NAME, use_decode_attention
 from kvchat.engine.fused_decode import FusedDecoder
 from kvchat.engine.past import (
     Pieces,
@@ -26,7 +26,8 @@ from kvchat.engine.past import (
     reserved_past,
     wrap_past,
 )
-from kvchat.models.quant import precision_of
+from kvchat.models.native import attention_native
+from kvchat.models.quant import fix_dense_rows, precision_of, rows_alone
 
 
 class Prefilled(NamedTuple):
@@ -44,6 +45,8 @@ class ModelRunner:
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.track_mass = track_mass  # H2O: report attention mass per key position
         use_decode_attention(model)
+        fix_dense_rows(model)  # float layers: one GEMM shape whatever the rows
+        self._rows_alone = rows_alone(model)
         if track_mass:
             track_attention(model)
         self.forward_calls = 0
@@ -72,6 +75,19 @@ class ModelRunner:
         models without sliding layers."""
         return self.fused is not None and self.fused.shares_heads and not self.track_mass \
             and self._decode_fn is None
+
+    @property
+    def invariant(self) -> bool:
+        """Whether a sequence's logits and K/V are bitwise the same whatever else is in the
+        forward (batch, padding, drafts, a shared head, prefill chunks, threads): attention runs
+        on the fixed-order kernel (CPU, the native library built, bfloat16 or float32 compute,
+        the model attending through it), every weight matrix computes each row alone
+        (quantized kernels, dense layers in fixed row blocks; not MoE experts), steps are not
+        compiled and no attention mass is tracked (H2O's forwards run an eager attention)."""
+        return self.device.type == "cpu" and attention_native() and not self.track_mass \
+            and self.dtype in (torch.bfloat16, torch.float32) \
+            and self._decode_fn is None and str(self.config._attn_implementation) == NAME \
+            and self._rows_alone
 
     @property
     def dtype(self) -> torch.dtype:

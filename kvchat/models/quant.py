@@ -356,6 +356,54 @@ def quantize_model(model: Any, precision: str) -> Quantized:
     return Quantized(counts["int4"], counts["int8"], counts["dense"], step_bytes(model))
 
 
+ROW_BLOCK = 16  # rows per dense matmul call under `fix_dense_rows`
+
+
+class RowBlockLinear(nn.Linear):
+    """A dense (float) linear layer that multiplies its input ROW_BLOCK rows at a time, the last
+    block padded with zero rows: every call has one shape, so the GEMM library takes one kernel
+    and one order of sums for every row, whether the forward holds 1 row (a decode step) or 512
+    (a prefill chunk). A plain call lets it pick a GEMV for one row and a blocked GEMM for many,
+    and their float32 results differ in the last bits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        m = rows.shape[0]
+        pad = -m % ROW_BLOCK
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        if rows.shape[0] == ROW_BLOCK:
+            out = nn.functional.linear(rows, self.weight, self.bias)
+        else:
+            out = torch.cat([nn.functional.linear(rows[lo : lo + ROW_BLOCK], self.weight,
+                                                  self.bias)
+                             for lo in range(0, rows.shape[0], ROW_BLOCK)])
+        return out[:m].view(*x.shape[:-1], self.out_features)
+
+
+def fix_dense_rows(model: Any) -> int:
+    """Make every dense linear layer of a model on CPU a RowBlockLinear (in place, sharing its
+    weight); returns how many are. Quantized layers compute each row alone already."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.weight.device.type == "cpu":
+            module.__class__ = RowBlockLinear
+        count += isinstance(module, RowBlockLinear)
+    return count
+
+
+def rows_alone(model: Any) -> bool:
+    """Whether every weight matrix of `model` sits in a layer that computes each row alone
+    (quantized, RowBlockLinear) or in an embedding (a lookup): no MoE experts' batched matmuls,
+    no Conv1D, nothing else whose sums depend on the other rows."""
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, RowBlockLinear, nn.Embedding)):
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            return False
+    return True
+
+
 def step_bytes(model: Any) -> int:
     """Bytes of weights one decode step reads: every linear layer's (quantized or not) and the
     norms; the input embedding contributes one row per token, so it is left out."""
