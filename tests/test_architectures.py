@@ -87,7 +87,8 @@ def verify_rows(output: str) -> list[list[str]]:
     rows = []
     for line in output.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) == 6 and cells[1] in ("prefix hit", "exact repeat", "plain generate"):
+        if len(cells) == 6 and cells[1] in ("prefix hit", "exact repeat", "in a batch",
+                                                "plain generate"):
             rows.append(cells)
     return rows
 
@@ -108,8 +109,10 @@ def test_cached_equals_cold(name: str, tmp_path: Path) -> None:
     # The prefix scenario must really read cached K/V for part of the prompt.
     hit, total = map(int, rows[0][2].split()[0].split("/"))
     assert 0 < hit < total, result.output
-    assert len(rows) == 3
-    assert f"All {len(rows)} runs match their reference run token for token" in result.output
+    assert len(rows) == 4
+    assert f"All {len(rows)} runs match their reference run" in result.output
+    if "bitwise" not in result.output:  # only a model kvchat cannot route through its kernel
+        assert "token for token" in result.output
 
 
 def test_multi_query_falcon_caches_one_kv_head(tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ def test_verify_checks_a_base_model(tiny_base_model_dir):
                         env=WIDE)
     assert res.exit_code == 0, res.output
     assert NOTICE in flat(res.output)
-    assert "All 3 runs match their reference run token for token" in flat(res.output)
+    assert "All 4 runs match their reference run bitwise" in flat(res.output)
 
 
 @pytest.fixture

@@ -302,23 +302,24 @@ def test_sampling_is_seeded(tiny_model, tiny_tokenizer):
 def test_verify_rows(tiny_model, tiny_tokenizer):
     b = make_backend(tiny_model, tiny_tokenizer, "lru")
     rows = verify_prompt(b, prompt(91, 33), "p", max_new_tokens=6)
-    assert [r.scenario for r in rows] == ["prefix hit", "exact repeat", "plain generate"]
+    assert [r.scenario for r in rows] == ["prefix hit", "exact repeat", "in a batch",
+                                          "plain generate"]
     assert rows[0].hit_tokens == 16 and rows[0].source == "radix"
     assert rows[1].source == "exact" and rows[1].hit_tokens == 33
     # the repeat's reply came from the cache's draft of the first warm run's reply
     assert rows[1].draft_accepted > 0
-    assert all(r.tokens_equal and r.max_logit_diff <= ATOL and r.ok for r in rows)
+    assert all(r.tokens_equal and r.max_logit_diff == 0.0 and r.ok and r.exact for r in rows)
 
 
 @pytest.mark.parametrize("precision", QUANTIZED)
 def test_verify_rows_quantized(tiny_model, tiny_tokenizer, precision):
     """kvchat's uncached run equals transformers' generate on the same packed model (same
-    kernels), and cached runs equal it within the precision's rounding."""
+    kernels), and cached and batched runs equal it bitwise."""
     b = make_backend(at_precision(tiny_model, precision), tiny_tokenizer, "lru")
     assert b.runner.precision == precision
     rows = verify_prompt(b, prompt(92, 40), "p", max_new_tokens=8)
-    assert all(r.ok for r in rows), rows
-    plain = rows[2]
+    assert all(r.ok and r.exact and r.max_logit_diff == 0.0 for r in rows), rows
+    plain = rows[3]
     assert plain.scenario == "plain generate" and plain.tokens_equal
 
 

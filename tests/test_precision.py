@@ -215,5 +215,6 @@ def test_embedded_model_runs_int4_by_default(embedded_gguf, use_embedded_cache):
     ids = engine.codec.encode_chat([{"role": "user", "content": "Name three colours."}])
     rows = verify_prompt(engine, ids, "colours", max_new_tokens=24)
     assert all(r.ok for r in rows), rows
-    assert rows[2].scenario == "plain generate" and rows[2].tokens_equal
+    assert rows[3].scenario == "plain generate" and rows[3].tokens_equal
+    assert all(r.exact and r.max_logit_diff == 0.0 for r in rows), rows
     assert rows[1].draft_accepted > 0

@@ -75,16 +75,24 @@ def verify(
                      show_default=False),
     ] = None,
     max_tokens: MaxTokensOption = 32,
+    fidelity: Annotated[
+        bool,
+        typer.Option("--fidelity", help="Also load the model at float32 and report, per prompt, "
+                     "whether kvchat's text equals that model's own transformers `generate` "
+                     "(how close the precision comes; reported, never failed)."),
+    ] = False,
     *,
     options: LazyRuntimeOptions,
 ) -> None:
-    """Check that cached generation equals cold generation, and cold generation equals
-    transformers' own `generate` on the same model: per prompt, the first divergent token and
-    the largest logit difference. Exit code 1 if any greedy output differs by more than the
-    precision's rounding explains (a tie within it is reported, not failed)."""
+    """Check that cached generation equals cold generation (a radix hit, an exact repeat drafted
+    from its reply, and a cold run batched beside other sequences, each against the lone cold
+    run), and that the cold run equals transformers' own `generate` on the same model: per
+    prompt, the first divergent token and the largest logit difference. Where the forward is
+    batch-invariant (CPU, the default) every comparison is bitwise; exit code 1 on any
+    difference. Elsewhere a tie within the precision's rounding is reported, not failed."""
     from kvchat.inspect.previews import preview
     from kvchat.text_input import check_text
-    from kvchat.ui.verify_view import verify_summary, verify_table
+    from kvchat.ui.verify_view import fidelity_summary, verify_summary, verify_table
 
     if prompt is not None and file is not None:
         raise KvchatError("Give a prompt or --file, not both.")
@@ -100,8 +108,16 @@ def verify(
 
     console = stdout()
     engine = open_runtime(options.build, console).engine  # imports torch under its status line
-    from kvchat.engine.verify import verify_prompt
+    from kvchat.engine.verify import Fidelity, verify_prompt
+    from kvchat.engine.verify import fidelity as fidelity_of
+    reference = None
+    if fidelity:
+        from kvchat.models.loading import load_model
+
+        with console.status("loading the float32 reference…"):
+            reference = load_model(options.values.get("model"), "float32", "cpu").model
     rows = []
+    close: list[Fidelity] = []
     if not engine.codec.has_template:
         from kvchat.models.chat_template import NO_TEMPLATE
 
@@ -112,9 +128,14 @@ def verify(
     with console.status("verifying…") as status:
         for i, (label, messages) in enumerate(prompts, 1):
             status.update(f"verifying prompt {i}/{len(prompts)}: {escape(label)}")
-            rows += verify_prompt(engine, engine.codec.encode_chat(messages), label, max_tokens)
+            ids = engine.codec.encode_chat(messages)
+            rows += verify_prompt(engine, ids, label, max_tokens)
+            if reference is not None:
+                close.append(fidelity_of(engine, reference, ids, label, max_tokens))
     console.print(verify_table(rows))
     console.print(verify_summary(rows))
+    if reference is not None:
+        console.print(fidelity_summary(close, engine.runner.precision_label))
     elapsed = time.perf_counter() - started
     console.print(f"[dim]{len(prompts)} prompt(s) in {elapsed:.1f} s[/dim]")
     if not all(r.ok for r in rows):

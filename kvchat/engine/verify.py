@@ -3,24 +3,24 @@
 For each prompt, on its own (the cache is emptied first, so an earlier prompt's blocks never
 make the hit larger than it says): a cold run with the cache off, then warm runs through the
 cache - after caching the first half of the prompt (a radix hit) and again (an exact repeat, whose
-reply the cache then drafts) - compared token by token and logit by logit, and the cold run
-against transformers' own `generate`. Greedy decoding, so any difference is a cache bug or a
-float tie.
+reply the cache then drafts) - a cold run in a batch beside two other sequences, and
+transformers' own `generate` on the same model, each compared with the cold run token by token
+and logit by logit. Greedy decoding, so any difference is a cache bug or rounding.
 
-How close is close depends on the precision: float32 runs agree to ~1e-5 here, while bfloat16
-activations (and so int8 / int4 weights) round each logit to 8 significant bits, and a prompt
-computed in other chunks or batch rows lands a few of those roundings differently (up to ~3% of
-the largest logit on the tiny test model; a lone sequence decodes bitwise as `generate` does).
-`tolerance` bounds that drift; a divergence is a tie when the reference scored the token the
-run picked no further below its best than the drift already seen before (or one rounding step),
-which the same rounding explains. A cache bug moves logits by far more.
+Where the runner's forward is batch-invariant (`ModelRunner.invariant`: the default on CPU) there
+is no rounding to allow for: every comparison must be bitwise, logits included. Elsewhere (a GPU,
+no native library, compiled steps, H2O's tracked forwards) a prompt computed in other chunks or
+batch rows lands a few roundings differently: float32 runs agree to ~1e-5, bfloat16 activations
+(and so int8 / int4 weights) round each logit to 8 significant bits. `tolerance` bounds that
+drift there; a divergence is a tie when the reference scored the token the run picked no further
+below its best than the drift already seen before (or one rounding step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvchat.config import SamplingParams
 from kvchat.engine.engine import Engine
@@ -30,7 +30,7 @@ from kvchat.engine.sequence import GenerationResult, Request
 @dataclass(frozen=True)
 class VerifyRow:
     prompt: str
-    scenario: str  # "prefix hit" | "exact repeat" | "plain generate"
+    scenario: str  # "prefix hit" | "exact repeat" | "in a batch" | "plain generate"
     prompt_tokens: int
     hit_tokens: int
     source: str
@@ -41,6 +41,7 @@ class VerifyRow:
     tie: bool = False  # diverged at a tie within the precision's tolerance (see module doc)
     tolerance: float = 0.0
     draft_accepted: int = 0  # tokens the cache drafted and verification kept
+    exact: bool = False  # compared bitwise: the forward is batch-invariant (no tolerance, no tie)
 
     @property
     def ok(self) -> bool:
@@ -73,8 +74,9 @@ def tolerance(precision: str, scale: float) -> float:
 
 
 def compare(cold: GenerationResult, warm: GenerationResult,
-            precision: str = "float32") -> Comparison:
-    """Token by token and logit by logit (both runs need `record_logits`)."""
+            precision: str = "float32", exact: bool = False) -> Comparison:
+    """Token by token and logit by logit (both runs need `record_logits`); `exact`: bitwise,
+    with no tolerance and no tie."""
     a, b = cold.token_ids, warm.token_ids
     first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     if first is None and len(a) != len(b):
@@ -83,9 +85,9 @@ def compare(cold: GenerationResult, warm: GenerationResult,
     upto = len(la) if first is None else first + 1
     diffs = [float((x - y).abs().max()) for x, y in zip(la[:upto], lb[:upto], strict=False)]
     scale = max((float(x.abs().max()) for x in la[:upto]), default=1.0)
-    allowed = tolerance(precision, scale)
+    allowed = 0.0 if exact else tolerance(precision, scale)
     tie = False
-    if first is not None and first < min(len(la), len(b)):
+    if first is not None and first < min(len(la), len(b)) and not exact:
         row = la[first]
         drift = max(diffs[:-1], default=0.0)  # seen on the rows before the divergence
         step = max(scale, 1.0) * _ROUNDING_STEP.get(precision, 2.0**-7)
@@ -108,32 +110,52 @@ def verify_prompt(engine: Engine, prompt_ids: Sequence[int], label: str, max_new
         engine.generate(Request(half, SamplingParams(max_new_tokens=1)))
     runs = [(s, cold, engine.generate(Request(ids, greedy, record_logits=True)))
             for s in ("prefix hit", "exact repeat")]
+    runs.append(("in a batch", cold, batched(engine.without_cache(), ids, greedy)))
     runs.append(("plain generate", plain_generate(engine, ids, max_new_tokens), cold))
+    exact = engine.runner.invariant
     rows = []
     for scenario, reference, run in runs:
-        c = compare(reference, run, precision)
+        c = compare(reference, run, precision, exact)
         rows.append(VerifyRow(
             prompt=label, scenario=scenario, prompt_tokens=len(ids),
             hit_tokens=run.cache_hit_tokens, source=run.hit_source, tokens_equal=c.equal,
             first_divergence=c.first, max_logit_diff=c.diff, generated=len(run.token_ids),
-            tie=c.tie, tolerance=c.tolerance, draft_accepted=run.draft_accepted))
+            tie=c.tie, tolerance=c.tolerance, draft_accepted=run.draft_accepted, exact=exact))
     return rows
 
 
-def plain_generate(engine: Engine, ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
+def batched(engine: Engine, ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+    """`ids` decoded in one batch with two other sequences (its second half first, and its
+    first two thirds), submitted together so that they prefill and decode side by side."""
+    from kvchat.engine.handle import RequestHandle
+
+    others = [list(ids[len(ids) // 2 :]), list(ids[: max(1, 2 * len(ids) // 3)])]
+    handles: list[RequestHandle] = [engine.submit(Request(list(ids), params, record_logits=True))]
+    handles += [engine.submit(Request(o, params)) for o in others]
+    while not all(h.done for h in handles):
+        engine.step()
+    result = handles[0].result
+    if result is None:
+        raise RuntimeError(f"the batched run failed: {handles[0].error}")
+    return result
+
+
+def plain_generate(engine: Engine, ids: Sequence[int], max_new_tokens: int,
+                   model: Any = None) -> GenerationResult:
     """transformers' own greedy `generate` on the engine's model (same weights, same kernels),
-    as a result `compare` reads: the reference kvchat's uncached run must equal."""
+    or on `model` (the float32 reference), as a result `compare` reads."""
     import torch
     from transformers import GenerationConfig
 
-    model = engine.runner.model
+    model = engine.runner.model if model is None else model
     eos = sorted(engine.codec.eos_ids)
     # greedy and nothing else: a model's own generation config may add penalties kvchat lacks
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=eos or None, pad_token_id=eos[0] if eos else None,
                               output_logits=True, return_dict_in_generate=True)
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        out = model.generate(torch.tensor([list(ids)], device=engine.device),
+        out = model.generate(torch.tensor([list(ids)], device=device),
                              generation_config=config)
     tokens = out.sequences[0, len(ids):].tolist()
     return GenerationResult(
@@ -141,3 +163,24 @@ def plain_generate(engine: Engine, ids: Sequence[int], max_new_tokens: int) -> G
         computed_tokens=len(ids), prefill_ms=0.0, ttft_ms=0.0, decode_tokens_per_s=0.0,
         total_ms=0.0, finish_reason="stop", stored_tokens=0,
         step_logits=[row[0].float().cpu() for row in out.logits])
+
+
+class Fidelity(NamedTuple):
+    """A prompt's kvchat text against the float32 model's own `generate` (same file, weights
+    read at float32): how close the precision comes, not a cache check."""
+    prompt: str
+    equal: bool
+    first_divergence: int | None  # index into the generated tokens
+    generated: int
+
+
+def fidelity(engine: Engine, reference: Any, ids: Sequence[int], label: str,
+             max_new_tokens: int) -> Fidelity:
+    """kvchat's cold greedy run of `ids` against `reference` (a float32 model)'s `generate`."""
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    ours = engine.without_cache().generate(Request(list(ids), greedy)).token_ids
+    want = plain_generate(engine, ids, max_new_tokens, reference).token_ids
+    first = next((i for i, (x, y) in enumerate(zip(ours, want, strict=False)) if x != y), None)
+    if first is None and len(ours) != len(want):
+        first = min(len(ours), len(want))
+    return Fidelity(label, first is None, first, len(ours))

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from kvchat.engine.verify import VerifyRow
+    from kvchat.engine.verify import Fidelity, VerifyRow
 
 
 def verify_table(rows: Sequence[VerifyRow]) -> Table:
@@ -46,9 +46,23 @@ def verify_summary(rows: Sequence[VerifyRow]) -> Text:
     if bad:
         return Text(f"{len(bad)} of {len(rows)} runs differ from their reference run "
                     f"({limits}).", style="bold red")
+    if all(r.exact for r in rows):
+        return Text(f"All {len(rows)} runs match their reference run bitwise, tokens and logits "
+                    f"(the forward is batch-invariant here; {limits}).", style="green")
     if ties:
         return Text(f"All {len(rows)} runs match their reference run: {len(rows) - len(ties)} "
                     f"token for token, {len(ties)} up to a tie within the precision's rounding "
                     f"({limits}).", style="yellow")
     return Text(f"All {len(rows)} runs match their reference run token for token ({limits}).",
                 style="green")
+
+
+def fidelity_summary(rows: Sequence[Fidelity], precision: str) -> Text:
+    """How many prompts' texts at `precision` equal the float32 model's own `generate`."""
+    same = sum(r.equal for r in rows)
+    text = Text(f"Fidelity: {same} of {len(rows)} texts at {precision} equal the float32 "
+                "model's own generate", style="green" if same == len(rows) else "yellow")
+    apart = [f"{r.prompt} at token {r.first_divergence}" for r in rows if not r.equal]
+    if apart:
+        text.append("; they part: " + ", ".join(apart), style="dim")
+    return text.append(".")
