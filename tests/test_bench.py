@@ -428,3 +428,17 @@ def test_llama_server_start_is_timed_and_its_memory_read(tmp_path):
         assert started.seconds > 0 and started.rss_before is None
         assert started.rss_after > 32 * 2**20
         assert server.peak_rss() >= started.rss_after
+
+
+@pytest.mark.parametrize("dtype", ["int4", "float32"])
+def test_every_kind_of_batch_gives_generates_texts(tiny_model_dir, dtype):
+    """The invariance check of every bench kind: kvchat's batched, cached, drafted lines (at the
+    automatic batch size and at 1) equal plain `generate` one by one, line for line."""
+    for batch in ([], ["--batch-size", "1"]):
+        r = run_json(["batch", "--kind", "all", "--requests", "6", "--system-tokens", "40",
+                      "--new-tokens", "6", "--skip", "generate_batch", "--dtype", dtype,
+                      "--model", str(tiny_model_dir), *batch])
+        for k in r["kinds"]:
+            kv, gen = k["contenders"]
+            assert (kv["name"], gen["name"]) == ("kvchat", "model.generate")
+            assert kv["identical_outputs"] == k["requests"], (k["kind"], batch)
