@@ -102,6 +102,19 @@ INLINE v16 exp16(v16 x)
     return (v16)((v16i)(y * (v16)pow2) & ~small);
 }
 
+/* tree16 on a vector: (l + l+8), + l+4, + l+2, + l+1, the same additions in the same order */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef float v2 __attribute__((vector_size(8)));
+INLINE float tree_v16(v16 v)
+{
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    v2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
+    return c[0] + c[1];
+}
+
 /* scratch of one thread: for each of the g query heads of a KV head, its scores (keys, a
  * multiple of 16), accumulators (vecs) and query */
 typedef struct {
@@ -149,11 +162,16 @@ INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf1
         for (long hh = 0; hh < g; hh++) {
             v16 lanes = {0};
             for (long x = 0; x < vecs; x++) lanes = lanes + qv[hh * vecs + x] * kr[x];
-            float lane[16];
-            memcpy(lane, &lanes, 64);
-            for (long x = whole; x < d; x++)
-                lane[x % 16] = lane[x % 16] + qf[hh * d + x] * LOAD1(row, x, bf16);
-            float s = tree16(lane) * scale;
+            float s;
+            if (whole == d) {
+                s = tree_v16(lanes) * scale;
+            } else {
+                float lane[16];
+                memcpy(lane, &lanes, 64);
+                for (long x = whole; x < d; x++)
+                    lane[x % 16] = lane[x % 16] + qf[hh * d + x] * LOAD1(row, x, bf16);
+                s = tree16(lane) * scale;
+            }
             if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
             scores[hh * keys + j] = s;
             if (s > best[hh]) best[hh] = s;
@@ -170,9 +188,7 @@ INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf1
             memcpy(sc + j, &e, 64);
             lanes = lanes + e;
         }
-        float lane[16];
-        memcpy(lane, &lanes, 64);
-        sum[hh] = tree16(lane);
+        sum[hh] = tree_v16(lanes);
         for (long x = 0; x <= vecs; x++) acc[hh * (vecs + 1) + x] = (v16){0};
     }
     /* acc = e[0] v_0 + e[1] v_1 + ... per output dim (the dims past the last 16 in one more
