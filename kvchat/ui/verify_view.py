@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 
 def verify_table(rows: Sequence[VerifyRow]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, title="cached vs cold, cold vs transformers (greedy)",
+    table = Table(box=box.SIMPLE_HEAD,
+                  title="cached and batched vs cold, cold vs transformers (greedy)",
                   title_justify="left",
                   pad_edge=False, show_edge=False, collapse_padding=True)
     table.add_column("prompt", max_width=18, no_wrap=True, overflow="ellipsis")
