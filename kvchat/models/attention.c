@@ -42,15 +42,6 @@ typedef struct {
     int bf16;
 } attn_t;
 
-static inline uint16_t float_bf16(float f) /* round to nearest even, as torch rounds */
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* 16 values from row[at..at+16) as floats */
 #define LOAD16(row, at, bf16) ((bf16) ? load16_bf16((const uint16_t *)(row) + (at)) \
                                       : load16_f32((const float *)(row) + (at)))

@@ -63,15 +63,6 @@ static inline float flushed(float f) /* denormals to zero, as vdpbf16ps takes an
     return fabsf(f) < 1.17549435e-38f ? 0.0f * f : f;
 }
 
-static inline uint16_t float_bf16(float f) /* round to nearest even, as torch rounds */
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* q[c] for column c of a row (the layout above) */
 static inline int nibble(const uint8_t *row, long c, long groups)
 {

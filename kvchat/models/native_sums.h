@@ -1,9 +1,22 @@
-/* The fixed sum of 16 lanes both native kernels end each output with: l + l+8, then + l+4,
- * + l+2, + l+1. `tree16` over an array (the portable paths) and `sum512` over an AVX-512
- * register give the same bits. */
+/* What the native kernels share: the fixed sum of 16 lanes they end each output with (l + l+8,
+ * then + l+4, + l+2, + l+1; `tree16` over an array, the portable paths, and `sum512` over an
+ * AVX-512 register give the same bits), and the rounding of their bfloat16 outputs. */
 
 #ifndef KVCHAT_NATIVE_SUMS_H
 #define KVCHAT_NATIVE_SUMS_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* float to bfloat16, rounding to nearest even as torch rounds (the kernels' bfloat16 outputs) */
+static inline uint16_t float_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
 
 static inline float tree16(const float *lane)
 {
