@@ -148,3 +148,11 @@ def test_a_difference_rounding_would_explain_still_fails(verify, monkeypatch):
     assert result.exit_code == 1, result.output
     bad = [r for r in rows(result.output) if r[3] == "NO"]
     assert bad and all(float(r[5]) < 1e-3 for r in bad)
+
+
+def test_fidelity_is_reported_beside_the_checks_and_never_fails_them(verify):
+    result = verify("Hi, how are you?", "--max-tokens", "4", "--fidelity")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"Fidelity: [01] of 1 texts at float32 equal the float32 model's own "
+                     r"generate", " ".join(result.output.split())), result.output
+    assert len(rows(result.output)) == 4  # the cache checks are unchanged

@@ -108,7 +108,7 @@ def verify(
 
     console = stdout()
     engine = open_runtime(options.build, console).engine  # imports torch under its status line
-    from kvchat.engine.verify import Fidelity, verify_prompt
+    from kvchat.engine.verify import Fidelity, check_prompt
     from kvchat.engine.verify import fidelity as fidelity_of
     reference = None
     if fidelity:
@@ -129,9 +129,10 @@ def verify(
         for i, (label, messages) in enumerate(prompts, 1):
             status.update(f"verifying prompt {i}/{len(prompts)}: {escape(label)}")
             ids = engine.codec.encode_chat(messages)
-            rows += verify_prompt(engine, ids, label, max_tokens)
+            check = check_prompt(engine, ids, label, max_tokens)
+            rows += check.rows
             if reference is not None:
-                close.append(fidelity_of(engine, reference, ids, label, max_tokens))
+                close.append(fidelity_of(engine, reference, ids, check.cold, label, max_tokens))
     console.print(verify_table(rows))
     console.print(verify_summary(rows))
     if reference is not None:

@@ -95,9 +95,20 @@ def compare(cold: GenerationResult, warm: GenerationResult,
     return Comparison(first is None, first, max(diffs, default=0.0), allowed, tie)
 
 
+class PromptCheck(NamedTuple):
+    rows: list[VerifyRow]
+    cold: GenerationResult  # the lone cold run every row was compared with
+
+
 def verify_prompt(engine: Engine, prompt_ids: Sequence[int], label: str, max_new_tokens: int) -> (
     list[VerifyRow]
 ):
+    return check_prompt(engine, prompt_ids, label, max_new_tokens).rows
+
+
+def check_prompt(engine: Engine, prompt_ids: Sequence[int], label: str,
+                 max_new_tokens: int) -> PromptCheck:
+    """`verify_prompt`'s rows, with the cold run they were compared with."""
     if engine.cache is None:
         raise ValueError("verify needs an engine with a cache")
     ids = list(prompt_ids)
@@ -121,7 +132,7 @@ def verify_prompt(engine: Engine, prompt_ids: Sequence[int], label: str, max_new
             hit_tokens=run.cache_hit_tokens, source=run.hit_source, tokens_equal=c.equal,
             first_divergence=c.first, max_logit_diff=c.diff, generated=len(run.token_ids),
             tie=c.tie, tolerance=c.tolerance, draft_accepted=run.draft_accepted, exact=exact))
-    return rows
+    return PromptCheck(rows, cold)
 
 
 def batched(engine: Engine, ids: Sequence[int], params: SamplingParams) -> GenerationResult:
@@ -174,13 +185,10 @@ class Fidelity(NamedTuple):
     generated: int
 
 
-def fidelity(engine: Engine, reference: Any, ids: Sequence[int], label: str,
-             max_new_tokens: int) -> Fidelity:
-    """kvchat's cold greedy run of `ids` against `reference` (a float32 model)'s `generate`."""
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    ours = engine.without_cache().generate(Request(list(ids), greedy)).token_ids
-    want = plain_generate(engine, ids, max_new_tokens, reference).token_ids
-    first = next((i for i, (x, y) in enumerate(zip(ours, want, strict=False)) if x != y), None)
-    if first is None and len(ours) != len(want):
-        first = min(len(ours), len(want))
-    return Fidelity(label, first is None, first, len(ours))
+def fidelity(engine: Engine, reference: Any, ids: Sequence[int], cold: GenerationResult,
+             label: str, max_new_tokens: int) -> Fidelity:
+    """kvchat's cold greedy run of `ids` (`cold`, from `check_prompt`) against `reference`
+    (a float32 model)'s `generate`, token by token."""
+    want = plain_generate(engine, ids, max_new_tokens, reference)
+    c = compare(want, cold)
+    return Fidelity(label, c.equal, c.first, len(cold.token_ids))

@@ -11,8 +11,8 @@
  *   s[j] = softcap(scale * dot(q, k_j))      dot in 16 lanes over d (lane d % 16, d ascending),
  *                                             then the fixed tree of native_sums.h
  *   m    = max over j of s[j]
- *   e[j] = exp(s[j] - m)                      expf, one key at a time
- *   sum  = e[0] + e[1] + ...                  in j order
+ *   e[j] = exp(s[j] - m)                      Cephes' expf polynomial, 16 keys at a time
+ *   sum  = tree(lanes), lane l = e[l] + e[l+16] + ...   (key j in lane j % 16, j ascending)
  *   acc  = e[0] * v_0 + e[1] * v_1 + ...      per output dim, in j order
  *   out  = acc / sum                          rounded to bfloat16 (RNE) for bfloat16 K/V
  *

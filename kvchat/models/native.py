@@ -161,7 +161,7 @@ def attention_native() -> bool:
 
 
 def attention_kernel_name(device: str, compute_dtype: str) -> str:
-    """What attends on `device` at `compute_dtype`, for `kvchat models` and the chat banner."""
+    """What attends on `device` at `compute_dtype`, for `kvchat models`."""
     if device == "cpu" and compute_dtype in ("bfloat16", "float32") and attention_native():
         return "kvchat's fixed-order kernel (batch-invariant: one order of sums per query)"
     if device != "cpu":

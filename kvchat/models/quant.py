@@ -381,15 +381,12 @@ class RowBlockLinear(nn.Linear):
         return out[:m].view(*x.shape[:-1], self.out_features)
 
 
-def fix_dense_rows(model: Any) -> int:
+def fix_dense_rows(model: Any) -> None:
     """Make every dense linear layer of a model on CPU a RowBlockLinear (in place, sharing its
-    weight); returns how many are. Quantized layers compute each row alone already."""
-    count = 0
+    weight). Quantized layers compute each row alone already."""
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.device.type == "cpu":
             module.__class__ = RowBlockLinear
-        count += isinstance(module, RowBlockLinear)
-    return count
 
 
 def rows_alone(model: Any) -> bool:
