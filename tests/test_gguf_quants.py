@@ -144,6 +144,9 @@ def test_a_tied_embedding_the_int8_head_holds_exactly_is_read_from_it(
                                num_hidden_layers=1, tie_word_embeddings=True)
     path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "m.gguf",
                            QUANTS[quant])
+    # both in bfloat16 throughout: a float32 residual stream would read a shared table's rows
+    # exactly, and a bfloat16 copy's rounded (checked below)
+    monkeypatch.setattr("kvchat.models.residual.float32_residual", lambda model: False)
     whole = load_model(str(path), dtype="int8")
     assert type(whole.model.get_input_embeddings()) is torch.nn.Embedding
     monkeypatch.setattr(gguf_weights, "CHUNK_ROWS_BYTES", 4096)
@@ -157,3 +160,5 @@ def test_a_tied_embedding_the_int8_head_holds_exactly_is_read_from_it(
         assert torch.equal(model(ids).logits, whole.model(ids).logits)
     if shared:  # no parameter holds the table
         assert not any(p.numel() == len(tiny_tokenizer) * 256 for p in model.parameters())
+        embed.out_dtype = torch.float32  # as under the float32 residual: the file's numbers
+        assert torch.equal(embed(ids), model.get_output_embeddings().rows(ids))

@@ -17,8 +17,7 @@ needs_native = pytest.mark.skipif(not native.int4_native(), reason=native.int4_k
 
 def _weights(n: int, k: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    q, sz = quantize_int4(torch.randn(n, k, generator=gen))
-    scales, zeros = sz[:, :, 0].t().contiguous(), sz[:, :, 1].t().contiguous()
+    q, scales, zeros = quantize_int4(torch.randn(n, k, generator=gen))
     return q, pack_int4_nibbles(q), scales, zeros
 
 
@@ -55,7 +54,7 @@ def test_every_path_computes_the_float_definition(k):
     q, packed, scales, zeros = _weights(64, k)
     x = _x(5, k)
     groups = k // GROUP
-    w = ((q.double() - 8).view(64, groups, GROUP) * scales.double()[..., None]
+    w = (q.double().view(64, groups, GROUP) * scales.double()[..., None]
          + zeros.double()[..., None]).view(64, k)
     exact = x.double() @ w.t()
     for isa in range(2 if native.int4_native() else 1):
@@ -94,12 +93,11 @@ def test_int4_linear_runs_on_the_kernel_with_its_bias():
     layer = Int4Linear(linear)
     assert layer.native and set(dict(layer.named_buffers())) == {"qweight", "scales", "zeros"}
     x = _x(4, 96)
-    q, sz = quantize_int4(linear.weight)
-    want = native.int4_mm(x, pack_int4_nibbles(q), sz[:, :, 0].t().contiguous(),
-                          sz[:, :, 1].t().contiguous()) + layer.bias
+    q, scales, zeros = quantize_int4(linear.weight)
+    want = native.int4_mm(x, pack_int4_nibbles(q), scales, zeros) + layer.bias
     assert torch.equal(layer(x), want)
     assert torch.equal(layer(x[None])[0], want)  # any leading shape
-    # the same bytes as torch's layout: 4 bits a weight, a bfloat16 scale and zero per group
+    # the same bytes as torch's layout: 4 bits a weight, a 16-bit scale and zero per group
     assert layer.weight_bytes() == 48 * 96 // 2 + 2 * 2 * 48 * 96 // GROUP + 2 * 48
 
 

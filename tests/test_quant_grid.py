@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.models.quant import _SNAP_TOLERANCE, _round_up_bf16, quantize_int4
+from kvchat.models.quant import _SNAP_TOLERANCE, _round_up, quantize_int4
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -32,11 +32,10 @@ def _reference(weight: torch.Tensor, group: int = 32):
         candidate = span / levels.clamp(1, 15)
         fits = ~found & (levels <= 15) & _on_grid(groups, lo, candidate)
         step = torch.where(fits, candidate, step)
-    step = torch.where(span == 0, lo.abs().clamp_min(1.0) * 2.0**-20, step)
-    scale = _round_up_bf16(step)
-    zero = (lo + 8 * scale.float()).to(torch.bfloat16)
-    q = ((groups - zero.float()) / scale.float() + 8).round().clamp(0, 15).to(torch.int32)
-    return q.reshape(n, k), torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    scale = torch.where(span == 0, torch.zeros_like(step).half(), _round_up(step, torch.half))
+    zero = lo.half()
+    q = ((groups - zero.float()) / scale.float().clamp_min(_TINY)).round().clamp(0, 15)
+    return q.to(torch.int32).reshape(n, k), scale[..., 0], zero[..., 0]
 
 
 def _weights(kind: str) -> torch.Tensor:
@@ -65,7 +64,22 @@ def _weights(kind: str) -> torch.Tensor:
                                   "mixed"])
 def test_columns_layout_equals_the_per_group_definition(kind):
     weight = _weights(kind)
-    q, scales = quantize_int4(weight)
-    q_ref, scales_ref = _reference(weight)
-    assert q.shape == q_ref.shape and scales.shape == scales_ref.shape
+    q, scales, zeros = quantize_int4(weight)
+    q_ref, scales_ref, zeros_ref = _reference(weight)
+    assert q.shape == q_ref.shape and scales.shape == scales_ref.shape == zeros.shape
     assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref)
+    assert torch.equal(zeros, zeros_ref)
+
+
+def test_a_grid_of_float16_steps_and_minimums_comes_back_exactly():
+    # GGUF's Q4_1 stores each group's d and m as float16: the int4 layer holds those weights,
+    # not a rounding of them (so int4 computes with the very weights of the float32 model)
+    weight = _weights("full grid")
+    q, scales, zeros = quantize_int4(weight)
+    groups = q.float().view(96, 4, 32) * scales.float()[..., None] + zeros.float()[..., None]
+    assert torch.equal(groups.view(96, 128), weight)
+    # a grid whose groups need not reach level 0 (Q4_K) comes back to float16's precision
+    weight = _weights("partial grid")
+    q, scales, zeros = quantize_int4(weight)
+    groups = q.float().view(96, 4, 32) * scales.float()[..., None] + zeros.float()[..., None]
+    assert (groups.view(96, 128) - weight).abs().max() <= 2**-10 * weight.abs().max()

@@ -86,7 +86,7 @@ def model_table(report: ModelReport, footprint: Footprint | None = None,
                              if precision.quantized else "")
     table.add_row("Precision", f"{runs} on {report.device} ({precision.why})")
     if int4_kernel is not None:
-        table.add_row("Int4 layers", f"a bfloat16 scale and zero per 32 weights, {int4_kernel}")
+        table.add_row("Int4 layers", f"{_int4_grid(int4_kernel)}, {int4_kernel}")
     if attention is not None:
         table.add_row("Attention", attention)
     if head_kernel is not None:
@@ -122,6 +122,13 @@ def _available(footprint: Footprint | None, available: Available | None, device:
         return f"{text}: fits (at most ~{_size(footprint.total)} at once)"
     return (f"{text}: does not fit (~{_size(footprint.total)} at once), so loading is refused "
             f"unless {IGNORE_ENV_VAR}=1")
+
+
+def _int4_grid(kernel: str) -> str:
+    """How the int4 layers hold a group's scale and zero on `kernel` (`int4_kernel_name`)."""
+    if kernel.startswith("native"):
+        return "a float16 scale and zero per 32 weights (a Q4_1 file's own)"
+    return "a bfloat16 scale and zero per 32 weights"
 
 
 def _window(window: int | None, sliding: int | None, n_layers: int) -> str:

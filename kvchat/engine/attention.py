@@ -40,20 +40,21 @@ def _eager_with_mass(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Eager attention that adds, per key position, the mass it received (summed over heads
-    and queries) to the active sink."""
+    and queries) to the active sink. Scores, softmax and the weighted sum are float32 and the
+    output is rounded once, as in the fixed-order kernel the other forwards run."""
     groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)  # (B, H, K, D)
-    value = value.repeat_interleave(groups, dim=1)
+    key = key.repeat_interleave(groups, dim=1).float()  # (B, H, K, D)
+    value = value.repeat_interleave(groups, dim=1).float()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    weights = torch.matmul(query, key.transpose(2, 3)) * scale  # (B, H, Q, K)
+    weights = torch.matmul(query.float(), key.transpose(2, 3)) * scale  # (B, H, Q, K)
     if attention_mask is not None:
         weights = weights + attention_mask[:, :, :, : key.shape[-2]]
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.softmax(weights, dim=-1)
     rows: list[torch.Tensor] | None = getattr(_sink, "rows", None)
     if rows is not None:
-        rows.append(weights.sum(dim=(1, 2)).float())  # (B, K)
-    out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, Q, H, D)
-    return out, None
+        rows.append(weights.sum(dim=(1, 2)))  # (B, K)
+    out = torch.matmul(weights, value).to(query.dtype).transpose(1, 2).contiguous()
+    return out, None  # (B, Q, H, D)
 
 
 def _dispatch(base: Callable[..., Any] | None) -> Callable[..., Any]:

@@ -45,14 +45,10 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from kvchat.engine.decode_attention import NAME, SMALL_Q, head_attention, small_q_attention
 from kvchat.engine.past import shared_head
+from kvchat.models.architectures import DECODER_FAMILIES
 from kvchat.models.native import int4_mm as native_int4_mm
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
-# the causal LMs whose decoder layers this forward covers, by family
-FAMILIES = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
-}
 _LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
                             "Qwen3DecoderLayer", "Phi3DecoderLayer", "Gemma3DecoderLayer"})
 # RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) cast back, and Gemma's, computing
@@ -100,13 +96,15 @@ class _Layer(NamedTuple):
 
 
 def _biased(mm: Matmul, bias: torch.Tensor | None) -> Matmul:
-    if bias is None:
-        return mm
+    """QuantLinear's forward around a stacked matmul: the input cast to the kernels' bfloat16
+    (a float32 residual stream's norm hands float32), then the bias added over the stacked
+    columns."""
 
-    def with_bias(x: torch.Tensor) -> torch.Tensor:
-        return mm(x) + bias  # QuantLinear's own addition, over the stacked columns
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        out = mm(x.to(torch.bfloat16))
+        return out if bias is None else out + bias
 
-    return with_bias
+    return layer
 
 
 def _stack(layers: Sequence[QuantLinear]) -> Matmul | None:
@@ -297,7 +295,7 @@ class FusedDecoder:
 
     def __init__(self, model: Any, layers: list[_Layer], norm: _Norm) -> None:
         self.decoder = model.get_decoder()
-        self.family = FAMILIES[type(model).__name__]
+        self.family = DECODER_FAMILIES[type(model).__name__]
         self.layers = layers
         self.norm = norm  # the final one
         self.head = model.get_output_embeddings()
@@ -321,7 +319,7 @@ class FusedDecoder:
     def _build(cls, model: Any) -> FusedDecoder | None:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         config = getattr(model, "config", None)
-        if decoder is None or config is None or type(model).__name__ not in FAMILIES:
+        if decoder is None or config is None or type(model).__name__ not in DECODER_FAMILIES:
             return None
         if str(config._attn_implementation) != NAME:  # use_decode_attention switched it
             return None

@@ -26,8 +26,9 @@ from kvchat.engine.past import (
     reserved_past,
     wrap_past,
 )
+from kvchat.models.dense_rows import fix_dense_rows
 from kvchat.models.native import attention_native
-from kvchat.models.quant import fix_dense_rows, precision_of, rows_alone
+from kvchat.models.quant import precision_of, rows_alone
 
 
 class Prefilled(NamedTuple):

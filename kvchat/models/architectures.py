@@ -20,6 +20,13 @@ from typing import Any
 
 from kvchat.errors import NotACausalLM, UnpageableArchitecture
 
+# The causal LMs of the common decoder families, by class, with their family names: the ones
+# whose layers kvchat's fused decode forward knows (kvchat.engine.fused_decode) and whose
+# residual stream it holds in float32 under quantized weights (kvchat.models.residual).
+DECODER_FAMILIES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+}
 # Layer kinds whose whole state is per-token K/V. "attention" is how Jamba's layers_block_type and
 # RecurrentGemma's block_types name an ordinary attention layer.
 PAGEABLE_LAYER_KINDS = frozenset(

@@ -3,7 +3,7 @@ has for it.
 
 Four parts, each from files alone (a GGUF's header, a folder's safetensors headers):
 - weights as kvchat packs them (`kvchat.models.quant`, `kvchat.models.gguf_weights`): under int4
-  a linear weight is 4 bits plus a bfloat16 scale and zero per 32 weights (5/8 byte), under int8
+  a linear weight is 4 bits plus a 16-bit scale and zero per 32 weights (5/8 byte), under int8
   1 byte plus a bfloat16 scale per row, the output head int8 with a float32 scale per 32 weights
   (9/8 byte) under both; a tied head is packed on its own while the embedding, the norms and
   the biases stay bfloat16 (a large Q8_0 embedding is read from the head's rows instead).
@@ -56,7 +56,7 @@ GGUF_LOAD_COPIES = 4.0
 CHUNK_ROWS_BYTES = 32 << 20
 ROW_CHUNKED = frozenset({"token_embd.weight", "output.weight"})
 IGNORE_ENV_VAR = "KVCHAT_IGNORE_MEMORY"
-_GROUP = 32  # int4 weights per bfloat16 scale and zero (kvchat.models.quant.GROUP)
+_GROUP = 32  # int4 weights per scale and zero (kvchat.models.quant.GROUP)
 _Q8_0 = 8  # GGMLQuantizationType.Q8_0: a tied embedding the int8 head holds exactly
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2, "int4": 2}
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,

@@ -1,12 +1,13 @@
-/* The int4 linear layers' matmul: 4-bit weights in groups of 32 columns sharing a bfloat16
- * scale and zero (w = (q - 8) * scale + zero, q in [0, 15]: GGUF's Q4_1 and Q4_K grids),
- * bfloat16 activations in, bfloat16 outputs out:
+/* The int4 linear layers' matmul: 4-bit weights in groups of 32 columns sharing a float16
+ * scale and zero (w = q * scale + zero, q in [0, 15]: GGUF's Q4_1 grids exactly, as its d and
+ * m are float16, and Q4_K's to float16's 11 bits), bfloat16 activations in, bfloat16 outputs
+ * out:
  *
  * out[m, r] = bf16( sum over groups g of  scale[r, g] * D(r, g, m)  +  zero[r, g] * S(g, m) )
  *
- * with D the group's dot product of (q - 8) and x and S the group's sum of x, all in one fixed
+ * with D the group's dot product of q and x and S the group's sum of x, all in one fixed
  * order that depends on neither the number of rows, nor the threads, nor the instruction set:
- * - D in 16 lanes, lane l = float(p[2l] + p[2l+1]), p[c] = (q[c] - 8) * x[c] (exact in float:
+ * - D in 16 lanes, lane l = float(p[2l] + p[2l+1]), p[c] = q[c] * x[c] (exact in float:
  *   4 bits times bfloat16's 8). This is what AVX-512 BF16's vdpbf16ps gives with a zero
  *   accumulator (its products are exact and their sum is rounded once), so that path and the
  *   portable one agree bit for bit; denormal inputs and sums count as zero in both, as the
@@ -58,6 +59,20 @@ static inline float bf16_float(uint16_t v)
     return f;
 }
 
+/* an IEEE half as float32, exactly (what vcvtph2ps gives) */
+static inline float half_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu, u;
+    float f;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        f = ldexpf((float)m, -24);
+        return sign ? -f : f;
+    }
+    u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 static inline float flushed(float f) /* denormals to zero, as vdpbf16ps takes and gives them */
 {
     return fabsf(f) < 1.17549435e-38f ? 0.0f * f : f;
@@ -92,7 +107,7 @@ static void zero_lanes(const uint16_t *zeros, const float *xsum, long groups, fl
 {
     for (int l = 0; l < 16; l++) lane[l] = 0.0f;
     for (long g = 0; g < groups; g++)
-        lane[g % 16] = fmaf(bf16_float(zeros[g]), xsum[g], lane[g % 16]);
+        lane[g % 16] = fmaf(half_float(zeros[g]), xsum[g], lane[g % 16]);
 }
 
 static void rows_portable(const job_t *j)
@@ -104,12 +119,11 @@ static void rows_portable(const job_t *j)
             const uint8_t *row = j->q + r * (k / 2);
             float acc[2][16] = {{0}}, lanes[16];
             for (long g = 0; g < groups; g++) {
-                float scale = bf16_float(j->scales[r * groups + g]);
+                float scale = half_float(j->scales[r * groups + g]);
                 for (int l = 0; l < 16; l++) {
                     long c = g * GROUP + 2 * l;
-                    float p0 = (float)(nibble(row, c, groups) - 8) * flushed(bf16_float(x[c]));
-                    float p1 = (float)(nibble(row, c + 1, groups) - 8)
-                        * flushed(bf16_float(x[c + 1]));
+                    float p0 = (float)nibble(row, c, groups) * flushed(bf16_float(x[c]));
+                    float p1 = (float)nibble(row, c + 1, groups) * flushed(bf16_float(x[c + 1]));
                     acc[g % 2][l] = fmaf(flushed(p0 + p1), scale, acc[g % 2][l]);
                 }
             }
@@ -125,10 +139,9 @@ static void rows_portable(const job_t *j)
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"), \
                             always_inline)) inline
 
-BF16 static __m512 scale_of(const uint16_t *s) /* a bfloat16 broadcast as float32 */
+BF16 static __m512 scale_of(const uint16_t *s) /* a float16 broadcast as float32 */
 {
-    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi16((short)*s),
-                                                _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_cvtph_ps(_mm256_set1_epi16((short)*s));
 }
 
 /* zero_lanes, 16 groups a step */
@@ -137,8 +150,7 @@ BF16 static __m512 zero_lanes512(const uint16_t *zeros, const float *xsum, long 
     __m512 lane = _mm512_setzero_ps();
     for (long g = 0; g < groups; g += 16) {
         __mmask16 live = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
-        __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, zeros + g)), 16));
+        __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, zeros + g));
         lane = _mm512_mask3_fmadd_ps(z, _mm512_maskz_loadu_ps(live, xsum + g), lane, live);
     }
     return lane;
@@ -149,14 +161,12 @@ BF16 static __m512 zero_lanes512(const uint16_t *zeros, const float *xsum, long 
 BF16 static void block_bf16(const job_t *j, long m0, int mb, long lo, long hi)
 {
     long groups = j->k / GROUP, k = j->k, pairs = groups / 2;
-    /* bfloat16 of q - 8 for q = 0..15, twice (vpermw reads 32 words) */
+    /* bfloat16 of q for q = 0..15, twice (vpermw reads 32 words) */
     const __m512i table = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-        (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0,
-        (short)0xc0c0, (short)0xc0e0, (short)0xc100,
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-        (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0,
-        (short)0xc0c0, (short)0xc0e0, (short)0xc100);
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
     const __m512 zero = _mm512_setzero_ps();
     const uint16_t *x = j->x + m0 * k;
     for (long r = lo; r < hi; r++) {
@@ -256,7 +266,7 @@ int kvchat_int4_isa(void)
 
 static int best_isa = -1;
 
-/* q: (n, k / 2) bytes, the layout above; scales, zeros: (n, k / 32) bfloat16; x: (m_rows, k)
+/* q: (n, k / 2) bytes, the layout above; scales, zeros: (n, k / 32) float16; x: (m_rows, k)
  * bfloat16; out: (m_rows, n) bfloat16. k must be a multiple of 32. Returns 0, -1 when the
  * arguments are not that, -2 when out of memory. */
 int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,

@@ -433,6 +433,10 @@ def _load_gguf(source: ModelSource, config: PretrainedConfig, precision: Precisi
 
     with load_errors(source), quiet_transformers():
         model, done = load_gguf_weights(Path(source.location), config, precision.name, dtype)
+    if precision.quantized:
+        from kvchat.models.residual import float32_residual
+
+        float32_residual(model)
     if device != "cpu":
         model.to(device)
     return model, replace(model_facts(config, count=False), n_params=done.n_params)

@@ -139,13 +139,15 @@ def int4_kernel_name() -> str:
 def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             isa: int = -1) -> torch.Tensor:
     """(M, K) bfloat16 activations times the int4 weight `q` ((N, K / 2) bytes, int4_matmul.c's
-    layout) whose groups of 32 columns have bfloat16 `scales` and `zeros` ((N, K / 32)):
+    layout) whose groups of 32 columns have float16 `scales` and `zeros` ((N, K / 32)):
     (M, N) bfloat16. `isa` caps the instruction set (tests: 0 is the portable path)."""
     import torch
 
     lib = library()
     if lib is None or x.device.type != "cpu":
         raise KvchatError("the native int4 kernel runs on CPU tensors, where it is built")
+    if x.dtype != torch.bfloat16 or {scales.dtype, zeros.dtype} != {torch.float16}:
+        raise ValueError(f"int4 matmul takes bfloat16 inputs and float16 scales, got {x.dtype}")
     m, k = x.shape
     out = torch.empty(m, q.shape[0], dtype=torch.bfloat16)
     rc = lib.kvchat_int4_mm(q.data_ptr(), scales.data_ptr(), zeros.data_ptr(), x.data_ptr(),

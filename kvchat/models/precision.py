@@ -145,7 +145,7 @@ def resolve_precision(option: str | None, device: str, gguf_class: str | None) -
 
 def bytes_per_step(n_params: int, embedding: int, tied: bool, name: str) -> int:
     """About how many bytes of weights one decode step reads: every matrix but the input
-    embedding (read one row per token) at this precision, int4 with one bfloat16 scale and zero
+    embedding (read one row per token) at this precision, int4 with one 16-bit scale and zero
     per 32 weights, int8 with one scale per row; the output head is int8 under int4 too. An
     estimate from the parameter count, for `kvchat models`; a loaded model counts exactly."""
     head = embedding  # the output head has the embedding's shape, tied or not

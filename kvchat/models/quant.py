@@ -8,10 +8,12 @@ they fall back to a path ~30x slower) and compute each output row from its own i
 a row's result is bitwise the same whatever else is in the batch, so prefill, batched decode and
 draft verification all see the same numbers.
 
-- int4: groups of 32 input columns share a scale and a zero, w = (q - 8) * scale + zero with q
-  in [0, 15] (GGUF's Q4_1 and Q4_K are such grids), computed by kvchat's kernel where the CPU
-  has AVX-512 BF16 (int4_matmul.c: each output in one fixed order of sums), else packed by
-  `_convert_weight_to_int4pack_for_cpu` for torch's.
+- int4: groups of 32 input columns share a float16 scale and zero, w = q * scale + zero with q
+  in [0, 15] (GGUF's Q4_1 and Q4_K are such grids; a Q4_1 group's d and m are float16, so its
+  weights come back exactly, those of the float32 model a GGUF loads as), computed by kvchat's
+  kernel where the CPU has AVX-512 BF16 (int4_matmul.c: each output in one fixed order of
+  sums), else packed by `_convert_weight_to_int4pack_for_cpu` for torch's, whose bfloat16
+  scales and zeros round them (w = (q - 8) * scale + zero there).
 - int8: one scale per output row, w = q * scale, q in [-127, 127].
 - the output head, under int4 and int8: int8 in groups of 32 columns with a float32 scale each
   (GGUF's Q8_0, which a GGUF's Q8_0 head loads as without rounding), float32 logits, computed by
@@ -22,22 +24,25 @@ draft verification all see the same numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from kvchat.models.dense_rows import RowBlockLinear
 from kvchat.models.native import int8_group_values
 
 GROUP = 32
 _BF16 = torch.bfloat16
+_F16 = torch.float16
+_F16_MAX = 65504.0
 _SNAP_TOLERANCE = 1e-3  # in grid steps: how far from a grid point a value may sit and be "on" it
 
 
-def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
-    """The smallest bfloat16 values >= x (x > 0): a scale the kernel can hold exactly that
+def _round_up(x: torch.Tensor, dtype: torch.dtype = _BF16) -> torch.Tensor:
+    """The smallest `dtype` values >= x (x > 0): a scale the kernel can hold exactly that
     still keeps every quantized value in range."""
-    down = x.to(_BF16)
+    down = x.to(dtype)
     up = torch.nextafter(down, torch.full_like(down, float("inf")))
     return torch.where(down.float() >= x, down, up)
 
@@ -72,25 +77,41 @@ def _grid_steps(columns: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> 
     return steps
 
 
-def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q (N, K) int32 in [0, 15], scales_and_zeros (K / group, N, 2) bfloat16).
+class Int4Grid(NamedTuple):
+    """A weight as 4-bit groups: w[r, c] = q[r, c] * scales[r, g] + zeros[r, g], g = c // group."""
+
+    q: torch.Tensor  # (N, K) int32 in [0, 15]
+    scales: torch.Tensor  # (N, K / group) float16
+    zeros: torch.Tensor  # (N, K / group) float16
+
+
+def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> Int4Grid:
+    """The 4-bit grid of `weight` (see `_grid_steps`), its scale rounded up to float16 and its
+    zero (the group's minimum) to the nearest float16: a Q4_1 weight comes back exactly.
 
     The groups are laid out as the columns of a (group, N * K / group) matrix, so every
     per-group operation runs along long contiguous rows instead of a 32-wide broadcast (an
     order of magnitude faster on CPU); each value takes the same operations either way."""
     n, k = weight.shape
     columns = weight.detach().float().reshape(n * k // group, group).t().contiguous()
+    columns.clamp_(-_F16_MAX, _F16_MAX)
     lo, hi = columns.amin(0), columns.amax(0)  # (aminmax over dim 0 is ~30x slower)
     span = hi - lo
     step = _grid_steps(columns, lo, span)
-    # a constant group: any tiny step, so that its zero keeps the value's own precision
-    step = torch.where(span == 0, lo.abs().clamp_min(1.0) * 2.0**-20, step)
-    scale = _round_up_bf16(step)
-    zero = (lo + 8 * scale.float()).to(_BF16)
-    q = (columns - zero.float()).div_(scale.float()).add_(8).round_().clamp_(0, 15)
-    q = q.to(torch.int32).t().reshape(n, k)
-    scales_and_zeros = torch.stack([scale, zero], dim=-1).view(n, k // group, 2)
-    return q, scales_and_zeros.transpose(0, 1).contiguous()
+    # a constant group: scale 0, every value its zero
+    scale = torch.where(span == 0, torch.zeros_like(step).to(_F16), _round_up(step, _F16))
+    zero = lo.to(_F16)
+    q = (columns - zero.float()).div_(scale.float().clamp_min(torch.finfo(torch.float32).tiny))
+    q = q.round_().clamp_(0, 15).to(torch.int32).t().reshape(n, k)
+    return Int4Grid(q, scale.view(n, k // group), zero.view(n, k // group))
+
+
+def torch_int4_scales(grid: Int4Grid) -> torch.Tensor:
+    """(K / group, N, 2) bfloat16 scales and zeros of torch's int4 kernel, which computes
+    (q - 8) * scale + zero: the grid's, each rounded to bfloat16."""
+    scale = grid.scales.float()
+    zero = grid.zeros.float() + 8 * scale
+    return torch.stack([scale.to(_BF16), zero.to(_BF16)], dim=-1).transpose(0, 1).contiguous()
 
 
 def head_group(k: int) -> int:
@@ -113,7 +134,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (N, K) int8, scales (N,) bfloat16) with one symmetric scale per output row."""
     w = weight.detach().float()
     amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = _round_up_bf16(amax / 127)
+    scale = _round_up(amax / 127)
     q = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -165,8 +186,8 @@ def pack_int4_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 class Int4Linear(QuantLinear):
     """4-bit groups of 32 columns. Where kvchat's kernel runs (`native.int4_native`) the layer
-    holds its layout: `qweight` (N, K / 2) bytes, `scales` and `zeros` (N, K / 32) bfloat16;
-    elsewhere torch's packed weight and (K / 32, N, 2) scales and zeros."""
+    holds its layout: `qweight` (N, K / 2) bytes, `scales` and `zeros` (N, K / 32) float16;
+    elsewhere torch's packed weight and (K / 32, N, 2) bfloat16 scales and zeros."""
 
     bits = 4
 
@@ -180,16 +201,16 @@ class Int4Linear(QuantLinear):
 
         super().__init__(linear)
         self.group = group
-        q, scales_and_zeros = quantize_int4(linear.weight, group)
+        grid = quantize_int4(linear.weight, group)
         self.native = group == GROUP and linear.weight.device.type == "cpu" and int4_native()
         if self.native:
-            self.register_buffer("qweight", pack_int4_nibbles(q))
-            self.register_buffer("scales", scales_and_zeros[:, :, 0].t().contiguous())
-            self.register_buffer("zeros", scales_and_zeros[:, :, 1].t().contiguous())
+            self.register_buffer("qweight", pack_int4_nibbles(grid.q))
+            self.register_buffer("scales", grid.scales)
+            self.register_buffer("zeros", grid.zeros)
             return
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K / 2) uint8
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(grid.q, 1)  # (N, K / 2) uint8
         self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("scales_and_zeros", torch_int4_scales(grid))
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -280,10 +301,11 @@ class Int8HeadLinear(QuantLinear):
 
 
 class TiedInt8Embedding(nn.Module):
-    """A tied model's token embedding read from its int8 head's rows and cast to bfloat16:
-    where those rows are exactly the file's numbers (a GGUF's Q8_0 table), the same values as
-    a bfloat16 table of them, without holding one (Gemma 3 270M: 320 MiB). Gemma's scaled
-    embedding multiplies by its scale as its own forward does."""
+    """A tied model's token embedding read from its int8 head's rows and cast to `out_dtype`
+    (bfloat16, or float32 under `float32_residual`): where those rows are exactly the file's
+    numbers (a GGUF's Q8_0 table), the same values as a table of them, without holding one
+    (Gemma 3 270M: 320 MiB). Gemma's scaled embedding multiplies by its scale as its own
+    forward does."""
 
     def __init__(self, embed: nn.Module, head: Int8HeadLinear) -> None:
         super().__init__()
@@ -296,6 +318,7 @@ class TiedInt8Embedding(nn.Module):
         else:
             self.embed_scale = None
         self.__dict__["head"] = head  # not a submodule: the head owns the weights
+        self.out_dtype = _BF16  # float32 where the residual stream is (kvchat.models.residual)
 
     @property
     def device(self) -> torch.device:
@@ -309,9 +332,9 @@ class TiedInt8Embedding(nn.Module):
             and isinstance(getattr(embed, "embed_scale", None), torch.Tensor))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.__dict__["head"].rows(ids).to(_BF16)
+        rows = self.__dict__["head"].rows(ids).to(self.out_dtype)
         if self.embed_scale is not None:
-            rows = rows * self.embed_scale.to(_BF16)
+            rows = rows * self.embed_scale.to(self.out_dtype)
         return rows
 
 
@@ -353,40 +376,10 @@ def quantize_model(model: Any, precision: str) -> Quantized:
     for param in model.parameters():
         if param.is_floating_point():
             param.data = param.data.to(_BF16)
+    from kvchat.models.residual import float32_residual
+
+    float32_residual(model)
     return Quantized(counts["int4"], counts["int8"], counts["dense"], step_bytes(model))
-
-
-ROW_BLOCK = 16  # rows per dense matmul call under `fix_dense_rows`
-
-
-class RowBlockLinear(nn.Linear):
-    """A dense (float) linear layer that multiplies its input ROW_BLOCK rows at a time, the last
-    block padded with zero rows: every call has one shape, so the GEMM library takes one kernel
-    and one order of sums for every row, whether the forward holds 1 row (a decode step) or 512
-    (a prefill chunk). A plain call lets it pick a GEMV for one row and a blocked GEMM for many,
-    and their float32 results differ in the last bits."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        m = rows.shape[0]
-        pad = -m % ROW_BLOCK
-        if pad:
-            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-        if rows.shape[0] == ROW_BLOCK:
-            out = nn.functional.linear(rows, self.weight, self.bias)
-        else:
-            out = torch.cat([nn.functional.linear(rows[lo : lo + ROW_BLOCK], self.weight,
-                                                  self.bias)
-                             for lo in range(0, rows.shape[0], ROW_BLOCK)])
-        return out[:m].view(*x.shape[:-1], self.out_features)
-
-
-def fix_dense_rows(model: Any) -> None:
-    """Make every dense linear layer of a model on CPU a RowBlockLinear (in place, sharing its
-    weight). Quantized layers compute each row alone already."""
-    for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu":
-            module.__class__ = RowBlockLinear
 
 
 def rows_alone(model: Any) -> bool:
