@@ -120,10 +120,13 @@ def test_kvchat_models_names_the_int4_kernel(tiny_model_dir):
                   "--dtype", "bfloat16")
     assert "Int4 layers" not in bf16.output
     if native.attention_native():
-        assert "batch-invariant" in row(bf16.output, "Attention")
+        assert row(bf16.output, "Forward") == ("transformers' forward · kvchat's fixed-order "
+                                               "attention · batch-invariant")
+        forward = row(result.output, "Forward")
+        assert forward.startswith("fused llama forward") and forward.endswith("batch-invariant")
     f16 = invoke("models", "--model", str(tiny_model_dir), "--device", "cpu",
                  "--dtype", "float16")
-    assert "a batch can round a logit differently" in row(f16.output, "Attention")
+    assert "a batch can round a logit differently" in row(f16.output, "Forward")
 
 
 def test_a_cpu_with_avx512_bf16_runs_the_native_kernel():

@@ -226,6 +226,7 @@ class LocalBackend(CacheViews):
             f"model    {rt.model_label}",
             *([] if rt.engine.codec.has_template else [PLAIN_LINE]),
             f"device   {rt.engine.device} · {rt.engine.runner.precision_label}",
+            f"forward  {rt.engine.runner.plan.describe()}",
             f"cache    {pool.total_blocks:,} blocks × {pool.block_size} tok · "
             f"policy {rt.cache.policy.name}",
             f"sessions {rt.options.sessions_dir}",

@@ -46,15 +46,18 @@ def models(
 
         head = kernel_name()
         int4 = int4_kernel_name() if report.precision.name == "int4" else None
-    from kvchat.models.native import attention_kernel_name
+    from kvchat.engine.forward_plan import choose_forward
 
-    attention = attention_kernel_name(report.device, report.precision.compute_dtype)
-    stdout().print(model_table(report, footprint, available_memory(), head, int4, attention))
+    facts = report.facts
+    forward = choose_forward(facts.architecture, report.precision.name,
+                             report.precision.compute_dtype, report.device,
+                             sliding=facts.sliding_window is not None).describe()
+    stdout().print(model_table(report, footprint, available_memory(), head, int4, forward))
 
 
 def model_table(report: ModelReport, footprint: Footprint | None = None,
                 available: Available | None = None, head_kernel: str | None = None,
-                int4_kernel: str | None = None, attention: str | None = None) -> Table:
+                int4_kernel: str | None = None, forward: str | None = None) -> Table:
     """The `kvchat models` table: a pure function of the report and the memory estimate."""
     facts = report.facts
     table = Table(title=report.source.description, box=box.SIMPLE_HEAD, show_header=False)
@@ -87,8 +90,8 @@ def model_table(report: ModelReport, footprint: Footprint | None = None,
     table.add_row("Precision", f"{runs} on {report.device} ({precision.why})")
     if int4_kernel is not None:
         table.add_row("Int4 layers", f"{_int4_grid(int4_kernel)}, {int4_kernel}")
-    if attention is not None:
-        table.add_row("Attention", attention)
+    if forward is not None:
+        table.add_row("Forward", forward)
     if head_kernel is not None:
         table.add_row("Output head", f"int8, a float32 scale per 32 weights, {head_kernel}")
     step = report.step_bytes

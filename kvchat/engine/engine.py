@@ -71,8 +71,7 @@ class Engine:
             dtype = next(model.parameters()).dtype
             cache = PagedKVCache.create(cache_config, n_layers, kv_heads, head_dim, dtype,
                                         layer_devices(model, n_layers))
-        track = cache is not None and cache.policy.name == "h2o"
-        runner = ModelRunner(model, prefill_chunk, track_mass=track)
+        runner = ModelRunner(model, prefill_chunk, None if cache is None else cache.policy.name)
         return cls(runner, ChatCodec(tokenizer, model), cache, batch_size)
 
     def warm_up(self) -> None:
@@ -116,7 +115,7 @@ class Engine:
     def drafting(self) -> bool:
         """Whether decode steps may carry drafts: with a cache, drafting on, and not under H2O
         (which counts the attention every column receives)."""
-        return self.cache is not None and self.draft_max > 0 and not self.runner.track_mass
+        return self.cache is not None and self.draft_max > 0 and self.runner.plan.drafts
 
     @property
     def running(self) -> int:

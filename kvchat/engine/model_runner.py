@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from kvchat.cache.blocks import KV
 from kvchat.engine.attention import attention_mass, track_attention
 from kvchat.engine.decode_attention import NAME, use_decode_attention
+from kvchat.engine.forward_plan import compiled, confirm, plan_of
 from kvchat.engine.fused_decode import FusedDecoder
 from kvchat.engine.past import (
     Pieces,
@@ -27,7 +28,6 @@ from kvchat.engine.past import (
     wrap_past,
 )
 from kvchat.models.dense_rows import fix_dense_rows
-from kvchat.models.native import attention_native
 from kvchat.models.quant import precision_of, rows_alone
 
 
@@ -38,23 +38,28 @@ class Prefilled(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: Any, prefill_chunk: int = 512, track_mass: bool = False) -> None:
+    def __init__(self, model: Any, prefill_chunk: int = 512, policy: str | None = None) -> None:
+        """`policy`: the eviction policy's name (H2O's needs attention mass per key)."""
         self.model = model
         self.config = model.config
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-        self.track_mass = track_mass  # H2O: report attention mass per key position
         use_decode_attention(model)
         fix_dense_rows(model)  # float layers: one GEMM shape whatever the rows
-        self._rows_alone = rows_alone(model)
-        if track_mass:
-            track_attention(model)
+        plan = plan_of(model, self.precision, str(self.dtype).removeprefix("torch."),
+                       self.device.type, policy)
+        self.track_mass = plan.attention_mass  # H2O: report attention mass per key position
         self.forward_calls = 0
         self._decode_fn: Callable[..., Any] | None = None  # compiled forward of decode steps
         # decode steps and drafts of quantized models of the common families: the same logits,
-        # fewer ops
+        # fewer ops (built before H2O's tracking renames the attention, so that a runner without
+        # it on the same model still has it)
         self.fused = FusedDecoder.build(model)
+        self.plan = confirm(plan, None if self.fused is None else self.fused.shares_heads,
+                            str(self.config._attn_implementation) == NAME, rows_alone(model))
+        if self.track_mass:
+            track_attention(model)
 
     def compile_decode(self) -> None:
         """Run one-token decode steps through `torch.compile` (dynamic shapes: one graph per
@@ -67,28 +72,20 @@ class ModelRunner:
         import torch
 
         self._decode_fn = torch.compile(self.model.forward, dynamic=True)
+        self.plan = compiled(self.plan)
 
     @property
     def attends_heads(self) -> bool:
         """Whether a decode batch may hold the K/V its rows all start with once (a
-        `reserved_past` head): only the fused forward reads it, and it runs every decode step
-        and draft verification unless steps are compiled or attention mass is tracked, for
-        models without sliding layers."""
-        return self.fused is not None and self.fused.shares_heads and not self.track_mass \
-            and self._decode_fn is None
+        `reserved_past` head): only the fused forward reads it (`ForwardPlan.shared_head`)."""
+        return self.plan.shared_head
 
     @property
     def invariant(self) -> bool:
         """Whether a sequence's logits and K/V are bitwise the same whatever else is in the
-        forward (batch, padding, drafts, a shared head, prefill chunks, threads): attention runs
-        on the fixed-order kernel (CPU, the native library built, bfloat16 or float32 compute,
-        the model attending through it), every weight matrix computes each row alone
-        (quantized kernels, dense layers in fixed row blocks; not MoE experts), steps are not
-        compiled and no attention mass is tracked (H2O's forwards run an eager attention)."""
-        return self.device.type == "cpu" and attention_native() and not self.track_mass \
-            and self.dtype in (torch.bfloat16, torch.float32) \
-            and self._decode_fn is None and str(self.config._attn_implementation) == NAME \
-            and self._rows_alone
+        forward (batch, padding, drafts, a shared head, prefill chunks, threads): see
+        `ForwardPlan.limits` for what keeps it from being so."""
+        return self.plan.invariant
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,12 +118,13 @@ class ModelRunner:
         if columns is not None:
             keep = torch.tensor(list(columns), dtype=torch.long, device=input_ids.device)
         one_token = input_ids.shape[1] == 1 and columns is None and not self.track_mass
-        fused_row = self.fused is not None and input_ids.shape[0] == 1
+        fused = self.fused if self.plan.fused else None  # the plan says which forward runs
+        fused_row = fused is not None and input_ids.shape[0] == 1
         self.forward_calls += 1
         if one_token and self._decode_fn is not None and not fused_row:
             call = self._decode_fn
-        elif self.fused is not None and not self.track_mass and self.fused.takes(input_ids):
-            logits = self.fused.forward(input_ids, past, attention_mask, position_ids, keep)
+        elif fused is not None and fused.takes(input_ids):
+            logits = fused.forward(input_ids, past, attention_mask, position_ids, keep)
             return (logits if columns is not None else logits[:, -1]), None
         else:
             call = self.model

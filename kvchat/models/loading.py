@@ -366,7 +366,7 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvchat.models.quant import quantize_model, step_bytes
+    from kvchat.models.quant import PRECISION_ATTRIBUTE, quantize_model, step_bytes
 
     source = resolve_model(spec)
     device_name = resolve_device(device)
@@ -401,6 +401,7 @@ def load_model(
         facts = model_facts(config, model)  # counted before packing hides the weights in buffers
         if precision.quantized:
             quantize_model(model, precision.name)
+    setattr(model, PRECISION_ATTRIBUTE, precision.name)  # travels with the model to its runner
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

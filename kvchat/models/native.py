@@ -162,19 +162,6 @@ def attention_native() -> bool:
     return library() is not None
 
 
-def attention_kernel_name(device: str, compute_dtype: str) -> str:
-    """What attends on `device` at `compute_dtype`, for `kvchat models`."""
-    if device == "cpu" and compute_dtype in ("bfloat16", "float32") and attention_native():
-        return "kvchat's fixed-order kernel (batch-invariant: one order of sums per query)"
-    if device != "cpu":
-        why = f"on {device}"
-    elif not attention_native():
-        why = "no native library here"
-    else:
-        why = f"{compute_dtype} compute"
-    return f"the model's own (SDPA; {why}): a batch can round a logit differently"
-
-
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               mask: torch.Tensor | None, scaling: float, softcap: float | None = None,
               head: tuple[torch.Tensor, torch.Tensor] | None = None,

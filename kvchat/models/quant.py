@@ -414,8 +414,15 @@ def step_bytes(model: Any) -> int:
     return total
 
 
+PRECISION_ATTRIBUTE = "kvchat_precision"  # set on a model by load_model: the precision it chose
+
+
 def precision_of(model: Any) -> str:
-    """int4 / int8 if `model` carries quantized layers, else its parameters' dtype name."""
+    """The precision load_model chose for `model`; for a model it did not load, int4 / int8 if
+    it carries quantized layers, else its parameters' dtype name."""
+    chosen = getattr(model, PRECISION_ATTRIBUTE, None)
+    if isinstance(chosen, str):
+        return chosen
     bits = {m.bits for m in model.modules() if isinstance(m, QuantLinear)}
     if bits:
         return "int4" if 4 in bits else "int8"
