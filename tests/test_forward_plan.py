@@ -24,6 +24,11 @@ def test_the_default_is_the_fused_forward_on_the_fixed_order_kernel():
                                "batch-invariant")
 
 
+def test_a_ggufs_family_name_plans_as_its_class_does():
+    assert choose_forward("llama", "int4", "bfloat16", "cpu", native=True) \
+        == choose_forward(LLAMA, "int4", "bfloat16", "cpu", native=True)
+
+
 @pytest.mark.parametrize(("change", "limit"), [
     ({"device": "cuda"}, "on cuda"),
     ({"compute": "float16", "precision": "float16"}, "float16 compute"),

@@ -71,16 +71,18 @@ class ForwardPlan:
 def choose_forward(architecture: str, precision: str, compute: str, device: str,
                    policy: str | None = None, compiled: bool = False,
                    sliding: bool = False, native: bool | None = None) -> ForwardPlan:
-    """The forward for a model of `architecture` (its class name) at `precision` / `compute`
-    on `device` (cpu, cuda, mps), under eviction `policy`, `compiled` or not; `sliding`: some
-    layers attend through a window; `native`: kvchat's native library is built here (None:
-    look)."""
+    """The forward for a model of `architecture` (its class name, or a GGUF's family name)
+    at `precision` / `compute` on `device` (cpu, cuda, mps), under eviction `policy`,
+    `compiled` or not; `sliding`: some layers attend through a window; `native`: kvchat's
+    native library is built here (None: look)."""
     if native is None:
         from kvchat.models.native import attention_native
 
         native = attention_native()
     mass = policy in POLICIES_WITH_MASS
-    family = DECODER_FAMILIES.get(architecture) if precision in QUANTIZED and not mass else None
+    known = DECODER_FAMILIES.get(architecture) or \
+        (architecture if architecture in DECODER_FAMILIES.values() else None)
+    family = known if precision in QUANTIZED and not mass else None
     fixed = device == "cpu" and compute in ("bfloat16", "float32") and native
     attention = EAGER_MASS if mass else FIXED if fixed else SDPA
     limits = []
@@ -91,7 +93,7 @@ def choose_forward(architecture: str, precision: str, compute: str, device: str,
         limits.append("H2O's forwards")
     if compiled:
         limits.append("--compile")
-    quantized_family = precision in QUANTIZED and architecture in DECODER_FAMILIES
+    quantized_family = precision in QUANTIZED and known is not None
     return ForwardPlan(
         family=family, precision=precision, compute=compute,
         residual="float32" if quantized_family else compute, device=device,
