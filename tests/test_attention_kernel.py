@@ -92,6 +92,8 @@ def test_threads_and_instruction_sets_give_the_same_bits():
             outs.append(native.attention(q, k, v, mask, 0.1))
     finally:
         torch.set_num_threads(threads)
+    for isa in range(native.attention_isa() + 1):  # the baseline, AVX2, AVX-512 as present
+        outs.append(native.attention(q, k, v, mask, 0.1, isa=isa))
     portable = native.attention(q, k, v, mask, 0.1, isa=0)
     assert all(torch.equal(o, portable) for o in outs)
 

@@ -1,6 +1,6 @@
 """The int4 layers' kernel (models/int4_matmul.c via models/native.py): the float definition's
 sum, one set of bits per output whatever the batch, the threads, the tiling or the instruction
-set, and `Int4Linear` on it where the CPU has AVX-512 BF16."""
+set, and `Int4Linear` on it where the CPU has AVX-512 BF16 or AVX2 with FMA and F16C."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_every_path_computes_the_float_definition(k):
     w = (q.double().view(64, groups, GROUP) * scales.double()[..., None]
          + zeros.double()[..., None]).view(64, k)
     exact = x.double() @ w.t()
-    for isa in range(2 if native.int4_native() else 1):
+    for isa in range(native.int4_isa() + 1):
         out = native.int4_mm(x, packed, scales, zeros, isa=isa)
         assert out.dtype == torch.bfloat16 and out.shape == (5, 64)
         # one bfloat16 rounding of a float32 sum: within a few bfloat16 steps of the exact value
@@ -76,13 +76,42 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_under_any_threads_and_isa(k
     try:
         for n_threads in (1, 2, 3):
             torch.set_num_threads(n_threads)
-            for isa in (0, 1):
+            for isa in range(native.int4_isa() + 1):
                 for rows in (1, 2, 7, 8, 9, 11):
                     got = native.int4_mm(x[:rows], packed, scales, zeros, isa=isa)
                     for i in range(rows):
                         assert torch.equal(got[i], alone[i]), (n_threads, isa, rows, i)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_tiny_and_odd_activations_give_every_path_the_same_bits(k):
+    """Denormal and near-denormal inputs (their pair sums can be denormal: flushed), zeros of
+    either sign, infinities, odd group counts: each path gives the portable definition's bits."""
+    _, packed, scales, zeros = _weights(40, k, seed=5)
+    x = _x(6, k, seed=6)
+    x[0, :8] = torch.tensor([1e-39, -1e-39, 0.0, -0.0, 2**-120, -(2**-120) * 1.5, 3e-38, -2e-38])
+    x[1] = x[1] * 2**-118  # every pair near the smallest normal: sums cancel into denormals
+    x[2, 3] = float("inf")
+    x[3, ::2] = -x[3, 1::2]  # exact cancellation in each pair
+    portable = native.int4_mm(x, packed, scales, zeros, isa=0)
+    for isa in range(1, native.int4_isa() + 1):
+        got = native.int4_mm(x, packed, scales, zeros, isa=isa)
+        assert torch.equal(got.view(torch.int16), portable.view(torch.int16)), isa
+    # pairs that cancel into a denormal sum count as zero: with unit weights, unit scales and
+    # zero zeros, such a row's outputs are exactly 0 on every path
+    ones = pack_int4_nibbles(torch.ones(40, k, dtype=torch.uint8))
+    unit, none = torch.ones(40, k // GROUP, dtype=torch.float16), torch.zeros_like(scales)
+    a = 2.0**-120
+    pairs = torch.tensor([a * (1 + 2**-7), -a] * (k // 2)).to(torch.bfloat16)[None]
+    for isa in range(native.int4_isa() + 1):
+        assert not native.int4_mm(pairs, ones, unit, none, isa=isa).any(), isa
+    # rows without tiny values (no flush needed) give the same bits alone as beside them
+    for row in (4, 5):
+        alone = native.int4_mm(x[row : row + 1], packed, scales, zeros)
+        assert torch.equal(alone[0].view(torch.int16), portable[row].view(torch.int16))
 
 
 @needs_native
@@ -129,7 +158,7 @@ def test_kvchat_models_names_the_int4_kernel(tiny_model_dir):
     assert "a batch can round a logit differently" in row(f16.output, "Forward")
 
 
-def test_a_cpu_with_avx512_bf16_runs_the_native_kernel():
+def test_an_x86_cpu_with_avx2_or_avx512_bf16_runs_the_native_kernel():
     """So that the tests above cannot skip where they should run: /proc/cpuinfo's flags decide."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
@@ -137,5 +166,7 @@ def test_a_cpu_with_avx512_bf16_runs_the_native_kernel():
         pytest.skip("no /proc/cpuinfo flags")
     if native._compiler() is None or native.library() is None:
         pytest.skip(native.kernel_name())
-    wanted = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}
-    assert native.int4_native() == wanted.issubset(flags), native.int4_kernel_name()
+    bf16 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}.issubset(flags)
+    avx2 = {"avx2", "fma", "f16c"}.issubset(flags)
+    assert native.int4_isa() == (2 if bf16 else 1 if avx2 else 0), native.int4_kernel_name()
+    assert native.int4_native() == (bf16 or avx2)

@@ -17,7 +17,7 @@
  *   out  = acc / sum                          rounded to bfloat16 (RNE) for bfloat16 K/V
  *
  * Products and sums are float32 and never contracted (-ffp-contract=off), so the vector code
- * (GCC vector extensions, built for AVX-512 and for the baseline) gives the portable scalar
+ * (GCC vector extensions, built for AVX-512, AVX2 and the baseline) gives the portable scalar
  * bits. A query that may see no key gets zeros. Each query is computed by one thread. */
 
 #include <math.h>
@@ -217,6 +217,7 @@ static void attend_bf16(const attn_t *a, long item, const scratch_t *w) { attend
 static void attend_f32(const attn_t *a, long item, const scratch_t *w) { attend(a, item, w, 0); }
 #if defined(__x86_64__) || defined(__i386__)
 #define AVX512 __attribute__((target("avx512f,avx512dq")))
+#define AVX2 __attribute__((target("avx2")))
 AVX512 static void attend_bf16_avx512(const attn_t *a, long item, const scratch_t *w)
 {
     attend(a, item, w, 1);
@@ -225,14 +226,23 @@ AVX512 static void attend_f32_avx512(const attn_t *a, long item, const scratch_t
 {
     attend(a, item, w, 0);
 }
+AVX2 static void attend_bf16_avx2(const attn_t *a, long item, const scratch_t *w)
+{
+    attend(a, item, w, 1);
+}
+AVX2 static void attend_f32_avx2(const attn_t *a, long item, const scratch_t *w)
+{
+    attend(a, item, w, 0);
+}
 #endif
 
-/* 1: AVX-512, 0: baseline vector code (the same bits) */
+/* 2: AVX-512, 1: AVX2, 0: baseline vector code (all three give the same bits) */
 int kvchat_attention_isa(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return 1;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return 2;
+    if (__builtin_cpu_supports("avx2")) return 1;
 #endif
     return 0;
 }
@@ -277,9 +287,14 @@ int kvchat_attention(const void *q, const void *k, const void *v, const void *hk
                            acc + me * g * vecs, qv + me * g * vecs, cols + me * (keys + 1),
                            keys};
 #if defined(__x86_64__) || defined(__i386__)
-            if (isa == 1) {
+            if (isa == 2) {
                 if (bf16) attend_bf16_avx512(&a, item, &w);
                 else attend_f32_avx512(&a, item, &w);
+                continue;
+            }
+            if (isa == 1) {
+                if (bf16) attend_bf16_avx2(&a, item, &w);
+                else attend_f32_avx2(&a, item, &w);
                 continue;
             }
 #endif

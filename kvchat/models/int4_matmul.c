@@ -9,8 +9,9 @@
  * order that depends on neither the number of rows, nor the threads, nor the instruction set:
  * - D in 16 lanes, lane l = float(p[2l] + p[2l+1]), p[c] = q[c] * x[c] (exact in float:
  *   4 bits times bfloat16's 8). This is what AVX-512 BF16's vdpbf16ps gives with a zero
- *   accumulator (its products are exact and their sum is rounded once), so that path and the
- *   portable one agree bit for bit; denormal inputs and sums count as zero in both, as the
+ *   accumulator (its products are exact and their sum is rounded once); the AVX2 path gets it
+ *   as fma(q[2l+1], x[2l+1], q[2l] * x[2l]) (the product inside is exact too), so all three
+ *   paths agree bit for bit; denormal inputs and sums count as zero in each, as the
  *   instruction flushes them;
  * - the lanes accumulate by fma(D[l], scale, .), the even groups in one set of 16 lanes and the
  *   odd ones in another, each in group order (two chains, so one row is not bound by the fma
@@ -47,8 +48,10 @@ typedef struct {
     const uint8_t *q;
     const uint16_t *scales, *zeros, *x;
     const float *xsum; /* (m_rows, groups) */
+    const float *xf;   /* AVX2: (m_rows, groups, 32): each group's even columns, then its odd */
     uint16_t *out;
     long m_rows, n, k, lo, hi;
+    int x_tiny; /* AVX2: split_x's answer */
 } job_t;
 
 static inline float bf16_float(uint16_t v)
@@ -136,6 +139,184 @@ static void rows_portable(const job_t *j)
 }
 
 #ifdef KVCHAT_X86
+/* weight rows per tile: TILE_BYTES of packed rows, a multiple of 16, stay in cache while every
+ * row block of activations passes over them */
+static long tile_rows(long k)
+{
+    long tile = TILE_BYTES / (k / 2);
+    return tile < 16 ? 16 : tile / 16 * 16;
+}
+
+/* x as the AVX2 path reads it: per group its 16 even columns, then its 16 odd ones, as floats
+ * with denormals flushed (what vdpbf16ps does with them). Returns 1 when some nonzero x is
+ * below 2^-118: only then can a pair sum q0 x0 + q1 x1 be denormal (both products are
+ * multiples of 2^(e - 7) for the smaller exponent e, so a nonzero sum is at least 2^-125). */
+static int split_x(const uint16_t *x, float *xf, long m_rows, long k)
+{
+    int tiny = 0;
+    for (long m = 0; m < m_rows; m++)
+        for (long c = 0; c < k; c += 2) {
+            float *out = xf + m * k + (c / GROUP) * GROUP + (c % GROUP) / 2;
+            out[0] = flushed(bf16_float(x[m * k + c]));
+            out[GROUP / 2] = flushed(bf16_float(x[m * k + c + 1]));
+            for (int i = 0; i < 2; i++) {
+                float a = fabsf(out[i * GROUP / 2]);
+                tiny |= a != 0.0f && a < 0x1p-118f;
+            }
+        }
+    return tiny;
+}
+
+#define AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#define AVX2_ROW_BLOCK 4
+
+/* a float16 in every lane */
+AVX2 static __m256 half8(const uint16_t *h)
+{
+    return _mm256_cvtph_ps(_mm_set1_epi16((short)*h));
+}
+
+/* zero_lanes in two sets of 8 lanes: groups g with g % 16 == l, by fma in group order */
+AVX2 static void zero_lanes256(const uint16_t *zeros, const float *xsum, long groups,
+                               __m256 *lo, __m256 *hi)
+{
+    __m256 lane[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    long g = 0;
+    for (; g + 8 <= groups; g += 8)
+        lane[(g / 8) % 2] = _mm256_fmadd_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zeros + g))),
+            _mm256_loadu_ps(xsum + g), lane[(g / 8) % 2]);
+    if (g < groups) { /* the last few groups one at a time, in the same order */
+        float rest[16];
+        _mm256_storeu_ps(rest, lane[0]);
+        _mm256_storeu_ps(rest + 8, lane[1]);
+        for (; g < groups; g++)
+            rest[g % 16] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_cvtph_ps(_mm_cvtsi32_si128(zeros[g])),
+                                                      _mm_set_ss(xsum[g]),
+                                                      _mm_set_ss(rest[g % 16])));
+        lane[0] = _mm256_loadu_ps(rest);
+        lane[1] = _mm256_loadu_ps(rest + 8);
+    }
+    *lo = lane[0];
+    *hi = lane[1];
+}
+
+/* tree16 over lanes lo (0-7) and hi (8-15) */
+AVX2 static float sum256(__m256 lo, __m256 hi)
+{
+    __m256 a = _mm256_add_ps(lo, hi);
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+/* the low 4 bits of each 32-bit lane of v >> shift, as floats */
+AVX2 static __m256 nibbles(__m256i v, int shift)
+{
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift),
+                                               _mm256_set1_epi32(15)));
+}
+
+/* block_bf16's work on AVX2: `mb` activation rows against weight rows [lo, hi). Lane l of a
+ * half h (0: lanes 0-7, 1: 8-15) reads bytes 16h + 2l and 16h + 2l + 1 of a pair, as one
+ * 32-bit word: their low nibbles are the even group's columns, their high ones the odd's. The
+ * halves are independent lanes, so each runs alone over the row (half the accumulators live at
+ * once). `flush`: a pair sum may be denormal (see split_x); else the test is skipped. */
+AVX2 static void block_avx2(const job_t *j, long m0, int mb, long lo, long hi, int flush)
+{
+    long groups = j->k / GROUP, k = j->k, pairs = groups / 2;
+    const __m256 tiny = _mm256_set1_ps(1.17549435e-38f);
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (long r = lo; r < hi; r++) {
+        const uint8_t *row = j->q + r * (k / 2);
+        const uint16_t *s = j->scales + r * groups;
+        __m256 lanes[AVX2_ROW_BLOCK][2];
+        for (int h = 0; h < 2; h++) {
+            __m256 acc[AVX2_ROW_BLOCK], odd[AVX2_ROW_BLOCK];
+#pragma GCC unroll 4
+            for (int m = 0; m < mb; m++) acc[m] = odd[m] = _mm256_setzero_ps();
+            for (long p = 0; p < pairs; p++) {
+                if (h == 0) _mm_prefetch((const char *)(row + 32 * p + PREFETCH), _MM_HINT_T0);
+                __m256 s0 = half8(s + 2 * p), s1 = half8(s + 2 * p + 1);
+                __m256i v = _mm256_cvtepu16_epi32(
+                    _mm_loadu_si128((const __m128i *)(row + 32 * p + 16 * h)));
+                __m256 ae = nibbles(v, 0), ao = nibbles(v, 8);
+                __m256 be = nibbles(v, 4), bo = nibbles(v, 12);
+#pragma GCC unroll 4
+                for (int m = 0; m < mb; m++) {
+                    const float *xa = j->xf + (m0 + m) * k + 64 * p + 8 * h, *xb = xa + GROUP;
+                    __m256 da = _mm256_fmadd_ps(ao, _mm256_loadu_ps(xa + 16),
+                                                _mm256_mul_ps(ae, _mm256_loadu_ps(xa)));
+                    __m256 db = _mm256_fmadd_ps(bo, _mm256_loadu_ps(xb + 16),
+                                                _mm256_mul_ps(be, _mm256_loadu_ps(xb)));
+                    if (flush) { /* denormal sums to zero, NaN kept, as the portable path */
+                        da = _mm256_and_ps(da, _mm256_cmp_ps(_mm256_and_ps(da, abs), tiny,
+                                                             _CMP_NLT_UQ));
+                        db = _mm256_and_ps(db, _mm256_cmp_ps(_mm256_and_ps(db, abs), tiny,
+                                                             _CMP_NLT_UQ));
+                    }
+                    acc[m] = _mm256_fmadd_ps(da, s0, acc[m]);
+                    odd[m] = _mm256_fmadd_ps(db, s1, odd[m]);
+                }
+            }
+            if (groups % 2) { /* an odd last group: lanes 0-7 low nibbles, 8-15 high ones */
+                long g = groups - 1;
+                __m256 sg = half8(s + g);
+                __m256i v = _mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                    (const __m128i *)(row + 16 * g))), 4 * h);
+                __m256 qe = nibbles(v, 0), qo = nibbles(v, 8);
+#pragma GCC unroll 4
+                for (int m = 0; m < mb; m++) {
+                    const float *xg = j->xf + (m0 + m) * k + GROUP * g + 8 * h;
+                    __m256 d = _mm256_fmadd_ps(qo, _mm256_loadu_ps(xg + 16),
+                                               _mm256_mul_ps(qe, _mm256_loadu_ps(xg)));
+                    if (flush)
+                        d = _mm256_and_ps(d, _mm256_cmp_ps(_mm256_and_ps(d, abs), tiny,
+                                                           _CMP_NLT_UQ));
+                    acc[m] = _mm256_fmadd_ps(d, sg, acc[m]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int m = 0; m < mb; m++) lanes[m][h] = _mm256_add_ps(acc[m], odd[m]);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < mb; m++) {
+            __m256 z0, z1;
+            zero_lanes256(j->zeros + r * groups, j->xsum + (m0 + m) * groups, groups, &z0, &z1);
+            j->out[(m0 + m) * j->n + r] = float_bf16(
+                sum256(_mm256_add_ps(lanes[m][0], z0), _mm256_add_ps(lanes[m][1], z1)));
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void rows_avx2(const job_t *j)
+{
+    long tile = tile_rows(j->k);
+    for (long t = j->lo; t < j->hi; t += tile) {
+        long hi = t + tile < j->hi ? t + tile : j->hi;
+        for (long m0 = 0; m0 < j->m_rows; m0 += AVX2_ROW_BLOCK) {
+            long left = j->m_rows - m0;
+            int mb = left < AVX2_ROW_BLOCK ? (int)left : AVX2_ROW_BLOCK;
+            if (j->x_tiny) {
+                switch (mb) {
+                case 1: block_avx2(j, m0, 1, t, hi, 1); break;
+                case 2: block_avx2(j, m0, 2, t, hi, 1); break;
+                case 3: block_avx2(j, m0, 3, t, hi, 1); break;
+                default: block_avx2(j, m0, 4, t, hi, 1); break;
+                }
+            } else {
+                switch (mb) {
+                case 1: block_avx2(j, m0, 1, t, hi, 0); break;
+                case 2: block_avx2(j, m0, 2, t, hi, 0); break;
+                case 3: block_avx2(j, m0, 3, t, hi, 0); break;
+                default: block_avx2(j, m0, 4, t, hi, 0); break;
+                }
+            }
+        }
+    }
+}
+
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"), \
                             always_inline)) inline
 
@@ -229,9 +410,7 @@ BF16 static void block_bf16(const job_t *j, long m0, int mb, long lo, long hi)
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 static void rows_bf16(const job_t *j)
 {
-    long row_bytes = j->k / 2;
-    long tile = TILE_BYTES / row_bytes;
-    tile = tile < 16 ? 16 : tile / 16 * 16;
+    long tile = tile_rows(j->k);
     for (long t = j->lo; t < j->hi; t += tile) {
         long hi = t + tile < j->hi ? t + tile : j->hi;
         for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK) {
@@ -251,7 +430,7 @@ static void rows_bf16(const job_t *j)
 }
 #endif
 
-/* 1: AVX-512 with BF16 dot products, 0: portable C */
+/* 2: AVX-512 with BF16 dot products, 1: AVX2 with FMA and F16C, 0: portable C */
 int kvchat_int4_isa(void)
 {
 #ifdef KVCHAT_X86
@@ -259,6 +438,9 @@ int kvchat_int4_isa(void)
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
         && __builtin_cpu_supports("avx512bf16"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c"))
         return 1;
 #endif
     return 0;
@@ -280,19 +462,31 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
     if (best_isa < 0) best_isa = kvchat_int4_isa();
     int isa = force_isa >= 0 && force_isa < best_isa ? force_isa : best_isa;
     if (threads < 1) threads = 1;
+    float *xf = NULL;
+    int x_tiny = 0;
+    if (isa == 1) {
+        xf = malloc(sizeof(float) * (size_t)(m_rows * k));
+        if (xf == NULL) {
+            free(xsum);
+            return -2;
+        }
+        x_tiny = split_x(x, xf, m_rows, k);
+    }
     group_sums(x, xsum, m_rows, k);
     long per = (n + threads - 1) / threads;
     per = (per + 15) / 16 * 16;
     long chunks = (n + per - 1) / per;
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (long c = 0; c < chunks; c++) {
-        job_t job = {q, scales, zeros, x, xsum, out, m_rows, n, k, c * per,
-                     c * per + per < n ? c * per + per : n};
+        job_t job = {q, scales, zeros, x, xsum, xf, out, m_rows, n, k, c * per,
+                     c * per + per < n ? c * per + per : n, x_tiny};
 #ifdef KVCHAT_X86
-        if (isa == 1) { rows_bf16(&job); continue; }
+        if (isa == 2) { rows_bf16(&job); continue; }
+        if (isa == 1) { rows_avx2(&job); continue; }
 #endif
         rows_portable(&job);
     }
     free(xsum);
+    free(xf);
     return 0;
 }

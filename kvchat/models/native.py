@@ -10,10 +10,12 @@ definition). Where no compiler is found, or KVCHAT_NATIVE=0, `int8_head_mm` comp
 sum in torch (float32, one row at a time, a fixed chunk of weight rows at a time): slower, and
 its bits are its own.
 
-The int4 kernel runs where the CPU has AVX-512 BF16 dot products (AMD Zen 4 and later, Intel
-Sapphire Rapids and later): it reads the 4-bit groups once per step and gives each output one
-order of sums whatever the rows or threads, as its source says. Elsewhere the int4 layers keep
-torch's own kernel and layout (`int4_native`).
+The int4 kernel runs on x86 CPUs with AVX-512 BF16 dot products (AMD Zen 4 and later, Intel
+Sapphire Rapids and later) or with AVX2, FMA and F16C (Intel Haswell and AMD Zen and later): it
+reads the 4-bit groups once per step and gives each output one order of sums whatever the rows,
+the threads or the instruction set, as its source says, so the same weights and inputs give the
+same bits on either kind of machine. Elsewhere the int4 layers keep torch's own kernel and
+layout (`int4_native`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 HEADERS = (Path(__file__).with_name("native_sums.h"),)  # included by both: part of the key
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
-INT4_ISAS = ("portable C", "AVX-512 BF16")
+INT4_ISAS = ("portable C", "AVX2", "AVX-512 BF16")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fopenmp"]
 _FALLBACK_ROWS = 16384  # weight rows de-quantized at a time by the torch path
 
@@ -105,6 +107,7 @@ def library() -> ctypes.CDLL | None:
         [ctypes.c_int, ctypes.c_int]
     lib.kvchat_int4_isa.restype = ctypes.c_int
     lib.kvchat_attention.restype = ctypes.c_int
+    lib.kvchat_attention_isa.restype = ctypes.c_int
     lib.kvchat_attention.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_float] * 2 + \
         [ctypes.c_int] * 3
     return lib
@@ -120,10 +123,16 @@ def kernel_name() -> str:
 
 
 @cache
+def int4_isa() -> int:
+    """The int4 kernel's instruction set here, an index into INT4_ISAS (0 also when there is
+    no library)."""
+    lib = library()
+    return 0 if lib is None else int(lib.kvchat_int4_isa())
+
+
 def int4_native() -> bool:
     """Whether the int4 layers run on kvchat's kernel here (else on torch's)."""
-    lib = library()
-    return lib is not None and lib.kvchat_int4_isa() == 1
+    return int4_isa() >= 1
 
 
 def int4_kernel_name() -> str:
@@ -132,8 +141,8 @@ def int4_kernel_name() -> str:
     if lib is None:
         return kernel_name()  # why there is no native library
     if int4_native():
-        return f"native {INT4_ISAS[lib.kvchat_int4_isa()]}"
-    return "torch (this CPU has no AVX-512 BF16)"
+        return f"native {INT4_ISAS[int4_isa()]}"
+    return "torch (this CPU has neither AVX-512 BF16 nor AVX2 with FMA and F16C)"
 
 
 def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -160,6 +169,13 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch
 def attention_native() -> bool:
     """Whether attention runs on kvchat's fixed-order kernel here (`attention`)."""
     return library() is not None
+
+
+def attention_isa() -> int:
+    """The attention kernel's instruction set here: 2 AVX-512, 1 AVX2, 0 the baseline (also
+    when there is no library); each gives the same bits."""
+    lib = library()
+    return 0 if lib is None else int(lib.kvchat_attention_isa())
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -11,9 +11,10 @@ draft verification all see the same numbers.
 - int4: groups of 32 input columns share a float16 scale and zero, w = q * scale + zero with q
   in [0, 15] (GGUF's Q4_1 and Q4_K are such grids; a Q4_1 group's d and m are float16, so its
   weights come back exactly, those of the float32 model a GGUF loads as), computed by kvchat's
-  kernel where the CPU has AVX-512 BF16 (int4_matmul.c: each output in one fixed order of
-  sums), else packed by `_convert_weight_to_int4pack_for_cpu` for torch's, whose bfloat16
-  scales and zeros round them (w = (q - 8) * scale + zero there).
+  kernel where the CPU has AVX-512 BF16 or AVX2 with FMA and F16C (int4_matmul.c: each output
+  in one fixed order of sums, the same bits on either), else packed by
+  `_convert_weight_to_int4pack_for_cpu` for torch's, whose bfloat16 scales and zeros round
+  them (w = (q - 8) * scale + zero there).
 - int8: one scale per output row, w = q * scale, q in [-127, 127].
 - the output head, under int4 and int8: int8 in groups of 32 columns with a float32 scale each
   (GGUF's Q8_0, which a GGUF's Q8_0 head loads as without rounding), float32 logits, computed by
