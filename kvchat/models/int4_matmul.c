@@ -43,6 +43,7 @@
 #define ROW_BLOCK 8 /* activation rows sharing one decode of a weight group */
 #define TILE_BYTES (192 * 1024) /* packed weight rows kept in cache across the row blocks */
 #define PREFETCH 2048 /* bytes of weights ahead of the one read */
+#define SCRATCH(k) (((k) / GROUP + 15) / 16 * 16) /* floats: a row's scales, whole lines */
 
 typedef struct {
     const uint8_t *q;
@@ -51,7 +52,8 @@ typedef struct {
     const float *xf;   /* AVX2: (m_rows, groups, 32): each group's even columns, then its odd */
     uint16_t *out;
     long m_rows, n, k, lo, hi;
-    int x_tiny; /* AVX2: split_x's answer */
+    int x_tiny;     /* AVX2: split_x's answer */
+    float *scratch; /* AVX2: one row's scales as floats, a thread's own */
 } job_t;
 
 static inline float bf16_float(uint16_t v)
@@ -170,10 +172,13 @@ static int split_x(const uint16_t *x, float *xf, long m_rows, long k)
 #define AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 #define AVX2_ROW_BLOCK 4
 
-/* a float16 in every lane */
-AVX2 static __m256 half8(const uint16_t *h)
+/* a row's float16 scales as floats (its pairs read each twice, once per half) */
+AVX2 static void scales_float(const uint16_t *h, long groups, float *out)
 {
-    return _mm256_cvtph_ps(_mm_set1_epi16((short)*h));
+    long g = 0;
+    for (; g + 8 <= groups; g += 8)
+        _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+    for (; g < groups; g++) out[g] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h[g])));
 }
 
 /* zero_lanes in two sets of 8 lanes: groups g with g % 16 == l, by fma in group order */
@@ -229,7 +234,8 @@ AVX2 static void block_avx2(const job_t *j, long m0, int mb, long lo, long hi, i
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (long r = lo; r < hi; r++) {
         const uint8_t *row = j->q + r * (k / 2);
-        const uint16_t *s = j->scales + r * groups;
+        float *s = j->scratch;
+        scales_float(j->scales + r * groups, groups, s);
         __m256 lanes[AVX2_ROW_BLOCK][2];
         for (int h = 0; h < 2; h++) {
             __m256 acc[AVX2_ROW_BLOCK], odd[AVX2_ROW_BLOCK];
@@ -237,7 +243,8 @@ AVX2 static void block_avx2(const job_t *j, long m0, int mb, long lo, long hi, i
             for (int m = 0; m < mb; m++) acc[m] = odd[m] = _mm256_setzero_ps();
             for (long p = 0; p < pairs; p++) {
                 if (h == 0) _mm_prefetch((const char *)(row + 32 * p + PREFETCH), _MM_HINT_T0);
-                __m256 s0 = half8(s + 2 * p), s1 = half8(s + 2 * p + 1);
+                __m256 s0 = _mm256_broadcast_ss(s + 2 * p);
+                __m256 s1 = _mm256_broadcast_ss(s + 2 * p + 1);
                 __m256i v = _mm256_cvtepu16_epi32(
                     _mm_loadu_si128((const __m128i *)(row + 32 * p + 16 * h)));
                 __m256 ae = nibbles(v, 0), ao = nibbles(v, 8);
@@ -261,7 +268,7 @@ AVX2 static void block_avx2(const job_t *j, long m0, int mb, long lo, long hi, i
             }
             if (groups % 2) { /* an odd last group: lanes 0-7 low nibbles, 8-15 high ones */
                 long g = groups - 1;
-                __m256 sg = half8(s + g);
+                __m256 sg = _mm256_broadcast_ss(s + g);
                 __m256i v = _mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
                     (const __m128i *)(row + 16 * g))), 4 * h);
                 __m256 qe = nibbles(v, 0), qo = nibbles(v, 8);
@@ -465,7 +472,10 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
     float *xf = NULL;
     int x_tiny = 0;
     if (isa == 1) {
-        xf = malloc(sizeof(float) * (size_t)(m_rows * k));
+        /* the split activations, then each chunk's scratch row of scales, whole cache lines
+         * apart (threads writing one line would take it from each other every row) */
+        size_t floats = (size_t)(m_rows * k + (n + 15) / 16 * SCRATCH(k)); /* k % 32 == 0 */
+        xf = aligned_alloc(64, sizeof(float) * floats);
         if (xf == NULL) {
             free(xsum);
             return -2;
@@ -476,10 +486,12 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
     long per = (n + threads - 1) / threads;
     per = (per + 15) / 16 * 16;
     long chunks = (n + per - 1) / per;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    #pragma omp parallel for num_threads(chunks < threads ? (int)chunks : threads) \
+        schedule(static, 1)
     for (long c = 0; c < chunks; c++) {
         job_t job = {q, scales, zeros, x, xsum, xf, out, m_rows, n, k, c * per,
-                     c * per + per < n ? c * per + per : n, x_tiny};
+                     c * per + per < n ? c * per + per : n, x_tiny,
+                     xf ? xf + m_rows * k + c * SCRATCH(k) : NULL};
 #ifdef KVCHAT_X86
         if (isa == 2) { rows_bf16(&job); continue; }
         if (isa == 1) { rows_avx2(&job); continue; }

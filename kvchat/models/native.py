@@ -155,12 +155,15 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch
     lib = library()
     if lib is None or x.device.type != "cpu":
         raise KvchatError("the native int4 kernel runs on CPU tensors, where it is built")
-    if x.dtype != torch.bfloat16 or {scales.dtype, zeros.dtype} != {torch.float16}:
+    bf16, f16 = torch.bfloat16, torch.float16
+    if x.dtype != bf16 or scales.dtype != f16 or zeros.dtype != f16:
         raise ValueError(f"int4 matmul takes bfloat16 inputs and float16 scales, got {x.dtype}")
+    x = x.contiguous()  # rows read k apart
     m, k = x.shape
-    out = torch.empty(m, q.shape[0], dtype=torch.bfloat16)
+    n = q.shape[0]
+    out = torch.empty(m, n, dtype=bf16)
     rc = lib.kvchat_int4_mm(q.data_ptr(), scales.data_ptr(), zeros.data_ptr(), x.data_ptr(),
-                            out.data_ptr(), m, q.shape[0], k, torch.get_num_threads(), isa)
+                            out.data_ptr(), m, n, k, torch.get_num_threads(), isa)
     if rc != 0:
         raise ValueError(f"int4 matmul: no kernel for K={k}" if rc == -1 else "out of memory")
     return out
