@@ -43,7 +43,9 @@
 #define ROW_BLOCK 8 /* activation rows sharing one decode of a weight group */
 #define TILE_BYTES (192 * 1024) /* packed weight rows kept in cache across the row blocks */
 #define PREFETCH 2048 /* bytes of weights ahead of the one read */
-#define SCRATCH(k) (((k) / GROUP + 15) / 16 * 16) /* floats: a row's scales, whole lines */
+#define PAD8(g) (((g) + 7) / 8 * 8)
+/* floats of a thread's scratch row (AVX2): a weight row's scales and zeros, whole cache lines */
+#define SCRATCH(k) ((2 * PAD8((k) / GROUP) + 15) / 16 * 16)
 
 typedef struct {
     const uint8_t *q;
@@ -53,7 +55,8 @@ typedef struct {
     uint16_t *out;
     long m_rows, n, k, lo, hi;
     int x_tiny;     /* AVX2: split_x's answer */
-    float *scratch; /* AVX2: one row's scales as floats, a thread's own */
+    float *scratch; /* AVX2: one row's scales and zeros as floats, a thread's own */
+    const float *xpad; /* AVX2: xsum, each row run on with zeros to PAD8(groups) */
 } job_t;
 
 static inline float bf16_float(uint16_t v)
@@ -172,36 +175,29 @@ static int split_x(const uint16_t *x, float *xf, long m_rows, long k)
 #define AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 #define AVX2_ROW_BLOCK 4
 
-/* a row's float16 scales as floats (its pairs read each twice, once per half) */
-AVX2 static void scales_float(const uint16_t *h, long groups, float *out)
+/* n float16s as floats, then zeros up to a multiple of 8 (the AVX2 path reads whole vectors) */
+AVX2 static void halves_float(const uint16_t *h, long n, float *out)
 {
     long g = 0;
-    for (; g + 8 <= groups; g += 8)
+    for (; g + 8 <= n; g += 8)
         _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
-    for (; g < groups; g++) out[g] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h[g])));
+    if (g < n) {
+        uint16_t rest[8] = {0};
+        memcpy(rest, h + g, sizeof(uint16_t) * (size_t)(n - g));
+        _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rest)));
+    }
 }
 
-/* zero_lanes in two sets of 8 lanes: groups g with g % 16 == l, by fma in group order */
-AVX2 static void zero_lanes256(const uint16_t *zeros, const float *xsum, long groups,
+/* zero_lanes in two sets of 8 lanes: groups g with g % 16 == l, by fma in group order; `zeros`
+ * and `xsum` run on with zeros to a multiple of 8 groups, whose fma(0, 0, .) changes no lane
+ * (a lane is never -0: it starts at +0, and x + (+0) and exact cancellations give +0) */
+AVX2 static void zero_lanes256(const float *zeros, const float *xsum, long groups,
                                __m256 *lo, __m256 *hi)
 {
     __m256 lane[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    long g = 0;
-    for (; g + 8 <= groups; g += 8)
-        lane[(g / 8) % 2] = _mm256_fmadd_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zeros + g))),
-            _mm256_loadu_ps(xsum + g), lane[(g / 8) % 2]);
-    if (g < groups) { /* the last few groups one at a time, in the same order */
-        float rest[16];
-        _mm256_storeu_ps(rest, lane[0]);
-        _mm256_storeu_ps(rest + 8, lane[1]);
-        for (; g < groups; g++)
-            rest[g % 16] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_cvtph_ps(_mm_cvtsi32_si128(zeros[g])),
-                                                      _mm_set_ss(xsum[g]),
-                                                      _mm_set_ss(rest[g % 16])));
-        lane[0] = _mm256_loadu_ps(rest);
-        lane[1] = _mm256_loadu_ps(rest + 8);
-    }
+    for (long g = 0; g < groups; g += 8)
+        lane[(g / 8) % 2] = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + g), _mm256_loadu_ps(xsum + g),
+                                            lane[(g / 8) % 2]);
     *lo = lane[0];
     *hi = lane[1];
 }
@@ -234,8 +230,9 @@ AVX2 static void block_avx2(const job_t *j, long m0, int mb, long lo, long hi, i
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (long r = lo; r < hi; r++) {
         const uint8_t *row = j->q + r * (k / 2);
-        float *s = j->scratch;
-        scales_float(j->scales + r * groups, groups, s);
+        float *s = j->scratch, *zf = j->scratch + PAD8(groups);
+        halves_float(j->scales + r * groups, groups, s);
+        halves_float(j->zeros + r * groups, groups, zf);
         __m256 lanes[AVX2_ROW_BLOCK][2];
         for (int h = 0; h < 2; h++) {
             __m256 acc[AVX2_ROW_BLOCK], odd[AVX2_ROW_BLOCK];
@@ -289,7 +286,7 @@ AVX2 static void block_avx2(const job_t *j, long m0, int mb, long lo, long hi, i
 #pragma GCC unroll 4
         for (int m = 0; m < mb; m++) {
             __m256 z0, z1;
-            zero_lanes256(j->zeros + r * groups, j->xsum + (m0 + m) * groups, groups, &z0, &z1);
+            zero_lanes256(zf, j->xpad + (m0 + m) * PAD8(groups), groups, &z0, &z1);
             j->out[(m0 + m) * j->n + r] = float_bf16(
                 sum256(_mm256_add_ps(lanes[m][0], z0), _mm256_add_ps(lanes[m][1], z1)));
         }
@@ -472,9 +469,10 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
     float *xf = NULL;
     int x_tiny = 0;
     if (isa == 1) {
-        /* the split activations, then each chunk's scratch row of scales, whole cache lines
-         * apart (threads writing one line would take it from each other every row) */
-        size_t floats = (size_t)(m_rows * k + (n + 15) / 16 * SCRATCH(k)); /* k % 32 == 0 */
+        /* the split activations, the padded group sums, then each chunk's scratch row, whole
+         * cache lines apart (threads writing one line would take it from each other) */
+        long pad = (m_rows * PAD8(k / GROUP) + 15) / 16 * 16;
+        size_t floats = (size_t)(m_rows * k + pad + (n + 15) / 16 * SCRATCH(k)); /* k % 32 == 0 */
         xf = aligned_alloc(64, sizeof(float) * floats);
         if (xf == NULL) {
             free(xsum);
@@ -483,6 +481,13 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
         x_tiny = split_x(x, xf, m_rows, k);
     }
     group_sums(x, xsum, m_rows, k);
+    if (xf) { /* the AVX2 path's copy of xsum, padded */
+        long groups = k / GROUP;
+        float *xpad = xf + m_rows * k;
+        memset(xpad, 0, sizeof(float) * (size_t)(m_rows * PAD8(groups)));
+        for (long m = 0; m < m_rows; m++)
+            memcpy(xpad + m * PAD8(groups), xsum + m * groups, sizeof(float) * (size_t)groups);
+    }
     long per = (n + threads - 1) / threads;
     per = (per + 15) / 16 * 16;
     long chunks = (n + per - 1) / per;
@@ -491,7 +496,9 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
     for (long c = 0; c < chunks; c++) {
         job_t job = {q, scales, zeros, x, xsum, xf, out, m_rows, n, k, c * per,
                      c * per + per < n ? c * per + per : n, x_tiny,
-                     xf ? xf + m_rows * k + c * SCRATCH(k) : NULL};
+                     xf ? xf + m_rows * k + (m_rows * PAD8(k / GROUP) + 15) / 16 * 16
+                             + c * SCRATCH(k) : NULL,
+                     xf ? xf + m_rows * k : NULL};
 #ifdef KVCHAT_X86
         if (isa == 2) { rows_bf16(&job); continue; }
         if (isa == 1) { rows_avx2(&job); continue; }
