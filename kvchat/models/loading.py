@@ -9,7 +9,6 @@ load a model (and the tests of resolution) do not pay for them.
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,6 +39,12 @@ from kvchat.models.precision import (
     torch_dtype,
 )
 from kvchat.models.precision import itemsize as precision_itemsize
+from kvchat.models.sizes import (
+    count_parameters,
+    folder_bytes,
+    meta_parameter_count,
+    safetensors_parameter_count,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -269,52 +274,9 @@ def model_facts(
         vocab_size=int(text.vocab_size),
         max_context=getattr(text, "max_position_embeddings", None),
         n_params=count_parameters(model) if model is not None
-        else _meta_parameter_count(config) if count else None,
+        else meta_parameter_count(config) if count else None,
         **sliding_window(text),
     )
-
-
-def count_parameters(model: Any) -> int:
-    # parameters() yields a tied embedding / LM head once, as the checkpoint stores it.
-    return sum(p.numel() for p in model.parameters())
-
-
-def _meta_parameter_count(config: PretrainedConfig) -> int | None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"), quiet_transformers():
-            skeleton = AutoModelForCausalLM.from_config(config)
-    except Exception:
-        # Only a display number; an exotic config must not stop `kvchat models`.
-        return None
-    return count_parameters(skeleton)
-
-
-def _safetensors_parameter_count(folder: Path) -> int | None:
-    """Parameters stored in a folder's safetensors files, from their JSON headers alone (no
-    weights read, no model class imported). A tied embedding is stored, and counted, once."""
-    import math
-    import struct
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    try:
-        for path in files:
-            with open(path, "rb") as fh:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(size))
-            total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None
-    return total
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def describe_model(
@@ -349,7 +311,7 @@ def model_precision(source: ModelSource, dtype: str | None, device: str) -> Prec
 def _with_stored_count(config: PretrainedConfig, folder: Path | None) -> ModelFacts:
     """Facts for `kvchat models`: the parameter count from the safetensors headers when the
     folder has them, instead of building a weightless model skeleton to count."""
-    stored = _safetensors_parameter_count(folder) if folder is not None else None
+    stored = safetensors_parameter_count(folder) if folder is not None else None
     if stored is None:
         return model_facts(config)
     return replace(model_facts(config, count=False), n_params=stored)
