@@ -468,10 +468,10 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
     if (threads < 1) threads = 1;
     float *xf = NULL;
     int x_tiny = 0;
+    long pad = (m_rows * PAD8(k / GROUP) + 15) / 16 * 16; /* floats of the padded group sums */
     if (isa == 1) {
         /* the split activations, the padded group sums, then each chunk's scratch row, whole
          * cache lines apart (threads writing one line would take it from each other) */
-        long pad = (m_rows * PAD8(k / GROUP) + 15) / 16 * 16;
         size_t floats = (size_t)(m_rows * k + pad + (n + 15) / 16 * SCRATCH(k)); /* k % 32 == 0 */
         xf = aligned_alloc(64, sizeof(float) * floats);
         if (xf == NULL) {
@@ -496,8 +496,7 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
     for (long c = 0; c < chunks; c++) {
         job_t job = {q, scales, zeros, x, xsum, xf, out, m_rows, n, k, c * per,
                      c * per + per < n ? c * per + per : n, x_tiny,
-                     xf ? xf + m_rows * k + (m_rows * PAD8(k / GROUP) + 15) / 16 * 16
-                             + c * SCRATCH(k) : NULL,
+                     xf ? xf + m_rows * k + pad + c * SCRATCH(k) : NULL,
                      xf ? xf + m_rows * k : NULL};
 #ifdef KVCHAT_X86
         if (isa == 2) { rows_bf16(&job); continue; }
