@@ -67,6 +67,8 @@ def model_table(report: ModelReport, footprint: Footprint | None = None,
     if report.source.is_gguf:
         table.add_row("GGUF file", f"{report.source.location} ({_size(report.gguf_bytes)})")
         table.add_row("Converted folder", f"{report.folder} ({_size(report.folder_bytes)})")
+        if report.packed_weights is not None:
+            table.add_row("Packed weights", report.packed_weights)
     elif report.folder is not None:
         table.add_row("Folder", f"{report.folder} ({_size(report.folder_bytes)})")
     else:

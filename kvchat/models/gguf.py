@@ -75,7 +75,7 @@ def ensure_converted(
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
     try:
         name = label or gguf.stem
-        with _status(f"Reading {name} GGUF's config and tokenizer, first run only "
+        with spinner(f"Reading {name} GGUF's config and tokenizer, first run only "
                      f"({estimate(gguf.stat().st_size)} on a laptop CPU)…"):
             _converting(convert, gguf, tmp)
         _write_source_record(tmp, gguf)
@@ -156,13 +156,13 @@ def remove_stale_temp_dirs(folder: Path) -> list[Path]:
     for entry in folder.glob(f"{_TMP_PREFIX}*"):
         parts = entry.name.rsplit(".", 2)
         pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
-        if entry.is_dir() and not _pid_alive(pid):
+        if entry.is_dir() and not pid_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
@@ -196,15 +196,18 @@ def _write_source_record(folder: Path, gguf: Path) -> None:
 
 
 @contextlib.contextmanager
-def _status(message: str) -> Iterator[None]:
+def spinner(message: str) -> Iterator[None]:
     """A spinner with the time taken so far, on the terminal's stderr: bound to the stream
     now, so that convert_gguf's muting of transformers' progress bars (a redirect of
-    sys.stderr) does not mute it too."""
+    sys.stderr) does not mute it too. Nothing where stderr is not a terminal (a log, a pipe)."""
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
     console = Console(file=sys.stderr)
+    if not console.is_terminal:
+        yield
+        return
     text = TextColumn("{task.description}", table_column=Column(overflow="fold"))
     with Progress(SpinnerColumn(), TimeElapsedColumn(), text, console=console,
                   transient=True) as progress:

@@ -133,6 +133,7 @@ class ModelReport:
     device: str
     tied_head: bool  # the output head is the input embedding
     chat_template: bool | None = None  # the folder carries one (None: a hub id, not read)
+    packed_weights: str | None = None  # a quantized GGUF's packed-weights file, in a line
 
     @property
     def dtype(self) -> str:
@@ -299,7 +300,18 @@ def describe_model(
         device=device_name,
         tied_head=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
         chat_template=folder_has_template(folder) if folder is not None else None,
+        packed_weights=_packed_status(source, folder, config, precision),
     )
+
+
+def _packed_status(source: ModelSource, folder: Path | None, config: PretrainedConfig,
+                   precision: Precision) -> str | None:
+    if not source.is_gguf or not precision.quantized or folder is None:
+        return None
+    from kvchat.models.packed_weights import packed_status
+
+    return packed_status(Path(source.location), folder, config, precision.name,
+                         precision.compute_dtype)
 
 
 def model_precision(source: ModelSource, dtype: str | None, device: str) -> Precision:
@@ -339,7 +351,8 @@ def load_model(
     if device_name == "cpu":  # on a GPU the weights and the pool live in its memory
         _refuse_if_too_large(source, location, config, precision, cache)
     if source.is_gguf:
-        model, facts = _load_gguf(source, config, precision, dtype_obj, device_name)
+        model, facts = _load_gguf(source, Path(location), config, precision, dtype_obj,
+                                  device_name)
         with load_errors(source), quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
     else:
@@ -388,21 +401,24 @@ def _refuse_if_too_large(source: ModelSource, location: str, config: PretrainedC
     check_fits(footprint, available_memory(), source.description, precision.name)
 
 
-def _load_gguf(source: ModelSource, config: PretrainedConfig, precision: Precision,
-               dtype: torch.dtype, device: str) -> tuple[Any, ModelFacts]:
+def _load_gguf(source: ModelSource, folder: Path, config: PretrainedConfig,
+               precision: Precision, dtype: torch.dtype, device: str) -> tuple[Any, ModelFacts]:
     """The GGUF's weights read straight into the model, packed as they arrive: never a float32
-    copy of the whole model, on disk or in memory (`kvchat.models.gguf_weights`)."""
-    from kvchat.models.gguf_weights import load_gguf_weights
+    copy of the whole model, on disk or in memory (`kvchat.models.gguf_weights`); at int4 and
+    int8 kept packed in `folder` for the next start (`kvchat.models.packed_weights`)."""
+    from kvchat.models.packed_weights import load_gguf_packed
 
+    label = EMBEDDED_NAME if source.kind == "embedded" else Path(source.location).stem
     with load_errors(source), quiet_transformers():
-        model, done = load_gguf_weights(Path(source.location), config, precision.name, dtype)
+        model, n_params, _ = load_gguf_packed(Path(source.location), folder, config,
+                                              precision.name, dtype, label)
     if precision.quantized:
         from kvchat.models.residual import float32_residual
 
         float32_residual(model)
     if device != "cpu":
         model.to(device)
-    return model, replace(model_facts(config, count=False), n_params=done.n_params)
+    return model, replace(model_facts(config, count=False), n_params=n_params)
 
 
 def _input_device(model: Any) -> torch.device:

@@ -1,0 +1,350 @@
+"""A GGUF's packed weights kept on disk, so that a later start reads them instead of packing again.
+
+Loading a GGUF at int4 or int8 de-quantizes every tensor and packs it for the kernels
+(`gguf_weights`): most of a start (Gemma 3 270M: about 8 of its 14 s; a 3B-shaped Q4_K_M:
+minutes). The first load of a file at a precision writes what it packed into the file's folder in
+the kvchat cache dir (`packed-<precision>-<compute>-<layout>.kvw`, readable by its owner only),
+and every later load reads it back: the same tensors, bit for bit, in the same modules.
+
+    offset 0   magic b"KVPW", version (u16), header length h (u32)     10 bytes, little-endian
+    offset 10  header: JSON {key, modules, tensors, n_params, ...}, padded with spaces so that
+               10 + h is a multiple of 64
+    10 + h     payload: each tensor's bytes, each starting at a multiple of 64
+    end - 32   BLAKE2b-256 of everything before it
+
+The key names everything that decides the packed numbers: the GGUF (path, size, mtime), the
+precision and compute dtype, the int4 layout (kvchat's kernel or torch's), the versions of torch,
+transformers and gguf-py, and a digest of the modules that pack. A reader checks the length, the
+checksum and the key before it builds any tensor; a file that fails is removed and the load
+packs afresh. The weights are packed, never a float copy: the file is about the size of the
+weights the model holds (Gemma 3 270M: 270 MB, against 1.07 GB de-quantized to float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvchat.models import quant
+from kvchat.models.quant import QuantLinear, TiedInt8Embedding
+
+MAGIC = b"KVPW"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHI")
+CHECKSUM_BYTES = 32
+ALIGN = 64
+_MAX_HEADER = 1 << 26
+_TMP_PREFIX = ".tmp-packed-"
+_CLASSES: dict[str, type[QuantLinear]] = {
+    cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear)}
+# the modules whose code decides the packed numbers: an edit to any of them packs afresh
+_PACKING_MODULES = ("quant.py", "gguf_weights.py", "native.py", "precision.py")
+
+
+class PackedFileError(ValueError):
+    """A packed-weights file that must not be read; the message says why in a few words."""
+
+
+@dataclass(frozen=True)
+class PackedLoad:
+    """What reading a packed-weights file gave: its tensors, bytes and the parameters counted
+    when it was packed."""
+
+    tensors: int
+    n_bytes: int
+    n_params: int
+
+
+def packed_path(folder: Path, precision: str, compute: str) -> Path:
+    return folder / f"packed-{precision}-{compute}-{_layout()}.kvw"
+
+
+def packed_key(gguf: Path, precision: str, compute: str, architecture: str) -> dict[str, Any]:
+    """Everything that decides the numbers a load packs from `gguf`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import transformers
+
+    import kvchat
+
+    try:
+        gguf_py = version("gguf")
+    except PackageNotFoundError:
+        gguf_py = "unknown"
+    stat = gguf.stat()
+    return {
+        "gguf": str(gguf.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+        "precision": precision, "compute": compute, "architecture": architecture,
+        "int4_layout": _layout(), "kvchat": kvchat.__version__, "code": _code_digest(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "gguf_py": gguf_py,
+    }
+
+
+def save_packed(model: nn.Module, path: Path, key: dict[str, Any], n_params: int) -> None:
+    """Write `model`'s tensors and its kvchat-made modules to `path`: a temp file in the same
+    folder, readable by its owner only, renamed into place once complete. Raises OSError (a
+    full disk, a read-only folder) with nothing left behind."""
+    header, payload = _layout_of(model, key, n_params)
+    data = json.dumps(header, separators=(",", ":")).encode()
+    start = _PREFIX.size + len(data)
+    data += b" " * (-start % ALIGN)
+    _remove_stale_temp_files(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+            for chunk in _chunks(_PREFIX.pack(MAGIC, VERSION, len(data)) + data, payload):
+                digest.update(chunk)
+                out.write(chunk)
+            out.write(digest.digest())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
+                ) -> tuple[Any, PackedLoad]:
+    """The model of `config` (compute `dtype`) with the tensors and modules of the packed file
+    at `path`, made for `key`. Raises FileNotFoundError when there is none, PackedFileError
+    when it is damaged or made for something else."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.models.gguf import quiet_transformers
+
+    storage, header = _read(path)
+    if header.get("key") != key:
+        raise PackedFileError("made for another file, precision or version")
+    with init_empty_weights(include_buffers=False), quiet_transformers():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    tied_embedding = None
+    names = {record["name"] for record in header["tensors"]}
+    for entry in header["modules"]:
+        if entry["class"] == TiedInt8Embedding.__name__:
+            tied_embedding = entry
+            continue
+        cls = _CLASSES.get(entry["class"])
+        if cls is None:
+            raise PackedFileError(f"an unknown module {entry['class']!r}")
+        owner, attr = _owner(model, entry["path"])
+        setattr(owner, attr, _shell(cls, entry["attrs"], f"{entry['path']}.bias" in names))
+    base = storage.numel() - CHECKSUM_BYTES - header["payload_bytes"]
+    for record in header["tensors"]:
+        lo = base + int(record["offset"])
+        raw = storage[lo : lo + int(record["bytes"])]
+        tensor = raw.view(getattr(torch, record["dtype"])).reshape(record["shape"])
+        owner, leaf = _owner(model, record["name"])
+        if record["param"]:
+            owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
+        else:
+            owner.register_buffer(leaf, tensor)
+    if tied_embedding is not None:
+        head = model.get_output_embeddings()
+        assert isinstance(head, quant.Int8HeadLinear)
+        model.set_input_embeddings(TiedInt8Embedding(model.get_input_embeddings(), head))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type == "meta"]
+    if left:
+        raise PackedFileError(f"it lacks {', '.join(left[:3])}")
+    return model, PackedLoad(len(header["tensors"]), storage.numel(), int(header["n_params"]))
+
+
+def _layout() -> str:
+    """Which int4 layout this machine packs: kvchat's kernel's or torch's."""
+    from kvchat.models.native import int4_native
+
+    return "native" if int4_native() else "torch"
+
+
+def _code_digest() -> str:
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in _PACKING_MODULES:
+        digest.update((here / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _layout_of(model: nn.Module, key: dict[str, Any], n_params: int
+               ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The header (key, modules, tensor records) and the tensors in payload order."""
+    modules = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            modules.append({"path": name, "class": type(module).__name__,
+                            "attrs": _plain_attributes(module)})
+        elif isinstance(module, TiedInt8Embedding):
+            modules.append({"path": name, "class": type(module).__name__, "attrs": {}})
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    records, payload, seen, offset = [], [], set(), 0
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.data_ptr() in seen and tensor.numel():
+            raise ValueError(f"{name} shares its storage with another tensor")
+        seen.add(tensor.data_ptr())
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        offset += -offset % ALIGN
+        records.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "shape": list(tensor.shape), "offset": offset,
+                        "bytes": flat.numel(), "param": name in params})
+        payload.append(flat)
+        offset += flat.numel()
+    offset += -offset % ALIGN
+    header = {"key": key, "modules": modules, "tensors": records, "n_params": n_params,
+              "payload_bytes": offset}
+    return header, payload
+
+
+def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, str))}
+
+
+def _chunks(head: bytes, payload: list[torch.Tensor]) -> Any:
+    """The file's bytes before its checksum, each tensor at the next multiple of ALIGN."""
+    yield head
+    offset = 0
+    for flat in payload:
+        if offset % ALIGN:
+            yield bytes(-offset % ALIGN)
+            offset += -offset % ALIGN
+        yield flat.numpy().data
+        offset += flat.numel()
+    if offset % ALIGN:
+        yield bytes(-offset % ALIGN)
+
+
+def _read(path: Path) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The whole file in one aligned uint8 tensor (the model's tensors become views of it), and
+    its header, after the length and checksum checks."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < _PREFIX.size + CHECKSUM_BYTES:
+            raise PackedFileError("truncated")
+        storage = torch.empty(size, dtype=torch.uint8)
+        view = storage.numpy().data
+        got = 0
+        while got < size:
+            n = fh.readinto(view[got:])
+            if not n:
+                raise PackedFileError("truncated")
+            got += n
+    magic, version, length = _PREFIX.unpack_from(view)
+    if magic != MAGIC or version != VERSION or length > _MAX_HEADER:
+        raise PackedFileError("not a packed-weights file of this kvchat")
+    digest = hashlib.blake2b(view[: size - CHECKSUM_BYTES], digest_size=CHECKSUM_BYTES)
+    if digest.digest() != bytes(view[size - CHECKSUM_BYTES :]):
+        raise PackedFileError("its checksum does not match")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + length]))
+    except ValueError as exc:
+        raise PackedFileError("its header is not JSON") from exc
+    if not isinstance(header, dict) or _PREFIX.size + length + int(header.get(
+            "payload_bytes", -1)) + CHECKSUM_BYTES != size:
+        raise PackedFileError("its length is not the one its header gives")
+    return storage, header
+
+
+def _shell(cls: type[QuantLinear], attrs: dict[str, Any], bias: bool) -> QuantLinear:
+    """A `cls` layer with its plain attributes and no tensors but a meta bias where it has
+    one: the file's tensors fill it."""
+    layer = cls.__new__(cls)
+    QuantLinear.__init__(layer, nn.Linear(int(attrs["in_features"]), int(attrs["out_features"]),
+                                          bias=bias, device="meta"))
+    for name, value in attrs.items():
+        setattr(layer, name, value)
+    return layer
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), leaf
+
+
+def _remove_stale_temp_files(folder: Path) -> None:
+    """Temp files of loads whose process is gone (killed while writing)."""
+    from kvchat.models.gguf import pid_alive
+
+    for entry in folder.glob(f"{_TMP_PREFIX}*"):
+        pid = entry.name.removeprefix(_TMP_PREFIX).split(".", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+def load_gguf_packed(gguf: Path, folder: Path, config: Any, precision: str, dtype: torch.dtype,
+                     label: str) -> tuple[Any, int, str]:
+    """The model of `gguf` at `precision`: read from its packed-weights file in `folder` when
+    one was made for it, else streamed from the GGUF and packed (`gguf_weights`), then saved
+    there for the next start. Only int4 and int8 are kept: a float precision is the GGUF
+    de-quantized, which is not written. Returns (model, parameters, what happened: "read",
+    "packed", or "packed, not kept: <why>")."""
+    from kvchat.models.gguf import spinner
+    from kvchat.models.gguf_weights import load_gguf_weights
+
+    if precision not in ("int4", "int8"):
+        model, done = load_gguf_weights(gguf, config, precision, dtype)
+        return model, done.n_params, "streamed"
+    compute = str(dtype).removeprefix("torch.")
+    architecture = str((getattr(config, "architectures", None) or ["?"])[0])
+    key = packed_key(gguf, precision, compute, architecture)
+    path = packed_path(folder, precision, compute)
+    try:
+        model, read = load_packed(path, key, config, dtype)
+        return model, read.n_params, "read"
+    except FileNotFoundError:
+        pass
+    except (PackedFileError, OSError):  # damaged, or made for another version: packed again
+        with contextlib.suppress(OSError):
+            path.unlink()
+    with spinner(f"Packing {label}'s weights to {precision} for this machine's kernels; later "
+                 f"starts read them from {path.name} in {folder}…"):
+        model, done = load_gguf_weights(gguf, config, precision, dtype)
+        try:
+            save_packed(model, path, key, done.n_params)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            _warn(f"kvchat: could not keep {label}'s packed weights in {folder} ({why}); the "
+                  "next start packs them again.")
+            return model, done.n_params, f"packed, not kept: {why}"
+    return model, done.n_params, "packed"
+
+
+def _warn(line: str) -> None:
+    import sys
+
+    from rich.console import Console
+
+    Console(file=sys.stderr, highlight=False).print(line, markup=False)
+
+
+def packed_status(gguf: Path, folder: Path, config: Any, precision: str, compute: str) -> str:
+    """One line for `kvchat models`: whether a load will read packed weights or pack them (the
+    header's key is read, not the whole file's checksum)."""
+    path = packed_path(folder, precision, compute)
+    architecture = str((getattr(config, "architectures", None) or ["?"])[0])
+    try:
+        with open(path, "rb") as fh:
+            magic, version, length = _PREFIX.unpack(fh.read(_PREFIX.size))
+            header = json.loads(fh.read(min(length, _MAX_HEADER)))
+        size = path.stat().st_size
+    except (OSError, ValueError, struct.error):
+        return "none yet: the first load packs them and keeps them in the converted folder"
+    if magic != MAGIC or version != VERSION or header.get("key") != packed_key(
+            gguf, precision, compute, architecture):
+        return f"{path.name} was made by another version: the next load packs them again"
+    return f"{path.name} ({size / 2**20:,.1f} MiB): a load reads them instead of packing"

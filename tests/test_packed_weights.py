@@ -1,0 +1,171 @@
+"""A quantized GGUF's packed weights are kept on disk after its first load, and a later load
+reads them: the same tensors, bit for bit, in the same modules, with the same logits; a file
+that is damaged or made for something else is never read, and one that cannot be written
+costs nothing but the next start's packing."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+import torch
+from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
+
+from kvchat.models import gguf_weights, packed_weights
+from kvchat.models.gguf import converted_dir_for
+from kvchat.models.loading import describe_model, load_model
+from kvchat.models.quant import QuantLinear, TiedInt8Embedding
+
+
+def _gguf(tiny_tokenizer, tmp_path, quant="Q4_K", tied=False):
+    config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
+                               num_hidden_layers=2, tie_word_embeddings=tied)
+    return write_tiny_gguf(build_tiny_model(config), tiny_tokenizer,
+                           tmp_path / f"{quant}-{tied}.gguf", lambda name: quant)
+
+
+class _Streams:
+    """Counts the loads that stream the GGUF (de-quantize and pack) instead of reading."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = gguf_weights.load_gguf_weights
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(gguf_weights, "load_gguf_weights", counted)
+
+
+def _same(a, b):
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+    kinds = [type(m).__name__ for m in a.model.modules()]
+    assert kinds == [type(m).__name__ for m in b.model.modules()]
+    ids = torch.tensor([[5, 9, 2, 40, 7, 0, 3]])
+    with torch.no_grad():
+        assert torch.equal(a.model(ids).logits, b.model(ids).logits)
+    assert (a.facts.n_params, a.step_bytes) == (b.facts.n_params, b.step_bytes)
+
+
+def _packed_file(path, precision="int4"):
+    return packed_weights.packed_path(converted_dir_for(path), precision, "bfloat16")
+
+
+@pytest.mark.parametrize(("quant", "tied", "precision"), [
+    ("Q4_K", False, "int4"), ("Q4_K", False, "int8"), ("Q8_0", True, "int4"),
+    ("Q4_K", True, "int8")])
+def test_a_later_load_reads_the_packed_weights_and_gets_the_same_bits(
+        quant, tied, precision, tiny_tokenizer, tmp_path, monkeypatch):
+    path = _gguf(tiny_tokenizer, tmp_path, quant, tied)
+    monkeypatch.setattr(gguf_weights, "CHUNK_ROWS_BYTES", 4096)  # the embedding read by rows
+    streams = _Streams(monkeypatch)
+    first = load_model(str(path), dtype=precision)
+    assert streams.calls == 1
+    kept = _packed_file(path, precision)
+    assert kept.is_file()
+    second = load_model(str(path), dtype=precision)
+    assert streams.calls == 1  # read, not packed again
+    _same(first, second)
+    assert sum(isinstance(m, QuantLinear) for m in second.model.modules()) > 0
+    # a tied Q8_0 table is read from the int8 head in both (no table of its own)
+    shared = isinstance(first.model.get_input_embeddings(), TiedInt8Embedding)
+    assert shared == (quant == "Q8_0" and tied)
+    assert isinstance(second.model.get_input_embeddings(), TiedInt8Embedding) == shared
+
+
+def test_the_file_is_its_owners_only_and_far_smaller_than_the_float_weights(
+        tiny_tokenizer, tmp_path):
+    path = _gguf(tiny_tokenizer, tmp_path)
+    loaded = load_model(str(path), dtype="int4")
+    kept = _packed_file(path)
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert kept.stat().st_size < 4 * loaded.facts.n_params / 2
+    assert not list(kept.parent.glob(".tmp-packed-*"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "key"])
+def test_a_damaged_or_foreign_file_is_never_read_and_is_packed_again(
+        damage, tiny_tokenizer, tmp_path, monkeypatch):
+    path = _gguf(tiny_tokenizer, tmp_path)
+    first = load_model(str(path), dtype="int4")
+    kept = _packed_file(path)
+    data = bytearray(kept.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x10  # one bit of a weight
+        kept.write_bytes(bytes(data))
+    elif damage == "truncate":
+        kept.write_bytes(bytes(data[: len(data) - 100]))
+    else:  # the packing code changed since: its digest is part of the key
+        monkeypatch.setattr(packed_weights, "_code_digest", lambda: "another-version")
+    with pytest.raises(packed_weights.PackedFileError):
+        packed_weights.load_packed(kept, packed_weights.packed_key(
+            path, "int4", "bfloat16", "LlamaForCausalLM"), first.model.config, torch.bfloat16)
+    streams = _Streams(monkeypatch)
+    again = load_model(str(path), dtype="int4")
+    assert streams.calls == 1
+    _same(first, again)
+    # written afresh, and read by the next load
+    load_model(str(path), dtype="int4")
+    assert streams.calls == 1
+
+
+def test_a_full_disk_costs_only_the_next_starts_packing(tiny_tokenizer, tmp_path, monkeypatch,
+                                                        capsys):
+    path = _gguf(tiny_tokenizer, tmp_path)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(packed_weights.os, "fsync", full)
+    loaded = load_model(str(path), dtype="int4")
+    assert "No space left on device" in capsys.readouterr().err
+    folder = converted_dir_for(path)
+    assert not _packed_file(path).exists()
+    assert not list(folder.glob(".tmp-packed-*"))
+    monkeypatch.undo()
+    _same(loaded, load_model(str(path), dtype="int4"))
+    assert _packed_file(path).is_file()
+
+
+def test_a_dead_loads_temp_file_is_removed_and_a_float_precision_keeps_nothing(
+        tiny_tokenizer, tmp_path):
+    path = _gguf(tiny_tokenizer, tmp_path)
+    folder = converted_dir_for(path)
+    load_model(str(path), dtype="bfloat16")
+    assert not list(folder.glob("packed-*"))  # a float copy is never written
+    stale = folder / ".tmp-packed-999999999.abc"  # no such process
+    stale.write_bytes(b"half a file")
+    load_model(str(path), dtype="int4")
+    assert not stale.exists()
+
+
+def test_torchs_int4_layout_has_its_own_file(tiny_tokenizer, tmp_path, monkeypatch):
+    from kvchat.models import native
+
+    path = _gguf(tiny_tokenizer, tmp_path)
+    native_load = load_model(str(path), dtype="int4")
+    monkeypatch.setattr(native, "int4_native", lambda: False)
+    torch_file = _packed_file(path)
+    assert torch_file.name.endswith("-torch.kvw")
+    streams = _Streams(monkeypatch)
+    first = load_model(str(path), dtype="int4")
+    second = load_model(str(path), dtype="int4")
+    assert streams.calls == 1 and torch_file.is_file()
+    _same(first, second)
+    assert all(not m.native for m in second.model.modules() if hasattr(m, "native"))
+    assert native_load.model.state_dict().keys() != second.model.state_dict().keys()
+
+
+def test_kvchat_models_says_whether_a_load_reads_or_packs(tiny_tokenizer, tmp_path):
+    path = _gguf(tiny_tokenizer, tmp_path)
+    before = describe_model(str(path), dtype="int4").packed_weights
+    assert before is not None and before.startswith("none yet")
+    load_model(str(path), dtype="int4")
+    after = describe_model(str(path), dtype="int4").packed_weights
+    assert after is not None and "reads them instead of packing" in after
+    assert describe_model(str(path), dtype="bfloat16").packed_weights is None
