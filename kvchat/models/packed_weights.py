@@ -45,6 +45,9 @@ CHECKSUM_BYTES = 32
 ALIGN = 64
 _MAX_HEADER = 1 << 26
 _TMP_PREFIX = ".tmp-packed-"
+_DTYPES = {str(t).removeprefix("torch."): t for t in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool)}
 _CLASSES: dict[str, type[QuantLinear]] = {
     cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear)}
 # the modules whose code decides the packed numbers: an edit to any of them packs afresh
@@ -127,9 +130,7 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
 
     from kvchat.models.gguf import quiet_transformers
 
-    storage, header = _read(path)
-    if header.get("key") != key:
-        raise PackedFileError("made for another file, precision or version")
+    header, tensors = _read(path, key)
     with init_empty_weights(include_buffers=False), quiet_transformers():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
@@ -144,11 +145,7 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
             raise PackedFileError(f"an unknown module {entry['class']!r}")
         owner, attr = _owner(model, entry["path"])
         setattr(owner, attr, _shell(cls, entry["attrs"], f"{entry['path']}.bias" in names))
-    base = storage.numel() - CHECKSUM_BYTES - header["payload_bytes"]
-    for record in header["tensors"]:
-        lo = base + int(record["offset"])
-        raw = storage[lo : lo + int(record["bytes"])]
-        tensor = raw.view(getattr(torch, record["dtype"])).reshape(record["shape"])
+    for record, tensor in zip(header["tensors"], tensors, strict=True):
         owner, leaf = _owner(model, record["name"])
         if record["param"]:
             owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
@@ -162,7 +159,8 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
             if t.device.type == "meta"]
     if left:
         raise PackedFileError(f"it lacks {', '.join(left[:3])}")
-    return model, PackedLoad(len(header["tensors"]), storage.numel(), int(header["n_params"]))
+    n_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    return model, PackedLoad(len(tensors), n_bytes, int(header["n_params"]))
 
 
 def _layout() -> str:
@@ -196,6 +194,8 @@ def _layout_of(model: nn.Module, key: dict[str, Any], n_params: int
         if tensor.data_ptr() in seen and tensor.numel():
             raise ValueError(f"{name} shares its storage with another tensor")
         seen.add(tensor.data_ptr())
+        if tensor.dtype not in _DTYPES.values():
+            raise ValueError(f"{name} is {tensor.dtype}, which a packed file does not hold")
         flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         offset += -offset % ALIGN
         records.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
@@ -228,35 +228,68 @@ def _chunks(head: bytes, payload: list[torch.Tensor]) -> Any:
         yield bytes(-offset % ALIGN)
 
 
-def _read(path: Path) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The whole file in one aligned uint8 tensor (the model's tensors become views of it), and
-    its header, after the length and checksum checks."""
+def _read(path: Path, key: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The header and the tensors of the file at `path`, each in its own allocation (a stacked
+    layer that later replaces some of them frees them), after the checks: the length the
+    header gives, the key, and the checksum over every byte read."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
-        if size < _PREFIX.size + CHECKSUM_BYTES:
+        prefix = fh.read(_PREFIX.size)
+        if len(prefix) < _PREFIX.size:
             raise PackedFileError("truncated")
-        storage = torch.empty(size, dtype=torch.uint8)
-        view = storage.numpy().data
-        got = 0
-        while got < size:
-            n = fh.readinto(view[got:])
-            if not n:
-                raise PackedFileError("truncated")
-            got += n
-    magic, version, length = _PREFIX.unpack_from(view)
-    if magic != MAGIC or version != VERSION or length > _MAX_HEADER:
-        raise PackedFileError("not a packed-weights file of this kvchat")
-    digest = hashlib.blake2b(view[: size - CHECKSUM_BYTES], digest_size=CHECKSUM_BYTES)
-    if digest.digest() != bytes(view[size - CHECKSUM_BYTES :]):
-        raise PackedFileError("its checksum does not match")
+        magic, version, length = _PREFIX.unpack(prefix)
+        if magic != MAGIC or version != VERSION or length > _MAX_HEADER:
+            raise PackedFileError("not a packed-weights file of this kvchat")
+        raw = fh.read(length)
+        digest = hashlib.blake2b(prefix + raw, digest_size=CHECKSUM_BYTES)
+        try:
+            header = json.loads(raw)
+        except ValueError as exc:
+            raise PackedFileError("its header is not JSON") from exc
+        if not isinstance(header, dict) or _PREFIX.size + length + int(header.get(
+                "payload_bytes", -1)) + CHECKSUM_BYTES != size:
+            raise PackedFileError("its length is not the one its header gives")
+        if header.get("key") != key:
+            raise PackedFileError("made for another file, precision or version")
+        tensors, at = [], 0
+        for record in header["tensors"]:
+            tensor = _empty(record, at)
+            _read_into(fh, digest, bytearray(int(record["offset"]) - at))
+            _read_into(fh, digest, tensor.reshape(-1).view(torch.uint8).numpy().data)
+            tensors.append(tensor)
+            at = int(record["offset"]) + int(record["bytes"])
+        if at > int(header["payload_bytes"]):
+            raise PackedFileError("its tensors overrun its payload")
+        _read_into(fh, digest, bytearray(int(header["payload_bytes"]) - at))
+        if digest.digest() != fh.read(CHECKSUM_BYTES):
+            raise PackedFileError("its checksum does not match")
+    return header, tensors
+
+
+def _empty(record: dict[str, Any], at: int) -> torch.Tensor:
+    """The tensor a record describes, unfilled, once its fields are consistent: a known dtype,
+    its bytes those of its shape, starting at or after `at`."""
     try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + length]))
-    except ValueError as exc:
-        raise PackedFileError("its header is not JSON") from exc
-    if not isinstance(header, dict) or _PREFIX.size + length + int(header.get(
-            "payload_bytes", -1)) + CHECKSUM_BYTES != size:
-        raise PackedFileError("its length is not the one its header gives")
-    return storage, header
+        dtype = _DTYPES[record["dtype"]]
+        tensor = torch.empty([int(d) for d in record["shape"]], dtype=dtype)
+        fits = int(record["offset"]) >= at and \
+            tensor.numel() * tensor.element_size() == int(record["bytes"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise PackedFileError("a tensor record is malformed") from exc
+    if not fits:
+        raise PackedFileError("a tensor record is malformed")
+    return tensor
+
+
+def _read_into(fh: Any, digest: Any, view: Any) -> None:
+    """Fill `view` from `fh` and add it to `digest`."""
+    got, want = 0, len(memoryview(view).cast("B"))
+    while got < want:
+        n = fh.readinto(memoryview(view).cast("B")[got:])
+        if not n:
+            raise PackedFileError("truncated")
+        got += n
+    digest.update(view)
 
 
 def _shell(cls: type[QuantLinear], attrs: dict[str, Any], bias: bool) -> QuantLinear:
@@ -316,8 +349,8 @@ def load_gguf_packed(gguf: Path, folder: Path, config: Any, precision: str, dtyp
         model, done = load_gguf_weights(gguf, config, precision, dtype)
         try:
             save_packed(model, path, key, done.n_params)
-        except OSError as exc:
-            why = exc.strerror or str(exc)
+        except (OSError, ValueError) as exc:
+            why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
             _warn(f"kvchat: could not keep {label}'s packed weights in {folder} ({why}); the "
                   "next start packs them again.")
             return model, done.n_params, f"packed, not kept: {why}"
