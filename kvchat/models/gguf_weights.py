@@ -355,7 +355,7 @@ def _pack(model: nn.Module, name: str, weight: torch.Tensor, precision: str,
     layer = model.get_submodule(path)
     assert isinstance(layer, (nn.Linear, QuantLinear))
     n, k = int(layer.out_features), int(layer.in_features)
-    dense = nn.Linear(k, n, bias=False)
+    dense = nn.Linear(k, n, bias=False, device="meta")  # no random init to throw away
     dense.weight = nn.Parameter(weight, requires_grad=False)
     bias = layer.bias if isinstance(layer.bias, torch.Tensor) else None
     waits = bias is not None and bias.device.type == "meta"  # the file's bias comes later

@@ -211,6 +211,9 @@ def gguf_layout(buf: mmap.mmap) -> GGUFLayout:
     return _HeaderReader(buf).layout()
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _HeaderReader:
     # value type id -> struct format of a scalar (gguf.GGUFValueType)
     _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
@@ -238,6 +241,11 @@ class _HeaderReader:
             etype, count = self._take("I"), self._take("Q")
             if etype in self._SCALARS:
                 self.at += count * struct.calcsize(self._SCALARS[etype])
+            elif etype == self._STRING:  # a vocabulary: one length after another, in a loop
+                at, buf, length = self.at, self.buf, _U64.unpack_from
+                for _ in range(count):
+                    at += 8 + length(buf, at)[0]
+                self.at = at
             else:
                 for _ in range(count):
                     self._skip_value(etype)
