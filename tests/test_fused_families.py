@@ -1,11 +1,11 @@
-"""The fused decode forward of each family it covers (Mistral, Qwen2, Qwen3, Phi-3, Gemma 3;
+"""The fused decode forward of each family it covers (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3;
 Llama has tests/test_fused_decode.py) computes bitwise what that family's own transformers
 forward does, at int4 and int8: logits and the K/V it writes, for one row after a past longer
 than the sliding window and for a left-padded batch with a hole, one query and several. Each
 tiny model has what sets its family apart: q/k/v biases, q/k norms, fused qkv and gate_up,
 partial rotary, sandwich norms, scaled embeddings, local and global layers with their own
-rotary tables, a final soft-cap. Norm weights and biases are random, so a formula that
-ignores one of them fails."""
+rotary tables, an attention soft-cap, a final soft-cap. Norm weights and biases are random, so
+a formula that ignores one of them fails."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ def _config(family: str, vocab: int):
     if family == "phi3":
         return transformers.Phi3Config(partial_rotary_factor=0.5, sliding_window=WINDOW,
                                        pad_token_id=0, **shape)
+    if family == "gemma2":  # a soft-cap small enough to bend these scores
+        return transformers.Gemma2Config(
+            head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=0.5,
+            final_logit_softcapping=30.0, **shape)
     if family == "gemma3":
         return transformers.Gemma3TextConfig(
             head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
@@ -60,7 +65,8 @@ def _model(family: str, vocab: int):
 
     torch.manual_seed(TINY_SEED)
     model = AutoModelForCausalLM.from_config(_config(family, vocab)).float().eval()
-    assert model.config._attn_implementation == "sdpa"
+    # Gemma 2 attends eagerly for its soft-cap, which SDPA lacks
+    assert model.config._attn_implementation == ("eager" if family == "gemma2" else "sdpa")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # not the init's zeros and ones
@@ -68,7 +74,7 @@ def _model(family: str, vocab: int):
     return model
 
 
-FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "gemma3"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 
 
 def _pair(tokenizer, family: str, precision: str):
@@ -113,7 +119,8 @@ def test_generation_through_the_engine_is_the_same(tiny_tokenizer, family):
 
 
 def test_only_models_without_sliding_layers_share_a_head(tiny_tokenizer):
-    for family, shares in (("qwen3", True), ("mistral", False), ("gemma3", False)):
+    for family, shares in (("qwen3", True), ("mistral", False), ("gemma2", False),
+                           ("gemma3", False)):
         _, fused = _pair(tiny_tokenizer, family, "int4")
         assert fused.fused is not None and fused.fused.shares_heads is shares
         assert fused.attends_heads is shares
@@ -135,3 +142,29 @@ def test_a_norm_it_does_not_know_keeps_the_models_forward(tiny_tokenizer):
     attn.k_norm = OtherNorm(attn.k_norm.weight)
     assert ModelRunner(model).fused is None
     assert FusedDecoder.build(model) is None
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_gemma2s_attention_soft_cap_is_applied_as_its_eager_attention_does(
+        tiny_tokenizer, monkeypatch, native):
+    """Switched from its eager attention to kvchat's, Gemma 2 keeps its soft-cap, through the
+    fixed-order kernel and through the fallback where the kernel cannot run: float32 logits
+    within rounding of the eager forward's, while the cap moves them by far more."""
+    from kvchat.engine import decode_attention
+    from kvchat.models import native as native_lib
+
+    if not native:
+        monkeypatch.setattr(native_lib, "attention_native", lambda: False)
+    elif not native_lib.attention_native():
+        pytest.skip("no native library here")
+    eager = _model("gemma2", len(tiny_tokenizer))
+    ours = copy.deepcopy(eager)
+    assert decode_attention.use_decode_attention(ours)
+    uncapped = copy.deepcopy(eager)
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    ids = torch.tensor([prompt(4, 20)])
+    with torch.no_grad():
+        want, got, off = (m(ids).logits for m in (eager, ours, uncapped))
+    assert (got - want).abs().max() < 1e-4
+    assert (off - want).abs().max() > 100 * (got - want).abs().max()

@@ -85,6 +85,11 @@ def small_q_attention(
                                 kwargs.get("softcap"))
         if fixed is not None:
             return fixed, None
+    if kwargs.get("softcap") is not None and not dropout \
+            and not any(kwargs.get(k) is not None for k in _NATIVE_LACKS):
+        return _softcapped(query, key, value, attention_mask,
+                           scaling if scaling is not None else query.shape[-1] ** -0.5,
+                           float(kwargs["softcap"])), None
     if n_queries > SMALL_Q or dropout or any(kwargs.get(k) is not None for k in _FUSED_ONLY):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
@@ -103,6 +108,24 @@ def small_q_attention(
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(b, kv_heads, groups * n_queries, n_keys), value)
     return out.view(b, heads, n_queries, dim).transpose(1, 2).contiguous(), None  # (B, Q, H, D)
+
+
+def _softcapped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float,
+                softcap: float) -> torch.Tensor:
+    """Attention with a logit soft-cap (Gemma 2: softcap * tanh(s / softcap) before the mask),
+    as the family's eager attention computes it, where the fixed-order kernel cannot run:
+    SDPA has no soft-cap. (B, Q, H, D)."""
+    b, heads, n_queries, dim = query.shape
+    kv_heads, n_keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scores = torch.matmul(query, key.repeat_interleave(groups, dim=1).transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = _masked(scores.view(b, kv_heads, groups, n_queries, n_keys), attention_mask)
+    probs = torch.softmax(scores.view(b, heads, n_queries, n_keys), dim=-1,
+                          dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value.repeat_interleave(groups, dim=1)).transpose(1, 2) \
+        .contiguous()
 
 
 def _masked(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -220,15 +243,22 @@ def _register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
+# families whose attention is eager only because SDPA has no logit soft-cap: the fixed-order
+# kernel applies it (and `_softcapped` where the kernel cannot run)
+_EAGER_FOR_SOFTCAP = frozenset({"Gemma2ForCausalLM"})
+
+
 def use_decode_attention(model: Any) -> bool:
-    """Switch a model that attends with SDPA to `small_q_attention`; True if it now does.
-    Models with their own attention code (or eager attention) are left as they are."""
+    """Switch a model that attends with SDPA (or Gemma 2's eager attention, there for its
+    soft-cap) to `small_q_attention`; True if it now does. Models with their own attention
+    code (or eager attention) are left as they are."""
     if getattr(model, "_supports_attention_backend", True) is False:
         return False
     current = str(model.config._attn_implementation or "")
     if current == NAME:
         return True
-    if current != "sdpa":
+    if current != "sdpa" and not (current == "eager"
+                                  and type(model).__name__ in _EAGER_FOR_SOFTCAP):
         return False
     _register()
     model.set_attn_implementation(NAME)

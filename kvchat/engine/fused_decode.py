@@ -1,5 +1,5 @@
 """A decode forward for the common decoder families under quantized weights, with fewer ops per
-layer: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 / 2.5, Qwen3, Phi-3 and Gemma 3.
+layer: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 / 2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3.
 
 A one-token step on CPU is bound by reading the weights only once per-op overhead is gone, and
 transformers' eager forward spends about as long in Python and small ops as in the weight
@@ -18,8 +18,9 @@ same arithmetic with less around it:
   float32), q / k norms (Qwen3, Gemma 3: one call over q and k together, each head's weight
   broadcast), Gemma's sandwich norms around attention and MLP, the activation (SiLU, or the
   model's own module), partial rotary (Phi-3), a rotary table per layer kind (Gemma 3's local
-  and global layers), a sliding window per layer kind (the model's own mask functions) and the
-  final logit soft-cap.
+  and global layers), a sliding window per layer kind (the model's own mask functions), Gemma
+  2's attention logit soft-cap (the attention function applies it) and the final logit
+  soft-cap.
 The embedding (Gemma's scaled one included), the attention masks and the rotary tables come
 from the model's own modules, once per forward. So the logits equal the model's own forward
 bitwise (tests check it per family, layer kind and hit kind), and transformers' `generate` over
@@ -27,7 +28,7 @@ the same model stays the reference.
 
 It takes forwards of at most `SMALL_Q` queries per row (decode steps, draft verification);
 prefill, H2O's tracked forwards and models whose layers it does not know keep the model's
-forward (Gemma 2 among them: its attention soft-cap runs in eager attention only). Float models
+forward. Float models
 keep it too: their GEMMs are not column-separable, so stacking weights could round differently.
 A batch whose rows share a head (`shares_heads`) is taken only by models without sliding
 layers: a window would have to reach into the shared head's columns.
@@ -50,12 +51,13 @@ from kvchat.models.native import int4_mm as native_int4_mm
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
 _LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
-                            "Qwen3DecoderLayer", "Phi3DecoderLayer", "Gemma3DecoderLayer"})
+                            "Qwen3DecoderLayer", "Phi3DecoderLayer", "Gemma2DecoderLayer",
+                            "Gemma3DecoderLayer"})
 # RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) cast back, and Gemma's, computing
 # (x * rsqrt(...)) * (1 + weight) in float32 and then casting
 _LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
                           "Phi3RMSNorm"})
-_GEMMA_NORMS = frozenset({"Gemma3RMSNorm"})
+_GEMMA_NORMS = frozenset({"Gemma2RMSNorm", "Gemma3RMSNorm"})
 # `_convert_weight_to_int4pack_for_cpu` lays rows out in blocks of 64 output rows (a shorter
 # tail block when N is not a multiple): packed layers stack by row only when each is whole blocks
 _INT4_BLOCK_N = 64
@@ -93,6 +95,7 @@ class _Layer(NamedTuple):
     qk_width: int  # columns of q and k in the qkv output
     intermediate: int  # columns of gate (and of up) in the gate_up output
     scaling: float
+    softcap: float | None  # Gemma 2's attention logit soft-cap
 
 
 def _biased(mm: Matmul, bias: torch.Tensor | None) -> Matmul:
@@ -265,7 +268,7 @@ def _layer(layer: Any, config: Any, index: int) -> _Layer | None:
     return _Layer(attn, _layer_kind(config, index), qkv, attn.o_proj._mm, gate_up,
                   mlp.down_proj._mm, _activation(mlp), norm1, norm2, post_attn, post_mlp,
                   qk_norm, heads, kv_heads, head_dim, (heads + kv_heads) * head_dim,
-                  width, float(attn.scaling))
+                  width, float(attn.scaling), getattr(attn, "attn_logit_softcapping", None))
 
 
 def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
@@ -304,7 +307,9 @@ class FusedDecoder:
         rotary = self.decoder.rotary_emb
         self._rotary_per_kind = "layer_type" in inspect.signature(rotary.forward).parameters
         # a shared head's columns carry no window: only models without sliding layers take one
-        self.shares_heads = self.kinds == [_FULL]
+        # (and without an attention soft-cap, which head_attention does not apply)
+        self.shares_heads = self.kinds == [_FULL] and all(
+            layer.softcap is None for layer in layers)
 
     @classmethod
     def build(cls, model: Any) -> FusedDecoder | None:
@@ -393,7 +398,7 @@ class FusedDecoder:
         head = shared_head(cache)
         if head is None:
             out, _ = small_q_attention(layer.attn, qk[:, :heads], key, value, mask,
-                                       scaling=layer.scaling)
+                                       scaling=layer.scaling, softcap=layer.softcap)
         else:  # every row starts with the same K/V, held once
             out = head_attention(qk[:, :heads], head, key, value, mask, layer.scaling)
         attended = layer.o(out.reshape(b * q, -1).contiguous())

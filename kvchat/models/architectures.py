@@ -25,7 +25,8 @@ from kvchat.errors import NotACausalLM, UnpageableArchitecture
 # residual stream it holds in float32 under quantized weights (kvchat.models.residual).
 DECODER_FAMILIES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # Layer kinds whose whole state is per-token K/V. "attention" is how Jamba's layers_block_type and
 # RecurrentGemma's block_types name an ordinary attention layer.
