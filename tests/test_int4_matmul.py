@@ -170,3 +170,14 @@ def test_an_x86_cpu_with_avx2_or_avx512_bf16_runs_the_native_kernel():
     avx2 = {"avx2", "fma", "f16c"}.issubset(flags)
     assert native.int4_isa() == (2 if bf16 else 1 if avx2 else 0), native.int4_kernel_name()
     assert native.int4_native() == (bf16 or avx2)
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k", "m"), [(64, 32, 1), (192, 576, 1), (960, 576, 7)])
+def test_the_bound_matmul_gives_int4_mms_bits_and_checks_its_input(n, k, m):
+    _, packed, scales, zeros = _weights(n, k)
+    mm = native.int4_bound(packed, scales, zeros)
+    x = _x(m, 2 * k)[:, ::2]  # not contiguous: copied first, as int4_mm does
+    assert torch.equal(mm(x), native.int4_mm(x.contiguous(), packed, scales, zeros))
+    with pytest.raises(ValueError, match="bfloat16"):
+        mm(x.float())

@@ -47,7 +47,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from kvchat.engine.decode_attention import NAME, SMALL_Q, head_attention, small_q_attention
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
-from kvchat.models.native import int4_mm as native_int4_mm
+from kvchat.models.native import int4_bound
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
 _LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
@@ -118,7 +118,7 @@ def _stack(layers: Sequence[QuantLinear]) -> Matmul | None:
         return None
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     if len(layers) == 1:
-        return _biased(layers[0]._mm, bias)
+        return _biased(_matmul(layers[0]), bias)
     int4 = [layer for layer in layers if isinstance(layer, Int4Linear)]
     if len(int4) == len(layers) and all(layer.native for layer in int4):
         return _biased(_stack_native_int4(int4), bias)
@@ -164,12 +164,15 @@ def _stack_native_int4(layers: Sequence[Int4Linear]) -> Matmul:
                for name in ("qweight", "scales", "zeros")}
     for name, tensor in stacked.items():
         _share_rows(layers, name, tensor)
-    qweight, scales, zeros = stacked["qweight"], stacked["scales"], stacked["zeros"]
+    return int4_bound(stacked["qweight"], stacked["scales"], stacked["zeros"])
 
-    def int4_mm(x: torch.Tensor) -> torch.Tensor:
-        return native_int4_mm(x.contiguous(), qweight, scales, zeros)
 
-    return int4_mm
+def _matmul(layer: QuantLinear) -> Matmul:
+    """A layer's matmul, bound to its weight once where kvchat's int4 kernel runs it."""
+    if isinstance(layer, Int4Linear) and layer.native:
+        return int4_bound(layer.get_buffer("qweight"), layer.get_buffer("scales"),
+                          layer.get_buffer("zeros"))
+    return layer._mm
 
 
 def _stack_int8(layers: Sequence[Int8Linear]) -> Matmul:
@@ -265,8 +268,8 @@ def _layer(layer: Any, config: Any, index: int) -> _Layer | None:
     if qkv is None or gate_up is None or isinstance(qk_norm, bool):
         return None
     width = sum(p.out_features for p in gate_up_layers) // 2
-    return _Layer(attn, _layer_kind(config, index), qkv, attn.o_proj._mm, gate_up,
-                  mlp.down_proj._mm, _activation(mlp), norm1, norm2, post_attn, post_mlp,
+    return _Layer(attn, _layer_kind(config, index), qkv, _matmul(attn.o_proj), gate_up,
+                  _matmul(mlp.down_proj), _activation(mlp), norm1, norm2, post_attn, post_mlp,
                   qk_norm, heads, kv_heads, head_dim, (heads + kv_heads) * head_dim,
                   width, float(attn.scaling), getattr(attn, "attn_logit_softcapping", None))
 
