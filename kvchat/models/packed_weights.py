@@ -16,8 +16,8 @@ The key names everything that decides the packed numbers: the GGUF (path, size, 
 precision and compute dtype, the int4 layout (kvchat's kernel or torch's), the versions of torch,
 transformers and gguf-py, and a digest of the modules that pack. A reader checks the length, the
 checksum and the key before it builds any tensor; a file that fails is removed and the load
-packs afresh. The weights are packed, never a float copy: the file is about the size of the
-weights the model holds (Gemma 3 270M: 270 MB, against 1.07 GB de-quantized to float32).
+packs afresh. The weights are packed, never a float copy: the file is the size of the
+weights the model holds (Gemma 3 270M: 240 MiB, against 1.07 GB de-quantized to float32).
 """
 
 from __future__ import annotations
