@@ -128,6 +128,12 @@ def test_a_full_disk_costs_only_the_next_starts_packing(tiny_tokenizer, tmp_path
     assert not _packed_file(path).exists()
     assert not list(folder.glob(".tmp-packed-*"))
     monkeypatch.undo()
+    # nor is a file written that would leave the disk nearly full
+    monkeypatch.setattr(packed_weights, "FREE_MARGIN", 1 << 60)
+    load_model(str(path), dtype="int4")
+    assert "would leave less than" in capsys.readouterr().err
+    assert not _packed_file(path).exists()
+    monkeypatch.undo()
     _same(loaded, load_model(str(path), dtype="int4"))
     assert _packed_file(path).is_file()
 

@@ -23,9 +23,11 @@ weights the model holds (Gemma 3 270M: 240 MiB, against 1.07 GB de-quantized to 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import shutil
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 CHECKSUM_BYTES = 32
 ALIGN = 64
+FREE_MARGIN = 512 << 20  # what a packed file never takes from the disk: sessions need room too
 _MAX_HEADER = 1 << 26
 _TMP_PREFIX = ".tmp-packed-"
 _DTYPES = {str(t).removeprefix("torch."): t for t in (
@@ -102,6 +105,10 @@ def save_packed(model: nn.Module, path: Path, key: dict[str, Any], n_params: int
     start = _PREFIX.size + len(data)
     data += b" " * (-start % ALIGN)
     _remove_stale_temp_files(path.parent)
+    size = len(data) + int(header["payload_bytes"]) + CHECKSUM_BYTES
+    if shutil.disk_usage(path.parent).free < size + FREE_MARGIN:  # leave room for the rest
+        raise OSError(errno.ENOSPC, f"{size / 2**20:,.0f} MiB would leave less than "
+                      f"{FREE_MARGIN >> 20} MiB free")
     fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}.", dir=path.parent)
     try:
         os.fchmod(fd, 0o600)
