@@ -168,3 +168,20 @@ def test_gemma2s_attention_soft_cap_is_applied_as_its_eager_attention_does(
         want, got, off = (m(ids).logits for m in (eager, ours, uncapped))
     assert (got - want).abs().max() < 1e-4
     assert (off - want).abs().max() > 100 * (got - want).abs().max()
+
+
+def test_gemma2s_soft_cap_holds_in_h2os_tracked_forward(tiny_tokenizer):
+    """H2O's forwards run eager attention that reports mass; for Gemma 2 it applies the soft-cap
+    too: float32 logits within rounding of the model's own eager forward."""
+    from kvchat.engine.attention import attention_mass, track_attention
+
+    eager = _model("gemma2", len(tiny_tokenizer))
+    tracked = copy.deepcopy(eager)
+    track_attention(tracked)
+    ids = torch.tensor([prompt(4, 20)])
+    with torch.no_grad(), attention_mass(True) as rows:
+        got = tracked(ids).logits
+    assert rows  # the tracked path ran
+    with torch.no_grad():
+        want = eager(ids).logits
+    assert (got - want).abs().max() < 1e-4

@@ -39,14 +39,18 @@ def _eager_with_mass(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Eager attention that adds, per key position, the mass it received (summed over heads
-    and queries) to the active sink. Scores, softmax and the weighted sum are float32 and the
-    output is rounded once, as in the fixed-order kernel the other forwards run."""
+    """Eager attention (with the logit soft-cap a model passes) that adds, per key position,
+    the mass it received (summed over heads and queries) to the active sink. Scores, softmax
+    and the weighted sum are float32 and the output is rounded once, as in the fixed-order
+    kernel the other forwards run."""
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1).float()  # (B, H, K, D)
     value = value.repeat_interleave(groups, dim=1).float()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     weights = torch.matmul(query.float(), key.transpose(2, 3)) * scale  # (B, H, Q, K)
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # Gemma 2's, before the mask as its own attention applies it
+        weights = torch.tanh(weights / softcap) * softcap
     if attention_mask is not None:
         weights = weights + attention_mask[:, :, :, : key.shape[-2]]
     weights = torch.softmax(weights, dim=-1)
