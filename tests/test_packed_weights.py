@@ -6,6 +6,7 @@ costs nothing but the next start's packing."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 
@@ -15,7 +16,7 @@ from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 
 from kvchat.models import gguf_weights, packed_weights
 from kvchat.models.gguf import converted_dir_for
-from kvchat.models.loading import describe_model, load_model
+from kvchat.models.loading import describe_model, load_config, load_model, resolve_model
 from kvchat.models.quant import QuantLinear, TiedInt8Embedding
 
 
@@ -88,7 +89,7 @@ def test_the_file_is_its_owners_only_and_far_smaller_than_the_float_weights(
     assert not list(kept.parent.glob(".tmp-packed-*"))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "key"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "key", "config"])
 def test_a_damaged_or_foreign_file_is_never_read_and_is_packed_again(
         damage, tiny_tokenizer, tmp_path, monkeypatch):
     path = _gguf(tiny_tokenizer, tmp_path)
@@ -100,11 +101,17 @@ def test_a_damaged_or_foreign_file_is_never_read_and_is_packed_again(
         kept.write_bytes(bytes(data))
     elif damage == "truncate":
         kept.write_bytes(bytes(data[: len(data) - 100]))
-    else:  # the packing code changed since: its digest is part of the key
+    elif damage == "key":  # the packing code changed since: its digest is part of the key
         monkeypatch.setattr(packed_weights, "_code_digest", lambda: "another-version")
+    else:  # the converted config was edited (any field: a model built from it may differ)
+        config_file = converted_dir_for(path) / "config.json"
+        fields = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**fields, "edited_by_hand": True}))
+    config = load_config(resolve_model(str(path)))
+    key = packed_weights.packed_key(path, "int4", "bfloat16", "LlamaForCausalLM",
+                                    config.to_json_string())
     with pytest.raises(packed_weights.PackedFileError):
-        packed_weights.load_packed(kept, packed_weights.packed_key(
-            path, "int4", "bfloat16", "LlamaForCausalLM"), first.model.config, torch.bfloat16)
+        packed_weights.load_packed(kept, key, config, torch.bfloat16)
     streams = _Streams(monkeypatch)
     again = load_model(str(path), dtype="int4")
     assert streams.calls == 1
@@ -157,7 +164,7 @@ def test_torchs_int4_layout_has_its_own_file(tiny_tokenizer, tmp_path, monkeypat
     native_load = load_model(str(path), dtype="int4")
     monkeypatch.setattr(native, "int4_native", lambda: False)
     torch_file = _packed_file(path)
-    assert torch_file.name.endswith("-torch.kvw")
+    assert "-torch_" in torch_file.name  # torch's layout follows the CPU capability
     streams = _Streams(monkeypatch)
     first = load_model(str(path), dtype="int4")
     second = load_model(str(path), dtype="int4")

@@ -122,8 +122,8 @@ def _softcapped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scores = torch.matmul(query, key.repeat_interleave(groups, dim=1).transpose(2, 3)) * scaling
     scores = torch.tanh(scores / softcap) * softcap
     scores = _masked(scores.view(b, kv_heads, groups, n_queries, n_keys), attention_mask)
-    probs = torch.softmax(scores.view(b, heads, n_queries, n_keys), dim=-1,
-                          dtype=torch.float32).to(value.dtype)
+    probs = torch.softmax(scores.view(b, heads, n_queries, n_keys), dim=-1, dtype=torch.float32)
+    probs = probs.nan_to_num_(0.0).to(value.dtype)  # a query that sees no key: zeros, as the kernel
     return torch.matmul(probs, value.repeat_interleave(groups, dim=1)).transpose(1, 2) \
         .contiguous()
 

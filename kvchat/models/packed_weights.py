@@ -12,11 +12,12 @@ and every later load reads it back: the same tensors, bit for bit, in the same m
     10 + h     payload: each tensor's bytes, each starting at a multiple of 64
     end - 32   BLAKE2b-256 of everything before it
 
-The key names everything that decides the packed numbers: the GGUF (path, size, mtime), the
-precision and compute dtype, the int4 layout (kvchat's kernel or torch's), the versions of torch,
-transformers and gguf-py, and a digest of the modules that pack. A reader checks the length, the
-checksum and the key before it builds any tensor; a file that fails is removed and the load
-packs afresh. The weights are packed, never a float copy: the file is the size of the
+The key names everything that decides the packed numbers: the GGUF (path, size, mtime), its
+converted config, the precision and compute dtype, the int4 layout (kvchat's kernel's, or torch's
+with the CPU capability it follows), the versions of torch, transformers and gguf-py, and a
+digest of the modules that pack. A reader checks the length, the key and the tensor records,
+and the checksum over every byte once all are read, before it builds the model; a file that
+fails is removed and the load packs afresh (one it cannot open now is left as it is). The weights are packed, never a float copy: the file is the size of the
 weights the model holds (Gemma 3 270M: 240 MiB, against 1.07 GB de-quantized to float32).
 """
 
@@ -54,7 +55,8 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in (
 _CLASSES: dict[str, type[QuantLinear]] = {
     cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear)}
 # the modules whose code decides the packed numbers: an edit to any of them packs afresh
-_PACKING_MODULES = ("quant.py", "gguf_weights.py", "native.py", "precision.py")
+_PACKING_MODULES = ("quant.py", "gguf_weights.py", "native.py", "precision.py", "footprint.py",
+                    "packed_weights.py")
 
 
 class PackedFileError(ValueError):
@@ -75,7 +77,8 @@ def packed_path(folder: Path, precision: str, compute: str) -> Path:
     return folder / f"packed-{precision}-{compute}-{_layout()}.kvw"
 
 
-def packed_key(gguf: Path, precision: str, compute: str, architecture: str) -> dict[str, Any]:
+def packed_key(gguf: Path, precision: str, compute: str, architecture: str,
+               config_json: str = "") -> dict[str, Any]:
     """Everything that decides the numbers a load packs from `gguf`."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -91,6 +94,7 @@ def packed_key(gguf: Path, precision: str, compute: str, architecture: str) -> d
     return {
         "gguf": str(gguf.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
         "precision": precision, "compute": compute, "architecture": architecture,
+        "config": hashlib.sha256(config_json.encode()).hexdigest()[:16],
         "int4_layout": _layout(), "kvchat": kvchat.__version__, "code": _code_digest(),
         "torch": torch.__version__, "transformers": transformers.__version__, "gguf_py": gguf_py,
     }
@@ -171,17 +175,25 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
 
 
 def _layout() -> str:
-    """Which int4 layout this machine packs: kvchat's kernel's or torch's."""
+    """Which int4 layout this machine packs: kvchat's kernel's (the same on every CPU), or
+    torch's, whose blocks and nibble order follow the CPU capability ATen runs at."""
+    import platform
+
     from kvchat.models.native import int4_native
 
-    return "native" if int4_native() else "torch"
+    if int4_native():
+        return "native"
+    return f"torch_{platform.machine()}_{torch.backends.cpu.get_cpu_capability()}".lower()
 
 
 def _code_digest() -> str:
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in _PACKING_MODULES:
-        digest.update((here / name).read_bytes())
+    try:
+        for name in _PACKING_MODULES:
+            digest.update((here / name).read_bytes())
+    except OSError:  # an install without its sources: the version alone keys the file
+        return "no-sources"
     return digest.hexdigest()[:16]
 
 
@@ -341,14 +353,16 @@ def load_gguf_packed(gguf: Path, folder: Path, config: Any, precision: str, dtyp
         return model, done.n_params, "streamed"
     compute = str(dtype).removeprefix("torch.")
     architecture = str((getattr(config, "architectures", None) or ["?"])[0])
-    key = packed_key(gguf, precision, compute, architecture)
+    key = packed_key(gguf, precision, compute, architecture, config.to_json_string())
     path = packed_path(folder, precision, compute)
     try:
         model, read = load_packed(path, key, config, dtype)
         return model, read.n_params, "read"
-    except FileNotFoundError:
+    except OSError:  # none, or unreadable now: packed, and written again if it can be
         pass
-    except (PackedFileError, OSError):  # damaged, or made for another version: packed again
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception:  # damaged, made for another version, or not this model's: packed again
         with contextlib.suppress(OSError):
             path.unlink()
     with spinner(f"Packing {label}'s weights to {precision} for this machine's kernels; later "
@@ -384,7 +398,8 @@ def packed_status(gguf: Path, folder: Path, config: Any, precision: str, compute
         size = path.stat().st_size
     except (OSError, ValueError, struct.error):
         return "none yet: the first load packs them and keeps them in the converted folder"
-    if magic != MAGIC or version != VERSION or header.get("key") != packed_key(
-            gguf, precision, compute, architecture):
+    if magic != MAGIC or version != VERSION or not isinstance(header, dict) \
+            or header.get("key") != packed_key(gguf, precision, compute, architecture,
+                                               config.to_json_string()):
         return f"{path.name} was made by another version: the next load packs them again"
     return f"{path.name} ({size / 2**20:,.1f} MiB): a load reads them instead of packing"
