@@ -17,7 +17,8 @@ converted config, the precision and compute dtype, the int4 layout (kvchat's ker
 with the CPU capability it follows), the versions of torch, transformers and gguf-py, and a
 digest of the modules that pack. A reader checks the length, the key and the tensor records,
 and the checksum over every byte once all are read, before it builds the model; a file that
-fails is removed and the load packs afresh (one it cannot open now is left as it is). The weights are packed, never a float copy: the file is the size of the
+fails is removed and the load packs afresh (one it cannot open now is left as it is).
+The weights are packed, never a float copy: the file is the size of the
 weights the model holds (Gemma 3 270M: 240 MiB, against 1.07 GB de-quantized to float32).
 """
 
@@ -352,7 +353,7 @@ def load_gguf_packed(gguf: Path, folder: Path, config: Any, precision: str, dtyp
         model, done = load_gguf_weights(gguf, config, precision, dtype)
         return model, done.n_params, "streamed"
     compute = str(dtype).removeprefix("torch.")
-    architecture = str((getattr(config, "architectures", None) or ["?"])[0])
+    architecture = _architecture(config)
     key = packed_key(gguf, precision, compute, architecture, config.to_json_string())
     path = packed_path(folder, precision, compute)
     try:
@@ -378,6 +379,10 @@ def load_gguf_packed(gguf: Path, folder: Path, config: Any, precision: str, dtyp
     return model, done.n_params, "packed"
 
 
+def _architecture(config: Any) -> str:
+    return str((getattr(config, "architectures", None) or ["?"])[0])
+
+
 def _warn(line: str) -> None:
     import sys
 
@@ -390,7 +395,7 @@ def packed_status(gguf: Path, folder: Path, config: Any, precision: str, compute
     """One line for `kvchat models`: whether a load will read packed weights or pack them (the
     header's key is read, not the whole file's checksum)."""
     path = packed_path(folder, precision, compute)
-    architecture = str((getattr(config, "architectures", None) or ["?"])[0])
+    architecture = _architecture(config)
     try:
         with open(path, "rb") as fh:
             magic, version, length = _PREFIX.unpack(fh.read(_PREFIX.size))
