@@ -34,14 +34,19 @@ from kvchat.models.quant import (
      (None, "cpu", "int4", "int4"), ("auto", "cpu", "int8", "int8"),
      ("fp32", "cpu", "int4", "float32"), ("q4", "cpu", None, "int4"),
      ("int8", "cpu", "float16", "int8"), (None, "cpu", "float16", "float16"),
-     ("int4", "cuda:0", None, "bfloat16"), (None, "cuda", "int4", "bfloat16")],
+     ("int4", "cuda:0", None, "bfloat16"), (None, "cuda", "int4", "bfloat16"),
+     ("int8", "cuda", None, "bfloat16")],
 )  # fmt: skip
-def test_resolve_precision(option, device, gguf_class, expected):
+def test_resolve_precision(option, device, gguf_class, expected, monkeypatch):
+    from kvchat.models import gpu_weights
+
+    monkeypatch.setattr(gpu_weights, "int4_on_gpu", lambda device: False)  # as without a GPU
     precision = resolve_precision(option, device, gguf_class)
     assert precision.name == expected
     assert precision.compute_dtype == ("bfloat16" if expected in ("int4", "int8") else expected)
-    if device.startswith("cuda") and (option or gguf_class or "").startswith(("int", "q")):
-        assert "CPU only" in precision.why
+    asked = option or gguf_class or ""
+    if device.startswith("cuda") and asked.startswith(("int", "q")):  # no GPU here
+        assert ("capability 8.0" if asked in ("int4", "q4") else "CPU only") in precision.why
 
 
 def test_unknown_precision_names_the_choices():

@@ -46,6 +46,9 @@ def models(
 
         head = kernel_name()
         int4 = int4_kernel_name() if report.precision.name == "int4" else None
+        if report.device != "cpu":  # gpu_weights.place_on_gpu
+            head = f"logits from a bfloat16 copy on {report.device}"
+            int4 = f"torch's int4 kernel on {report.device}"
     from kvchat.engine.forward_plan import choose_forward
 
     facts = report.facts

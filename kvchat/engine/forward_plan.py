@@ -82,7 +82,8 @@ def choose_forward(architecture: str, precision: str, compute: str, device: str,
     mass = policy in POLICIES_WITH_MASS
     known = DECODER_FAMILIES.get(architecture) or \
         (architecture if architecture in DECODER_FAMILIES.values() else None)
-    family = known if precision in QUANTIZED and not mass else None
+    # the fused forward calls kvchat's CPU kernels
+    family = known if precision in QUANTIZED and not mass and device == "cpu" else None
     fixed = device == "cpu" and compute in ("bfloat16", "float32") and native
     attention = EAGER_MASS if mass else FIXED if fixed else SDPA
     limits = []

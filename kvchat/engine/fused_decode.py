@@ -331,6 +331,8 @@ class FusedDecoder:
             return None
         if str(config._attn_implementation) != NAME:  # use_decode_attention switched it
             return None
+        if next(model.parameters()).device.type != "cpu":  # kvchat's kernels are CPU code
+            return None
         if getattr(config, "use_bidirectional_attention", False):
             return None
         norm = _norm(decoder.norm)

@@ -357,7 +357,9 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
     else:
         placement: dict[str, Any] = {}
-        if device_name == "cuda":
+        if precision.quantized:
+            pass  # packed on CPU, then placed packed (`_place`)
+        elif device_name == "cuda":
             # accelerate spreads a model too large for one GPU over all of them.
             placement["device_map"] = "auto"
         elif device_name != "cpu":
@@ -376,6 +378,7 @@ def load_model(
         facts = model_facts(config, model)  # counted before packing hides the weights in buffers
         if precision.quantized:
             quantize_model(model, precision.name)
+            _place(model, precision, device_name)
     setattr(model, PRECISION_ATTRIBUTE, precision.name)  # travels with the model to its runner
     return LoadedModel(
         model=model,
@@ -416,9 +419,20 @@ def _load_gguf(source: ModelSource, folder: Path, config: PretrainedConfig,
         from kvchat.models.residual import float32_residual
 
         float32_residual(model)
-    if device != "cpu":
-        model.to(device)
+    _place(model, precision, device)
     return model, replace(model_facts(config, count=False), n_params=n_params)
+
+
+def _place(model: Any, precision: Precision, device: str) -> None:
+    """Move a model loaded (and packed) on CPU to `device`; int4 stays packed on a GPU."""
+    if device == "cpu":
+        return
+    if precision.quantized:
+        from kvchat.models.gpu_weights import place_on_gpu
+
+        place_on_gpu(model, device)
+    else:
+        model.to(device)
 
 
 def _input_device(model: Any) -> torch.device:

@@ -129,7 +129,8 @@ def resolve_device(device: str | None = "auto") -> str:
 
 def resolve_precision(option: str | None, device: str, gguf_class: str | None) -> Precision:
     """The precision to run: the option if given, else the GGUF's class, else the device's
-    float default. Quantized weights run on CPU only: on a GPU they fall back to bfloat16."""
+    float default. On a GPU int4 runs on torch's CUDA kernel (`gpu_weights`) where it can,
+    int8 and older GPUs fall back to bfloat16."""
     on_gpu = device.startswith("cuda")
     if option is not None and option.strip().lower() != "auto":
         name, why = canonical(option), "--dtype"
@@ -138,7 +139,13 @@ def resolve_precision(option: str | None, device: str, gguf_class: str | None) -
     else:
         name = "bfloat16" if on_gpu else "float32"
         why = "the default on " + ("a GPU" if on_gpu else "CPU")
-    if name in QUANTIZED and on_gpu:
+    if name == "int4" and on_gpu:
+        from kvchat.models.gpu_weights import int4_on_gpu
+
+        if not int4_on_gpu(device):
+            return Precision("bfloat16", f"torch's int4 kernel needs a GPU of compute "
+                             f"capability 8.0 or later; bfloat16 on {device}")
+    elif name in QUANTIZED and on_gpu:
         return Precision("bfloat16", f"{name} kernels run on CPU only; bfloat16 on {device}")
     return Precision(name, why)
 

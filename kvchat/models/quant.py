@@ -287,6 +287,8 @@ class Int8HeadLinear(QuantLinear):
         return out.reshape(*shape[:-1], self.out_features)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":  # on a GPU: a bfloat16 copy (`gpu_weights.place_on_gpu`)
+            return nn.functional.linear(x.to(_BF16), self.get_buffer("dense_weight")).float()
         from kvchat.models.native import int8_head_mm
 
         return int8_head_mm(x, self.get_buffer("qweight"), self.get_buffer("scales"),
