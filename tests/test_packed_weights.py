@@ -15,6 +15,7 @@ import torch
 from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 
 from kvchat.models import gguf_weights, packed_weights
+from kvchat.models.footprint import footprint_of
 from kvchat.models.gguf import converted_dir_for
 from kvchat.models.loading import describe_model, load_config, load_model, resolve_model
 from kvchat.models.quant import QuantLinear, TiedInt8Embedding
@@ -174,11 +175,23 @@ def test_torchs_int4_layout_has_its_own_file(tiny_tokenizer, tmp_path, monkeypat
     assert native_load.model.state_dict().keys() != second.model.state_dict().keys()
 
 
+def _loading_bytes(report) -> int:
+    """The float32 copies `kvchat models` expects a load of `report`'s model to hold."""
+    footprint = footprint_of(report.source, report.folder, report.precision.name,
+                             report.tied_head, 0, None, packed=report.packed_ready)
+    assert footprint is not None
+    return footprint.loading
+
+
 def test_kvchat_models_says_whether_a_load_reads_or_packs(tiny_tokenizer, tmp_path):
     path = _gguf(tiny_tokenizer, tmp_path)
-    before = describe_model(str(path), dtype="int4").packed_weights
-    assert before is not None and before.startswith("none yet")
+    before = describe_model(str(path), dtype="int4")
+    assert before.packed_weights is not None and before.packed_weights.startswith("none yet")
+    assert not before.packed_ready and _loading_bytes(before) > 0
     load_model(str(path), dtype="int4")
-    after = describe_model(str(path), dtype="int4").packed_weights
-    assert after is not None and "reads them instead of packing" in after
+    after = describe_model(str(path), dtype="int4")
+    assert after.packed_weights is not None
+    assert "reads them instead of packing" in after.packed_weights
+    # reading the file holds no float32 copy of a tensor on the side
+    assert after.packed_ready and _loading_bytes(after) == 0
     assert describe_model(str(path), dtype="bfloat16").packed_weights is None

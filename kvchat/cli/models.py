@@ -39,7 +39,7 @@ def models(
     report = describe_model(model, dtype=dtype, device=device)
     per_token = report.facts.kv_bytes_per_token(report.dtype)
     footprint = footprint_of(report.source, report.folder, report.precision.name,
-                             report.tied_head, per_token, cache)
+                             report.tied_head, per_token, cache, packed=report.packed_ready)
     head = int4 = None
     if report.precision.quantized:
         from kvchat.models.native import int4_kernel_name, kernel_name
@@ -117,7 +117,8 @@ def _resident(footprint: Footprint | None) -> str:
     return (f"~{_size(footprint.resident)} (weights {_size(footprint.weights)}, K/V pool "
             f"{_size(footprint.kv_pool)} when full, runtime {_size(footprint.runtime)}); "
             f"up to ~{_size(footprint.while_loading)} while loading "
-            f"({_size(footprint.loading)} of float32 copies)")
+            + (f"({_size(footprint.loading)} of float32 copies)" if footprint.loading else
+               "(packed weights read as they are, no float32 copies)"))
 
 
 def _available(footprint: Footprint | None, available: Available | None, device: str) -> str:

@@ -26,7 +26,7 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -102,13 +102,20 @@ class _Weights(NamedTuple):
 
 
 def footprint_of(source: ModelSource, folder: Path | None, precision: str, tied: bool,
-                 kv_bytes_per_token: int, cache: CacheConfig | None) -> Footprint | None:
+                 kv_bytes_per_token: int, cache: CacheConfig | None,
+                 packed: bool = False) -> Footprint | None:
     """The footprint of a resolved model whose config and tokenizer are in `folder` (the
-    converted folder of a GGUF); None for a hub id, whose files are not read before loading."""
+    converted folder of a GGUF); None for a hub id, whose files are not read before loading.
+    `packed`: the load reads a packed-weights file (`packed_weights`), each tensor straight
+    into its own allocation, so it holds no float32 copies on the side."""
     if not source.is_local or folder is None:
         return None
     weights = Path(source.location) if source.is_gguf else folder
-    return estimate(weights, source.is_gguf, precision, tied, kv_bytes_per_token, cache, folder)
+    footprint = estimate(weights, source.is_gguf, precision, tied, kv_bytes_per_token, cache,
+                         folder)
+    if footprint is not None and packed:
+        footprint = replace(footprint, loading=0)
+    return footprint
 
 
 def estimate(location: Path, is_gguf: bool, precision: str, tied: bool,

@@ -134,6 +134,7 @@ class ModelReport:
     tied_head: bool  # the output head is the input embedding
     chat_template: bool | None = None  # the folder carries one (None: a hub id, not read)
     packed_weights: str | None = None  # a quantized GGUF's packed-weights file, in a line
+    packed_ready: bool = False  # a load will read that file instead of packing
 
     @property
     def dtype(self) -> str:
@@ -290,6 +291,7 @@ def describe_model(
     location = weights_location(source)
     config = load_config(source, location)
     folder = Path(location) if source.is_local else None
+    packed = _packed_status(source, folder, config, precision)
     return ModelReport(
         source=source,
         folder=folder,
@@ -300,12 +302,14 @@ def describe_model(
         device=device_name,
         tied_head=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
         chat_template=folder_has_template(folder) if folder is not None else None,
-        packed_weights=_packed_status(source, folder, config, precision),
+        packed_weights=packed[0] if packed else None,
+        packed_ready=bool(packed and packed[1]),
     )
 
 
 def _packed_status(source: ModelSource, folder: Path | None, config: PretrainedConfig,
-                   precision: Precision) -> str | None:
+                   precision: Precision) -> tuple[str, bool] | None:
+    """`packed_weights.packed_status` for a quantized GGUF; None for anything else."""
     if not source.is_gguf or not precision.quantized or folder is None:
         return None
     from kvchat.models.packed_weights import packed_status
@@ -400,7 +404,9 @@ def _refuse_if_too_large(source: ModelSource, location: str, config: PretrainedC
     tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
     per_token = model_facts(config, count=False).kv_bytes_per_token(precision.name)
     folder = Path(location) if source.is_local else None
-    footprint = footprint_of(source, folder, precision.name, tied, per_token, cache)
+    packed = _packed_status(source, folder, config, precision)
+    footprint = footprint_of(source, folder, precision.name, tied, per_token, cache,
+                             packed=bool(packed and packed[1]))
     check_fits(footprint, available_memory(), source.description, precision.name)
 
 

@@ -391,9 +391,10 @@ def _warn(line: str) -> None:
     Console(file=sys.stderr, highlight=False).print(line, markup=False)
 
 
-def packed_status(gguf: Path, folder: Path, config: Any, precision: str, compute: str) -> str:
-    """One line for `kvchat models`: whether a load will read packed weights or pack them (the
-    header's key is read, not the whole file's checksum)."""
+def packed_status(gguf: Path, folder: Path, config: Any, precision: str,
+                  compute: str) -> tuple[str, bool]:
+    """Whether a load will read packed weights (True) or pack them, and one line saying so for
+    `kvchat models` (the header's key is read, not the whole file's checksum)."""
     path = packed_path(folder, precision, compute)
     architecture = _architecture(config)
     try:
@@ -402,9 +403,11 @@ def packed_status(gguf: Path, folder: Path, config: Any, precision: str, compute
             header = json.loads(fh.read(min(length, _MAX_HEADER)))
         size = path.stat().st_size
     except (OSError, ValueError, struct.error):
-        return "none yet: the first load packs them and keeps them in the converted folder"
+        return "none yet: the first load packs them and keeps them in the converted folder", \
+            False
     if magic != MAGIC or version != VERSION or not isinstance(header, dict) \
             or header.get("key") != packed_key(gguf, precision, compute, architecture,
                                                config.to_json_string()):
-        return f"{path.name} was made by another version: the next load packs them again"
-    return f"{path.name} ({size / 2**20:,.1f} MiB): a load reads them instead of packing"
+        return f"{path.name} was made by another version: the next load packs them again", \
+            False
+    return f"{path.name} ({size / 2**20:,.1f} MiB): a load reads them instead of packing", True
