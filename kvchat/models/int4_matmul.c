@@ -44,6 +44,7 @@
 #define TILE_BYTES (192 * 1024) /* packed weight rows kept in cache across the row blocks */
 #define PREFETCH 2048 /* bytes of weights ahead of the one read */
 #define PAD8(g) (((g) + 7) / 8 * 8)
+#define SCALES_MAX 2048 /* groups per row the AVX-512 path takes (k up to 65,536) */
 /* floats of a thread's scratch row (AVX2): a weight row's scales and zeros, whole cache lines */
 #define SCRATCH(k) ((2 * PAD8((k) / GROUP) + 15) / 16 * 16)
 
@@ -63,20 +64,6 @@ static inline float bf16_float(uint16_t v)
 {
     uint32_t u = (uint32_t)v << 16;
     float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* an IEEE half as float32, exactly (what vcvtph2ps gives) */
-static inline float half_float(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu, u;
-    float f;
-    if (e == 0) { /* zero or subnormal: m * 2^-24 */
-        f = ldexpf((float)m, -24);
-        return sign ? -f : f;
-    }
-    u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
     memcpy(&f, &u, 4);
     return f;
 }
@@ -324,11 +311,6 @@ static void rows_avx2(const job_t *j)
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"), \
                             always_inline)) inline
 
-BF16 static __m512 scale_of(const uint16_t *s) /* a float16 broadcast as float32 */
-{
-    return _mm512_cvtph_ps(_mm256_set1_epi16((short)*s));
-}
-
 /* zero_lanes, 16 groups a step */
 BF16 static __m512 zero_lanes512(const uint16_t *zeros, const float *xsum, long groups)
 {
@@ -341,41 +323,96 @@ BF16 static __m512 zero_lanes512(const uint16_t *zeros, const float *xsum, long 
     return lane;
 }
 
+/* vdpbf16ps into a register zeroed by the xor idiom, which the renamer handles (a copy of a
+ * zero register, what a compiler emits for the intrinsic, took a vector uop each) */
+BF16 static __m512 pair_sums(__m512i w, __m512i x)
+{
+    __m512 d;
+    __asm__("vpxord %0, %0, %0\n\tvdpbf16ps %2, %1, %0" : "=&v"(d) : "v"(w), "v"(x));
+    return d;
+}
+
+/* bfloat16 of q for q = 0..15, twice (vpermw reads 32 words) */
+BF16 static __m512i q_table(void)
+{
+    return _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+}
+
+/* a row's scales as floats, read by broadcasts from memory: a load each, where a float16
+ * broadcast and its conversion took two vector uops of the port the table lookups need */
+BF16 static void row_scales(const uint16_t *s, long groups, float *sf)
+{
+    for (long g = 0; g < groups; g += 16) {
+        __mmask16 live = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        _mm512_storeu_ps(sf + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s + g)));
+    }
+}
+
+/* pair p of a weight row as bfloat16: w0 its even group, w1 its odd one. A byte per word:
+ * vpermw reads the low 5 bits, so the low nibble indexes the twice-written table as it is, and
+ * the high one once shifted down. */
+BF16 static void pair_words(const uint8_t *row, long p, __m512i table, __m512i *w0, __m512i *w1)
+{
+    /* one stream per thread reaches about 16 GB/s from memory on its own, 25 with this
+     * prefetch (a 2-core EPYC, 17,920 x 1,536 weights out of cache) */
+    _mm_prefetch((const char *)(row + 32 * p + PREFETCH), _MM_HINT_T0);
+    __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 32 * p)));
+    *w0 = _mm512_permutexvar_epi16(words, table);
+    *w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+}
+
+/* a cache line of scales and of zeros per 16 pairs, ahead */
+BF16 static void prefetch_scales(const job_t *j, long r, long p)
+{
+    long groups = j->k / GROUP;
+    if (p % 16 == 0) {
+        _mm_prefetch((const char *)(j->scales + r * groups + 2 * p + PREFETCH / 8), _MM_HINT_T0);
+        _mm_prefetch((const char *)(j->zeros + r * groups + 2 * p + PREFETCH / 8), _MM_HINT_T0);
+    }
+}
+
+/* an odd last group (16 bytes, columns i and 16 + i) as bfloat16 */
+BF16 static __m512i last_words(const uint8_t *row, long g, __m512i table)
+{
+    __m128i b = _mm_loadu_si128((const __m128i *)(row + 16 * g));
+    __m256i both = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_and_si128(b, _mm_set1_epi8(15))),
+        _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)), 1);
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), table);
+}
+
+/* output (m, r) from its even and odd lanes: ((even + odd) + zero terms), summed as tree16 */
+BF16 static void finish(const job_t *j, long m, long r, __m512 even, __m512 odd)
+{
+    long groups = j->k / GROUP;
+    __m512 z = zero_lanes512(j->zeros + r * groups, j->xsum + m * groups, groups);
+    j->out[m * j->n + r] = float_bf16(sum512(_mm512_add_ps(_mm512_add_ps(even, odd), z)));
+}
+
 /* One row block of `mb` activation rows against weight rows [lo, hi); mb is a constant where
  * this is inlined, so the accumulators stay in registers. */
 BF16 static void block_bf16(const job_t *j, long m0, int mb, long lo, long hi)
 {
     long groups = j->k / GROUP, k = j->k, pairs = groups / 2;
-    /* bfloat16 of q for q = 0..15, twice (vpermw reads 32 words) */
-    const __m512i table = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i table = q_table();
     const __m512 zero = _mm512_setzero_ps();
     const uint16_t *x = j->x + m0 * k;
+    float sf[SCALES_MAX + 16];
     for (long r = lo; r < hi; r++) {
         const uint8_t *row = j->q + r * (k / 2);
-        const uint16_t *s = j->scales + r * groups;
+        row_scales(j->scales + r * groups, groups, sf);
         __m512 acc[ROW_BLOCK], odd[ROW_BLOCK];
 #pragma GCC unroll 8
         for (int m = 0; m < mb; m++) acc[m] = odd[m] = zero;
         for (long p = 0; p < pairs; p++) {
-            /* one stream per thread reaches about 16 GB/s from memory on its own, 25 with
-             * this (a 2-core EPYC, 17,920 x 1,536 weights out of cache) */
-            _mm_prefetch((const char *)(row + 32 * p + PREFETCH), _MM_HINT_T0);
-            if (p % 16 == 0) { /* a cache line of scales and of zeros per 16 pairs */
-                _mm_prefetch((const char *)(s + 2 * p + PREFETCH / 8), _MM_HINT_T0);
-                _mm_prefetch((const char *)(j->zeros + r * groups + 2 * p + PREFETCH / 8),
-                             _MM_HINT_T0);
-            }
-            /* a byte per word: vpermw reads the low 5 bits, so the low nibble indexes the
-             * twice-written table as it is, and the high one once shifted down */
-            __m512i words = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256((const __m256i *)(row + 32 * p)));
-            __m512i w0 = _mm512_permutexvar_epi16(words, table);
-            __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
-            __m512 s0 = scale_of(s + 2 * p), s1 = scale_of(s + 2 * p + 1);
+            __m512i w0, w1;
+            prefetch_scales(j, r, p);
+            pair_words(row, p, table, &w0, &w1);
+            __m512 s0 = _mm512_set1_ps(sf[2 * p]), s1 = _mm512_set1_ps(sf[2 * p + 1]);
 #pragma GCC unroll 8
             for (int m = 0; m < mb; m++) {
                 const uint16_t *xm = x + m * k + 64 * p;
@@ -387,14 +424,10 @@ BF16 static void block_bf16(const job_t *j, long m0, int mb, long lo, long hi)
                 odd[m] = _mm512_fmadd_ps(d1, s1, odd[m]);
             }
         }
-        if (groups % 2) { /* an odd last group: 16 bytes, columns i and 16 + i */
+        if (groups % 2) {
             long g = groups - 1;
-            __m128i b = _mm_loadu_si128((const __m128i *)(row + 16 * g));
-            __m256i both = _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_and_si128(b, _mm_set1_epi8(15))),
-                _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)), 1);
-            __m512i w = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), table);
-            __m512 sg = scale_of(s + g);
+            __m512i w = last_words(row, g, table);
+            __m512 sg = _mm512_set1_ps(sf[g]);
 #pragma GCC unroll 8
             for (int m = 0; m < mb; m++) {
                 __m512 d = _mm512_dpbf16_ps(zero, (__m512bh)w,
@@ -403,12 +436,49 @@ BF16 static void block_bf16(const job_t *j, long m0, int mb, long lo, long hi)
             }
         }
 #pragma GCC unroll 8
-        for (int m = 0; m < mb; m++) {
-            __m512 z = zero_lanes512(j->zeros + r * groups, j->xsum + (m0 + m) * groups, groups);
-            __m512 lanes = _mm512_add_ps(_mm512_add_ps(acc[m], odd[m]), z);
-            j->out[(m0 + m) * j->n + r] = float_bf16(sum512(lanes));
-        }
+        for (int m = 0; m < mb; m++) finish(j, m0 + m, r, acc[m], odd[m]);
     }
+}
+
+/* block_bf16 for one activation row, two weight rows at a time: each output's sums in the same
+ * order, but four independent fma chains in flight instead of two, so a decode step is not
+ * bound by the fma latency (one row's chains wait 4 cycles a pair) */
+BF16 static void block_bf16_one(const job_t *j, long m0, long lo, long hi)
+{
+    long groups = j->k / GROUP, k = j->k, pairs = groups / 2, r = lo;
+    const __m512i table = q_table();
+    const __m512 zero = _mm512_setzero_ps();
+    const uint16_t *x = j->x + m0 * k;
+    float sa[SCALES_MAX + 16], sb[SCALES_MAX + 16];
+    for (; r + 1 < hi; r += 2) {
+        const uint8_t *ra = j->q + r * (k / 2), *rb = ra + k / 2;
+        row_scales(j->scales + r * groups, groups, sa);
+        row_scales(j->scales + (r + 1) * groups, groups, sb);
+        __m512 acc_a = zero, odd_a = zero, acc_b = zero, odd_b = zero;
+        for (long p = 0; p < pairs; p++) {
+            __m512i a0, a1, b0, b1;
+            prefetch_scales(j, r, p);
+            prefetch_scales(j, r + 1, p);
+            pair_words(ra, p, table, &a0, &a1);
+            pair_words(rb, p, table, &b0, &b1);
+            __m512i x0 = _mm512_loadu_si512(x + 64 * p), x1 = _mm512_loadu_si512(x + 64 * p + 32);
+            acc_a = _mm512_fmadd_ps(pair_sums(a0, x0), _mm512_set1_ps(sa[2 * p]), acc_a);
+            acc_b = _mm512_fmadd_ps(pair_sums(b0, x0), _mm512_set1_ps(sb[2 * p]), acc_b);
+            odd_a = _mm512_fmadd_ps(pair_sums(a1, x1), _mm512_set1_ps(sa[2 * p + 1]), odd_a);
+            odd_b = _mm512_fmadd_ps(pair_sums(b1, x1), _mm512_set1_ps(sb[2 * p + 1]), odd_b);
+        }
+        if (groups % 2) {
+            long g = groups - 1;
+            __m512bh xg = (__m512bh)_mm512_loadu_si512(x + GROUP * g);
+            acc_a = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, (__m512bh)last_words(ra, g, table), xg),
+                                    _mm512_set1_ps(sa[g]), acc_a);
+            acc_b = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, (__m512bh)last_words(rb, g, table), xg),
+                                    _mm512_set1_ps(sb[g]), acc_b);
+        }
+        finish(j, m0, r, acc_a, odd_a);
+        finish(j, m0, r + 1, acc_b, odd_b);
+    }
+    if (r < hi) block_bf16(j, m0, 1, r, hi);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
@@ -420,7 +490,7 @@ static void rows_bf16(const job_t *j)
         for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK) {
             long left = j->m_rows - m0;
             switch (left < ROW_BLOCK ? left : ROW_BLOCK) {
-            case 1: block_bf16(j, m0, 1, t, hi); break;
+            case 1: block_bf16_one(j, m0, t, hi); break;
             case 2: block_bf16(j, m0, 2, t, hi); break;
             case 3: block_bf16(j, m0, 3, t, hi); break;
             case 4: block_bf16(j, m0, 4, t, hi); break;
@@ -499,7 +569,7 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
                      xf ? xf + m_rows * k + pad + c * SCRATCH(k) : NULL,
                      xf ? xf + m_rows * k : NULL};
 #ifdef KVCHAT_X86
-        if (isa == 2) { rows_bf16(&job); continue; }
+        if (isa == 2 && k / GROUP <= SCALES_MAX) { rows_bf16(&job); continue; }
         if (isa == 1) { rows_avx2(&job); continue; }
 #endif
         rows_portable(&job);
