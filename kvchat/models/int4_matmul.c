@@ -323,13 +323,10 @@ BF16 static __m512 zero_lanes512(const uint16_t *zeros, const float *xsum, long 
     return lane;
 }
 
-/* vdpbf16ps into a register zeroed by the xor idiom, which the renamer handles (a copy of a
- * zero register, what a compiler emits for the intrinsic, took a vector uop each) */
+/* vdpbf16ps with a zero accumulator: a pair's sum of products, rounded once */
 BF16 static __m512 pair_sums(__m512i w, __m512i x)
 {
-    __m512 d;
-    __asm__("vpxord %0, %0, %0\n\tvdpbf16ps %2, %1, %0" : "=&v"(d) : "v"(w), "v"(x));
-    return d;
+    return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w, (__m512bh)x);
 }
 
 /* bfloat16 of q for q = 0..15, twice (vpermw reads 32 words) */

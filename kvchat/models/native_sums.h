@@ -1,10 +1,12 @@
 /* What the native kernels share: the fixed sum of 16 lanes they end each output with (l + l+8,
  * then + l+4, + l+2, + l+1; `tree16` over an array, the portable paths, and `sum512` over an
- * AVX-512 register give the same bits), and the rounding of their bfloat16 outputs. */
+ * AVX-512 register give the same bits), the rounding of their bfloat16 outputs, and float16
+ * values read exactly. */
 
 #ifndef KVCHAT_NATIVE_SUMS_H
 #define KVCHAT_NATIVE_SUMS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -16,6 +18,20 @@ static inline uint16_t float_bf16(float f)
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* an IEEE half as float32, exactly (what vcvtph2ps gives) */
+static inline float half_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu, u;
+    float f;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        f = ldexpf((float)m, -24);
+        return sign ? -f : f;
+    }
+    u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 static inline float tree16(const float *lane)
