@@ -1,5 +1,6 @@
-"""quantize_int4 lays groups out as columns for speed; every value still takes the operations of
-the plain per-group definition below, so the two agree bit for bit on weights on a full 4-bit
+"""quantize_int4 lays groups out as columns for speed (torch), or finds each group's grid in C
+(int4_grid.c, where the native library is built); every value still takes the operations of the
+plain per-group definition below, so all three agree bit for bit on weights on a full 4-bit
 grid (Q4_1), on a partial one (Q4_K), off any grid (float weights, Q5_0 / Q6_K re-packed),
 with constant groups, and mixed."""
 
@@ -8,7 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.models.quant import _SNAP_TOLERANCE, _round_up, quantize_int4
+from kvchat.models import native
+from kvchat.models.quant import (
+    _SNAP_TOLERANCE,
+    _quantize_int4_torch,
+    _round_up,
+    quantize_int4,
+)
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -60,11 +67,14 @@ def _weights(kind: str) -> torch.Tensor:
     return on_grid
 
 
-@pytest.mark.parametrize("kind", ["full grid", "partial grid", "off grid", "constant groups",
-                                  "mixed"])
-def test_columns_layout_equals_the_per_group_definition(kind):
+KINDS = ["full grid", "partial grid", "off grid", "constant groups", "mixed"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("grid", [quantize_int4, _quantize_int4_torch], ids=["default", "torch"])
+def test_columns_layout_equals_the_per_group_definition(kind, grid):
     weight = _weights(kind)
-    q, scales, zeros = quantize_int4(weight)
+    q, scales, zeros = grid(weight, 32)
     q_ref, scales_ref, zeros_ref = _reference(weight)
     assert q.shape == q_ref.shape and scales.shape == scales_ref.shape == zeros.shape
     assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref)
@@ -83,3 +93,51 @@ def test_a_grid_of_float16_steps_and_minimums_comes_back_exactly():
     q, scales, zeros = quantize_int4(weight)
     groups = q.float().view(96, 4, 32) * scales.float()[..., None] + zeros.float()[..., None]
     assert (groups.view(96, 128) - weight).abs().max() <= 2**-10 * weight.abs().max()
+
+
+def _hard_weights() -> dict[str, torch.Tensor]:
+    """Weights where rounding could go either way: a Q4_K-like grid whose step and minimum are
+    float32 products (not float16), levels 0, 2, 4... only (a coarser grid fits), values past
+    float16's range, steps in float16's subnormals, and every group of a real K-quant file's
+    tensors as gguf-py decodes them."""
+    import gguf
+    import numpy as np
+    from conftest import gguf_tensor
+
+    torch.manual_seed(5)
+    n, k = 64, 256
+    levels = torch.randint(0, 16, (n, k // 32, 32)).float()
+    step = torch.rand(n, k // 32, 1) * 0.013 + 1e-4
+    low = torch.randn(n, k // 32, 1) * 0.02
+    out = {
+        "float32 grid": (levels * step - low).reshape(n, k),
+        "even levels": ((levels // 2 * 2) * step + low).reshape(n, k),
+        "beyond float16": torch.randn(n, k) * 4e4,
+        "subnormal steps": (levels * 3e-7 + torch.randn(n, k // 32, 1) * 1e-6).reshape(n, k),
+    }
+    for qtype in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
+        raw, kind = gguf_tensor(np.random.default_rng(1).standard_normal((n, k)).astype(
+            np.float32) * 0.02, qtype)
+        out[qtype] = torch.from_numpy(gguf.dequantize(raw, kind).copy()).float()
+    return out
+
+
+@pytest.mark.skipif(native.library() is None, reason="no native library (no C compiler)")
+@pytest.mark.parametrize("kind", [*KINDS, "float32 grid", "even levels", "beyond float16",
+                                  "subnormal steps", "Q4_K", "Q6_K", "Q5_0", "Q8_0"])
+def test_native_grid_is_the_torch_grid_bit_for_bit(kind):
+    weight = _weights(kind) if kind in KINDS else _hard_weights()[kind]
+    found = native.int4_grid(weight)
+    assert found is not None
+    q, scales, zeros = found
+    want = _quantize_int4_torch(weight, 32)
+    assert torch.equal(q.to(torch.int32), want.q)
+    assert torch.equal(scales.view(torch.int16), want.scales.view(torch.int16))
+    assert torch.equal(zeros.view(torch.int16), want.zeros.view(torch.int16))
+
+
+def test_a_nan_falls_back_to_torch():
+    weight = _weights("off grid")
+    weight[3, 40] = float("nan")
+    assert native.int4_grid(weight) is None
+    assert quantize_int4(weight).q.shape == weight.shape

@@ -16,6 +16,9 @@ reads the 4-bit groups once per step and gives each output one order of sums wha
 the threads or the instruction set, as its source says, so the same weights and inputs give the
 same bits on either kind of machine. Elsewhere the int4 layers keep torch's own kernel and
 layout (`int4_native`).
+
+When a model is packed, int4_grid.c finds each int4 group's grid (`quant.quantize_int4`, op for
+op and bit for bit, on every thread: most of a first load's time in torch).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
 
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("int8_head.c", "int4_matmul.c", "attention.c"))
+                for name in ("int8_head.c", "int4_matmul.c", "attention.c", "int4_grid.c"))
 HEADERS = (Path(__file__).with_name("native_sums.h"),)  # included by both: part of the key
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
@@ -111,6 +114,9 @@ def library() -> ctypes.CDLL | None:
     lib.kvchat_attention_isa.restype = ctypes.c_int
     lib.kvchat_attention.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_float] * 2 + \
         [ctypes.c_int] * 3
+    lib.kvchat_int4_grid.restype = ctypes.c_long
+    lib.kvchat_int4_grid.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -202,6 +208,27 @@ def int4_bound(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 
     mm.weights = (q, scales, zeros)  # type: ignore[attr-defined]  # alive while mm is
     return mm
+
+
+def int4_grid(weight: torch.Tensor, group: int = 32
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`quant.quantize_int4`'s grid of a float32 (N, K) CPU weight, found by int4_grid.c (the
+    same bits, one pass over the weight on every thread): (q as (N, K) uint8, scales, zeros as
+    (N, K / 32) float16); None where it cannot run (no library, another group, a NaN)."""
+    import torch
+
+    lib = library()
+    if lib is None or group != 32 or weight.device.type != "cpu" or weight.dim() != 2 \
+            or weight.shape[1] % group:
+        return None
+    w = weight.detach().float().contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, k // group, dtype=torch.float16)
+    zeros = torch.empty(n, k // group, dtype=torch.float16)
+    bad = lib.kvchat_int4_grid(w.data_ptr(), n * k // group, q.data_ptr(), scales.data_ptr(),
+                               zeros.data_ptr(), torch.get_num_threads())
+    return None if bad else (q, scales, zeros)
 
 
 def attention_native() -> bool:

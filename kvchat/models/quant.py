@@ -88,11 +88,21 @@ class Int4Grid(NamedTuple):
 
 def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> Int4Grid:
     """The 4-bit grid of `weight` (see `_grid_steps`), its scale rounded up to float16 and its
-    zero (the group's minimum) to the nearest float16: a Q4_1 weight comes back exactly.
+    zero (the group's minimum) to the nearest float16: a Q4_1 weight comes back exactly."""
+    from kvchat.models.native import int4_grid
 
-    The groups are laid out as the columns of a (group, N * K / group) matrix, so every
-    per-group operation runs along long contiguous rows instead of a 32-wide broadcast (an
-    order of magnitude faster on CPU); each value takes the same operations either way."""
+    found = int4_grid(weight, group)  # the same grid in C (int4_grid.c), where it is built
+    if found is not None:
+        q, scales, zeros = found
+        return Int4Grid(q.to(torch.int32), scales, zeros)
+    return _quantize_int4_torch(weight, group)
+
+
+def _quantize_int4_torch(weight: torch.Tensor, group: int) -> Int4Grid:
+    """`quantize_int4` in torch ops: the definition int4_grid.c follows. The groups are laid
+    out as the columns of a (group, N * K / group) matrix, so every per-group operation runs
+    along long contiguous rows instead of a 32-wide broadcast (an order of magnitude faster on
+    CPU); each value takes the same operations either way."""
     n, k = weight.shape
     columns = weight.detach().float().reshape(n * k // group, group).t().contiguous()
     columns.clamp_(-_F16_MAX, _F16_MAX)
