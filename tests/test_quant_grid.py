@@ -141,3 +141,29 @@ def test_a_nan_falls_back_to_torch():
     weight[3, 40] = float("nan")
     assert native.int4_grid(weight) is None
     assert quantize_int4(weight).q.shape == weight.shape
+
+
+@pytest.mark.skipif(native.library() is None, reason="no native library (no C compiler)")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_native_k_quant_blocks_are_gguf_pys_numbers(qtype):
+    """Random blocks, their float16 scales random finite values of either sign (normal and
+    subnormal): gguf_blocks.c gives gguf-py's float32 numbers bit for bit, and another type is
+    left to gguf-py."""
+    import gguf
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (24, 5, size), dtype=np.uint8)
+    halves = rng.standard_normal((24, 5, 2)).astype(np.float16)
+    halves[0, 0] = np.float16(3e-6)  # subnormal float16
+    fields = [0, 2] if qtype == "Q4_K" else [size - 2]  # d, dmin / d: where gguf-py reads them
+    for i, offset in enumerate(fields):
+        raw[:, :, offset : offset + 2] = halves[:, :, i : i + 1].view(np.uint8)
+    data = raw.reshape(24, 5 * size)
+    got = native.gguf_blocks(data, int(kind))
+    want = gguf.dequantize(data, kind)
+    assert got is not None and got.shape == want.shape == (24, 5 * block)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert native.gguf_blocks(data, int(gguf.GGMLQuantizationType.Q8_0)) is None

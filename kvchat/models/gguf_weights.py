@@ -69,7 +69,6 @@ def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtyp
 def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.dtype,
           progress: Progress | None) -> tuple[Any, StreamedLoad]:
     from accelerate import init_empty_weights
-    from gguf import GGMLQuantizationType, dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -106,7 +105,7 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
             if progress is not None:
                 progress(done, total)
             continue
-        weights = dequantize(_data(buf, tensor), GGMLQuantizationType(tensor.ggml_type))
+        weights = _dequantize(_data(buf, tensor), tensor.ggml_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters={"config": config.to_dict(), "tensors": {}})
         hf_name = names.get(result.name)
@@ -247,7 +246,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
     rows the int8 head gives back exactly (Q8_0) is read from the head (`TiedInt8Embedding`)
     instead of held again in bfloat16. Returns (kinds packed, the chunk's float bytes,
     parameters read)."""
-    from gguf import GGMLQuantizationType, dequantize
+    from gguf import GGMLQuantizationType
 
     from kvchat.models.native import int8_group_values
     from kvchat.models.quant import TiedInt8Embedding, head_group, quantize_int8_groups
@@ -263,7 +262,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
     q = torch.empty(rows, cols, dtype=torch.int8) if head_int8 else None
     scales = torch.empty(rows, cols // group) if head_int8 else None
     for start in range(0, rows, step):
-        chunk = dequantize(data[start : start + step], kind)
+        chunk = _dequantize(data[start : start + step], kind)
         value = torch.from_numpy(chunk if chunk.flags.writeable else chunk.copy()).float()
         end = start + len(value)
         if q is not None and scales is not None:
@@ -294,6 +293,17 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         if target is not None and table is None:
             model.set_input_embeddings(TiedInt8Embedding(target, head))
     return packed, min(rows, step) * cols * 4, rows * cols
+
+
+def _dequantize(data: Any, ggml_type: int) -> Any:
+    """gguf-py's `dequantize`, its K-quant blocks by kvchat's native code where it is built
+    (`native.gguf_blocks`: the same numbers, on every thread)."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from kvchat.models.native import gguf_blocks
+
+    found = gguf_blocks(data, int(ggml_type))
+    return found if found is not None else dequantize(data, GGMLQuantizationType(ggml_type))
 
 
 def _data(buf: mmap.mmap, tensor: GGUFTensor) -> Any:

@@ -17,8 +17,9 @@ the threads or the instruction set, as its source says, so the same weights and 
 same bits on either kind of machine. Elsewhere the int4 layers keep torch's own kernel and
 layout (`int4_native`).
 
-When a model is packed, int4_grid.c finds each int4 group's grid (`quant.quantize_int4`, op for
-op and bit for bit, on every thread: most of a first load's time in torch).
+When a model is packed, gguf_blocks.c de-quantizes a GGUF's Q4_K and Q6_K blocks (gguf-py's
+numbers, bit for bit) and int4_grid.c finds each int4 group's grid (`quant.quantize_int4`, op
+for op and bit for bit), on every thread: in numpy and torch they were most of a first load.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvchat.errors import KvchatError
 from kvchat.files import private_dir
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("int8_head.c", "int4_matmul.c", "attention.c", "int4_grid.c"))
+                for name in ("int8_head.c", "int4_matmul.c", "attention.c", "int4_grid.c",
+                             "gguf_blocks.c"))
 HEADERS = (Path(__file__).with_name("native_sums.h"),)  # included by both: part of the key
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
@@ -114,6 +116,9 @@ def library() -> ctypes.CDLL | None:
     lib.kvchat_attention_isa.restype = ctypes.c_int
     lib.kvchat_attention.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_float] * 2 + \
         [ctypes.c_int] * 3
+    lib.kvchat_gguf_blocks.restype = ctypes.c_int
+    lib.kvchat_gguf_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+                                       ctypes.c_void_p, ctypes.c_int]
     lib.kvchat_int4_grid.restype = ctypes.c_long
     lib.kvchat_int4_grid.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -229,6 +234,26 @@ def int4_grid(weight: torch.Tensor, group: int = 32
     bad = lib.kvchat_int4_grid(w.data_ptr(), n * k // group, q.data_ptr(), scales.data_ptr(),
                                zeros.data_ptr(), torch.get_num_threads())
     return None if bad else (q, scales, zeros)
+
+
+def gguf_blocks(data: Any, ggml_type: int) -> Any:
+    """A GGUF tensor's Q4_K or Q6_K blocks (`data`: its rows of bytes, gguf-py's shape) as the
+    float32 numpy array gguf-py's `dequantize` gives, bit for bit, by gguf_blocks.c on every
+    thread; None for another type or where the library is not built."""
+    import numpy as np
+    import torch
+
+    lib = library()
+    sizes = {12: 144, 14: 210}  # Q4_K, Q6_K: bytes per 256 values
+    if lib is None or ggml_type not in sizes or data.ndim < 1 or data.shape[-1] % sizes[ggml_type]:
+        return None
+    src = np.ascontiguousarray(data)
+    blocks = src.size // sizes[ggml_type]
+    out = np.empty((*src.shape[:-1], src.shape[-1] // sizes[ggml_type] * 256), np.float32)
+    if lib.kvchat_gguf_blocks(ggml_type, src.ctypes.data, blocks, out.ctypes.data,
+                              torch.get_num_threads()) != 0:
+        return None
+    return out
 
 
 def attention_native() -> bool:
