@@ -181,3 +181,5 @@ def test_the_bound_matmul_gives_int4_mms_bits_and_checks_its_input(n, k, m):
     assert torch.equal(mm(x), native.int4_mm(x.contiguous(), packed, scales, zeros))
     with pytest.raises(ValueError, match="bfloat16"):
         mm(x.float())
+    with pytest.raises(ValueError, match=f"\\(M, {k}\\)"):  # a narrower row is refused
+        mm(_x(m, k - 16))

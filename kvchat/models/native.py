@@ -202,6 +202,8 @@ def int4_bound(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     def mm(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != bf16 or x.device.type != "cpu":
             raise ValueError(f"int4 matmul takes bfloat16 CPU inputs, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != k:  # the kernel would read past a narrower row
+            raise ValueError(f"int4 matmul takes (M, {k}) inputs, got {tuple(x.shape)}")
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.shape[0]
