@@ -122,6 +122,17 @@ class GpuPlacement:
     head_dense: bool  # the int8 head computes its logits from a bfloat16 copy
 
 
+def place(model: Any, quantized: bool, device: str) -> None:
+    """Move a model loaded (and, `quantized`, packed) on CPU to `device`: a quantized one by
+    `place_on_gpu`, anything else as it is; on "cpu", nothing to do."""
+    if device == "cpu":
+        return
+    if quantized:
+        place_on_gpu(model, device)
+    else:
+        model.to(device)
+
+
 def place_on_gpu(model: Any, device: str) -> GpuPlacement:
     """Move `model`, packed on CPU, to the CUDA `device`, int4 layers in torch's CUDA layout
     (see the module doc)."""

@@ -344,6 +344,7 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvchat.models.gpu_weights import place
     from kvchat.models.quant import PRECISION_ATTRIBUTE, quantize_model, step_bytes
 
     source = resolve_model(spec)
@@ -360,13 +361,11 @@ def load_model(
         with load_errors(source), quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
     else:
-        placement: dict[str, Any] = {}
-        if precision.quantized:
-            pass  # packed on CPU, then placed packed (`_place`)
-        elif device_name == "cuda":
+        placement: dict[str, Any] = {}  # quantized: packed on CPU, then placed (`place`)
+        if device_name == "cuda" and not precision.quantized:
             # accelerate spreads a model too large for one GPU over all of them.
             placement["device_map"] = "auto"
-        elif device_name != "cpu":
+        elif device_name != "cpu" and not precision.quantized:
             placement["device_map"] = {"": device_name}
         with load_errors(source), quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
@@ -382,7 +381,7 @@ def load_model(
         facts = model_facts(config, model)  # counted before packing hides the weights in buffers
         if precision.quantized:
             quantize_model(model, precision.name)
-            _place(model, precision, device_name)
+            place(model, precision.quantized, device_name)
     setattr(model, PRECISION_ATTRIBUTE, precision.name)  # travels with the model to its runner
     return LoadedModel(
         model=model,
@@ -415,6 +414,7 @@ def _load_gguf(source: ModelSource, folder: Path, config: PretrainedConfig,
     """The GGUF's weights read straight into the model, packed as they arrive: never a float32
     copy of the whole model, on disk or in memory (`kvchat.models.gguf_weights`); at int4 and
     int8 kept packed in `folder` for the next start (`kvchat.models.packed_weights`)."""
+    from kvchat.models.gpu_weights import place
     from kvchat.models.packed_weights import load_gguf_packed
 
     label = EMBEDDED_NAME if source.kind == "embedded" else Path(source.location).stem
@@ -425,20 +425,8 @@ def _load_gguf(source: ModelSource, folder: Path, config: PretrainedConfig,
         from kvchat.models.residual import float32_residual
 
         float32_residual(model)
-    _place(model, precision, device)
+    place(model, precision.quantized, device)
     return model, replace(model_facts(config, count=False), n_params=n_params)
-
-
-def _place(model: Any, precision: Precision, device: str) -> None:
-    """Move a model loaded (and packed) on CPU to `device`; int4 stays packed on a GPU."""
-    if device == "cpu":
-        return
-    if precision.quantized:
-        from kvchat.models.gpu_weights import place_on_gpu
-
-        place_on_gpu(model, device)
-    else:
-        model.to(device)
 
 
 def _input_device(model: Any) -> torch.device:

@@ -244,14 +244,18 @@ def gguf_blocks(data: Any, ggml_type: int) -> Any:
     thread; None for another type or where the library is not built."""
     import numpy as np
     import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     lib = library()
-    sizes = {12: 144, 14: 210}  # Q4_K, Q6_K: bytes per 256 values
-    if lib is None or ggml_type not in sizes or data.ndim < 1 or data.shape[-1] % sizes[ggml_type]:
+    kinds = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)  # gguf_blocks.c's
+    if lib is None or ggml_type not in kinds or data.ndim < 1:
+        return None
+    values, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if data.shape[-1] % size:
         return None
     src = np.ascontiguousarray(data)
-    blocks = src.size // sizes[ggml_type]
-    out = np.empty((*src.shape[:-1], src.shape[-1] // sizes[ggml_type] * 256), np.float32)
+    out = np.empty((*src.shape[:-1], src.shape[-1] // size * values), np.float32)
+    blocks = src.size // size
     if lib.kvchat_gguf_blocks(ggml_type, src.ctypes.data, blocks, out.ctypes.data,
                               torch.get_num_threads()) != 0:
         return None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -57,7 +58,7 @@ _CLASSES: dict[str, type[QuantLinear]] = {
     cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear)}
 # the modules whose code decides the packed numbers: an edit to any of them packs afresh
 _PACKING_MODULES = ("quant.py", "gguf_weights.py", "native.py", "precision.py", "footprint.py",
-                    "packed_weights.py")
+                    "packed_weights.py", "int4_grid.c", "gguf_blocks.c", "native_sums.h")
 
 
 class PackedFileError(ValueError):
@@ -187,6 +188,7 @@ def _layout() -> str:
     return f"torch_{platform.machine()}_{torch.backends.cpu.get_cpu_capability()}".lower()
 
 
+@functools.cache  # the sources do not change under a running process
 def _code_digest() -> str:
     here = Path(__file__).parent
     digest = hashlib.sha256()
