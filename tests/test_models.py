@@ -408,6 +408,36 @@ def test_a_gguf_loads_from_the_file_with_its_config_and_tokenizer_written_once(
     assert ensure_converted(tiny_gguf, converter=must_not_run) == folder
 
 
+def _config_and_vocab(path: Path) -> tuple[dict, int]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name,
+                                              local_files_only=True)
+    return config.to_dict(), len(tokenizer)
+
+
+@pytest.mark.parametrize("which", ["tiny", "embedded"])
+def test_the_fast_metadata_reader_gives_transformers_own_config(which, tiny_gguf, request):
+    """`fast_config_reads` changes how long a config takes to read, never the config: the
+    same dict (and tokenizer) as transformers' legacy reader on the same file."""
+    from kvchat.models.gguf_metadata import MetadataReader, available, fast_config_reads
+
+    if not available():
+        pytest.skip("this transformers has no fast GGUF metadata reader: nothing is replaced")
+    path = tiny_gguf if which == "tiny" else request.getfixturevalue("embedded_gguf")
+    slow = _config_and_vocab(path)
+    with fast_config_reads():
+        fast = _config_and_vocab(path)
+    assert fast == slow and slow[0]["vocab_size"] > 0
+    import transformers.modeling_gguf_pytorch_utils as legacy
+
+    assert legacy.load_gguf_checkpoint.__name__ == "load_gguf_checkpoint"  # put back
+    reader = MetadataReader(path)
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == slow[1] and reader.tensors[0].name
+
+
 def test_converted_folder_changes_with_the_file(tiny_gguf, tmp_path):
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(tiny_gguf.read_bytes())

@@ -167,3 +167,56 @@ def test_native_k_quant_blocks_are_gguf_pys_numbers(qtype):
     assert got is not None and got.shape == want.shape == (24, 5 * block)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert native.gguf_blocks(data, int(gguf.GGMLQuantizationType.Q8_0)) is None
+
+
+@pytest.mark.skipif(not native.int4_native(), reason="the int4 layers run on torch's kernel here")
+@pytest.mark.parametrize(("qtype", "groups"), [("Q4_K", 16), ("Q4_1", 8), ("Q4_1", 7)])
+def test_q4_rows_read_as_they_are_hold_the_files_grid(qtype, groups):
+    """Random Q4_K / Q4_1 rows (float16 fields of either sign, one subnormal) read straight
+    into the int4 layout: the nibbles are the file's, each group's scale and zero the file's
+    float16 d and m (Q4_1) or float16(d * sc) and float16(-(dmin * m)) (Q4_K, from gguf-py's
+    own unpacking of the 6-bit fields), and q * scale + zero is gguf-py's value to float16's
+    rounding of those two."""
+    import gguf
+    import numpy as np
+
+    from kvchat.models.gpu_weights import unpack_int4_nibbles
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    n, k = 24, groups * 32
+    rng = np.random.default_rng(11)
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    halves = (rng.standard_normal((n, k // block, 2)) * 0.01).astype(np.float16)
+    halves[0, 0] = np.float16(3e-6)
+    raw[:, :, 0:4] = halves.view(np.uint8)
+    data = raw.reshape(n, k // block * size)
+    found = native.int4_from_blocks(data, int(kind))
+    assert found is not None
+    packed, scales, zeros = found
+    assert packed.shape == (n, k // 2) and scales.shape == zeros.shape == (n, groups)
+    q = unpack_int4_nibbles(packed, k).numpy()
+    d = halves[..., 0].astype(np.float32)
+    m = halves[..., 1].astype(np.float32)
+    if qtype == "Q4_1":
+        want_scales, want_zeros = halves[..., 0], halves[..., 1]
+        qs = raw[:, :, 4:]
+        want_q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
+    else:
+        sc, mins = gguf.quants.Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))
+        sc, mins = sc.reshape(n, -1, 8), mins.reshape(n, -1, 8)
+        want_scales = (d[..., None] * sc.astype(np.float32)).astype(np.float16).reshape(n, -1)
+        want_zeros = (-(m[..., None] * mins.astype(np.float32))).astype(np.float16).reshape(n, -1)
+        qs = raw[:, :, 16:].reshape(n, k // block, 4, 1, 32)
+        want_q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, k)
+    assert np.array_equal(scales.numpy().view(np.uint16), want_scales.view(np.uint16))
+    assert np.array_equal(zeros.numpy().view(np.uint16), want_zeros.view(np.uint16))
+    assert np.array_equal(q, want_q)
+    values = q.reshape(n, groups, 32) * scales.float().numpy()[..., None] \
+        + zeros.float().numpy()[..., None]
+    file_values = gguf.dequantize(data, kind).reshape(n, groups, 32)
+    slack = 16 * 2.0**-11 * (np.abs(scales.float().numpy()) + np.abs(zeros.float().numpy()))
+    assert (np.abs(values - file_values) <= slack[..., None] + 2.0**-24).all()
+    if qtype == "Q4_1":  # its grid is the file's, exactly
+        assert np.array_equal(values.astype(np.float32), file_values)
+    assert native.int4_from_blocks(data, int(gguf.GGMLQuantizationType.Q6_K)) is None

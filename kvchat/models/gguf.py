@@ -130,8 +130,10 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     (`kvchat.models.gguf_weights`)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from kvchat.models.gguf_metadata import fast_config_reads
+
     # Some of transformers' GGUF progress bars bypass its logging switches.
-    with quiet_transformers(), contextlib.redirect_stderr(io.StringIO()):
+    with quiet_transformers(), contextlib.redirect_stderr(io.StringIO()), fast_config_reads():
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                             local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(

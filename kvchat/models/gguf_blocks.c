@@ -10,7 +10,15 @@
  * Q6_K, 210 bytes per 256 values: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
  * scales (one per 16 values), d (float16); value p (half h = p / 128, quarter r = p % 128 / 32,
  * j = p % 32) is (d * scale[p / 16]) * (q - 32), q = low | high << 4 with low =
- * ql[64 h + 32 (r % 2) + j] >> (4 (r / 2)) & 15, high = qh[32 h + j] >> (2 r) & 3. */
+ * ql[64 h + 32 (r % 2) + j] >> (4 (r / 2)) & 15, high = qh[32 h + j] >> (2 r) & 3.
+ *
+ * kvchat_int4_from_blocks reads Q4_1 and Q4_K rows straight into the int4 layers' layout
+ * (int4_matmul.c's: groups of 32 with a float16 scale and zero, w = q * scale + zero), with no
+ * float copy and no grid to search: each group already is one. Q4_1 (20 bytes per 32: d, m
+ * float16, 16 bytes with value j low in byte j and 16 + j high) gives scale d and zero m, its
+ * own bits. Q4_K gives scale float16(d * sc) and zero float16(-(dmin * m)) (nearest even; the
+ * products are exact in float), and its nibbles are already int4_matmul.c's pairs of groups:
+ * its 128 bytes are copied as they are. */
 
 #include <stdint.h>
 #include <string.h>
@@ -18,7 +26,8 @@
 #include "native_sums.h"
 
 #define QK_K 256
-#define Q4_K 12 /* GGMLQuantizationType */
+#define Q4_1 3 /* GGMLQuantizationType */
+#define Q4_K 12
 #define Q6_K 14
 
 static inline uint16_t read_u16(const uint8_t *p)
@@ -28,19 +37,25 @@ static inline uint16_t read_u16(const uint8_t *p)
     return v;
 }
 
+/* Q4_K's 6-bit scale and min of sub-block `sub` from its 12 bytes `s` */
+static inline void q4_k_scale_min(const uint8_t *s, int sub, int *sc, int *m)
+{
+    if (sub < 4) {
+        *sc = s[sub] & 63;
+        *m = s[4 + sub] & 63;
+    } else {
+        *sc = (s[8 + sub - 4] & 15) | ((s[sub - 4] >> 2) & 0x30);
+        *m = (s[8 + sub - 4] >> 4) | ((s[sub] >> 2) & 0x30);
+    }
+}
+
 static void q4_k_block(const uint8_t *b, float *out)
 {
     float d = half_float(read_u16(b)), dmin = half_float(read_u16(b + 2));
     const uint8_t *s = b + 4, *qs = b + 16;
     for (int sub = 0; sub < 8; sub++) {
         int sc, m;
-        if (sub < 4) {
-            sc = s[sub] & 63;
-            m = s[4 + sub] & 63;
-        } else {
-            sc = (s[8 + sub - 4] & 15) | ((s[sub - 4] >> 2) & 0x30);
-            m = (s[8 + sub - 4] >> 4) | ((s[sub] >> 2) & 0x30);
-        }
+        q4_k_scale_min(s, sub, &sc, &m);
         float scale = d * (float)sc, low = dmin * (float)m;
         const uint8_t *q = qs + 32 * (sub / 2);
         int shift = 4 * (sub % 2);
@@ -84,4 +99,75 @@ int kvchat_gguf_blocks(int type, const uint8_t *src, long blocks, float *out, in
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (long i = 0; i < blocks; i++) block(src + i * size, out + i * QK_K);
     return 0;
+}
+
+/* one row of Q4_K blocks: k / 256 blocks in, k / 2 bytes and k / 32 scales and zeros out;
+ * 0, or 1 where a scale or zero is not finite as a float16 */
+static int q4_k_row(const uint8_t *in, long k, uint8_t *q, uint16_t *scales, uint16_t *zeros)
+{
+    int bad = 0;
+    for (long b = 0; b < k / QK_K; b++) {
+        const uint8_t *blk = in + b * 144;
+        float d = half_float(read_u16(blk)), dmin = half_float(read_u16(blk + 2));
+        for (int sub = 0; sub < 8; sub++) {
+            int sc, m;
+            q4_k_scale_min(blk + 4, sub, &sc, &m);
+            uint16_t scale = float_half(d * (float)sc), zero = float_half(-(dmin * (float)m));
+            bad |= (scale & 0x7c00u) == 0x7c00u || (zero & 0x7c00u) == 0x7c00u;
+            scales[8 * b + sub] = scale;
+            zeros[8 * b + sub] = zero;
+        }
+        memcpy(q + 128 * b, blk + 16, 128);
+    }
+    return bad;
+}
+
+/* one row of Q4_1 blocks (k / 32 of them) */
+static int q4_1_row(const uint8_t *in, long k, uint8_t *q, uint16_t *scales, uint16_t *zeros)
+{
+    long groups = k / 32;
+    int bad = 0;
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *blk = in + 20 * g, *qs = blk + 4;
+        scales[g] = read_u16(blk);
+        zeros[g] = read_u16(blk + 2);
+        bad |= (scales[g] & 0x7c00u) == 0x7c00u || (zeros[g] & 0x7c00u) == 0x7c00u;
+        if (g == groups - 1 && groups % 2) { /* an odd last group: i low, 16 + i high, as here */
+            memcpy(q + 32 * (g / 2), qs, 16);
+            continue;
+        }
+        uint8_t *pair = q + 32 * (g / 2);
+        for (int i = 0; i < 32; i++) {
+            uint8_t v = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+            pair[i] = g % 2 ? (uint8_t)((pair[i] & 15) | (v << 4)) : v;
+        }
+    }
+    return bad;
+}
+
+/* `rows` rows of `k` values in GGML type `type` (Q4_1 or Q4_K) from `src` into q ((rows, k / 2)
+ * bytes), scales and zeros ((rows, k / 32) float16). Returns 0; -1 for another type or a k
+ * the type cannot hold; -2 where a scale or zero overflows float16 (the caller grids the
+ * values instead). */
+int kvchat_int4_from_blocks(int type, const uint8_t *src, long rows, long k, uint8_t *q,
+                            uint16_t *scales, uint16_t *zeros, int threads)
+{
+    long row_bytes;
+    int (*row)(const uint8_t *, long, uint8_t *, uint16_t *, uint16_t *);
+    if (type == Q4_K && k % QK_K == 0) {
+        row_bytes = k / QK_K * 144;
+        row = q4_k_row;
+    } else if (type == Q4_1 && k % 32 == 0) {
+        row_bytes = k / 32 * 20;
+        row = q4_1_row;
+    } else {
+        return -1;
+    }
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
+    reduction(| : bad)
+    for (long r = 0; r < rows; r++)
+        bad |= row(src + r * row_bytes, k, q + r * (k / 2), scales + r * (k / 32),
+                   zeros + r * (k / 32));
+    return bad ? -2 : 0;
 }

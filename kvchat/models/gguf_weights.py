@@ -8,7 +8,9 @@ transformers' own GGUF loader gives it (`TENSOR_PROCESSORS`: Llama's q/k rows ba
 Face order, Gemma's norms less one) and put where it belongs, packed at once when it is a linear
 layer's weight at int4 or int8 (`kvchat.models.quant`). Peak memory is the packed model plus one
 tensor in float32, not the whole float model; the numbers are the ones a float32 conversion
-gave, so a packed layer is bit for bit what quantizing the converted model gave.
+gave, so a packed layer is bit for bit what quantizing the converted model gave. At int4 a
+Q4_1 or Q4_K layer is not de-quantized at all: its groups already are int4 grids, and it is
+read as the file holds it (`kvchat.models.gguf_int4`).
 
 The token embedding and the output head are often the largest tensors by far (Gemma 3 270M's
 embedding: 168 M of its 268 M parameters, 640 MiB in float32; Llama 3.2 3B's: 1.5 GiB) and no
@@ -105,6 +107,17 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
             if progress is not None:
                 progress(done, total)
             continue
+        if packs and precision == "int4":
+            from kvchat.models.gguf_int4 import read_int4
+
+            direct = read_int4(buf, tensor, model, names, processor, config)
+            if direct:
+                counts["int4"] += 1
+                n_params += direct
+                _drop_pages(buf, tensor.offset, int(_data(buf, tensor).nbytes))
+                if progress is not None:
+                    progress(done, total)
+                continue
         weights = _dequantize(_data(buf, tensor), tensor.ggml_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters={"config": config.to_dict(), "tensors": {}})
@@ -356,6 +369,24 @@ def _name_of(model: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
 
 
+def _place(model: nn.Module, path: str, layer: nn.Module, dense: nn.Linear,
+           make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Replace `layer` (at `path`) by `make(dense)`, `dense` carrying `layer`'s bias where it is
+    already read; one the file gives later stays on the meta device until it comes (a file
+    without it is refused)."""
+    n = int(dense.out_features)
+    bias = layer.bias if isinstance(layer.bias, torch.Tensor) else None
+    waits = bias is not None and bias.device.type == "meta"
+    if bias is not None and not waits:
+        dense.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    packed = make(dense)
+    if waits:
+        packed.bias = nn.Parameter(torch.empty(n, device="meta"), requires_grad=False)
+    parent, attr = _owner(model, path)
+    setattr(parent, attr, packed)
+    return packed
+
+
 def _pack(model: nn.Module, name: str, weight: torch.Tensor, precision: str,
           is_head: bool) -> str:
     """Replace the linear layer whose weight is `name` by its packed form built from `weight`
@@ -367,22 +398,15 @@ def _pack(model: nn.Module, name: str, weight: torch.Tensor, precision: str,
     n, k = int(layer.out_features), int(layer.in_features)
     dense = nn.Linear(k, n, bias=False, device="meta")  # no random init to throw away
     dense.weight = nn.Parameter(weight, requires_grad=False)
-    bias = layer.bias if isinstance(layer.bias, torch.Tensor) else None
-    waits = bias is not None and bias.device.type == "meta"  # the file's bias comes later
-    if bias is not None and not waits:
-        dense.bias = nn.Parameter(bias.detach(), requires_grad=False)
-    packed: nn.Module
+    make: Callable[[nn.Linear], nn.Module]
     if is_head and Int8HeadLinear.fits(dense):
-        packed, kind = Int8HeadLinear(dense), "int8"
+        make, kind = Int8HeadLinear, "int8"
     elif precision == "int4" and not is_head and Int4Linear.fits(dense):
-        packed, kind = Int4Linear(dense), "int4"
+        make, kind = Int4Linear, "int4"
     elif Int8Linear.fits(dense):
-        packed, kind = Int8Linear(dense), "int8"
+        make, kind = Int8Linear, "int8"
     else:
         dense.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
-        packed, kind = dense, "dense"
-    if waits:  # still meta, so a file without it is refused below
-        packed.bias = nn.Parameter(torch.empty(n, device="meta"), requires_grad=False)
-    parent, attr = _owner(model, path)
-    setattr(parent, attr, packed)
+        make, kind = (lambda linear: linear), "dense"
+    _place(model, path, layer, dense, make)
     return kind

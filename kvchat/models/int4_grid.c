@@ -23,25 +23,6 @@
 #define GROUP 32
 #define F16_MAX 65504.0f
 
-/* float to IEEE half, rounding to nearest even (c10's fp16_ieee_from_fp32_value, which torch's
- * scalar conversion runs; its vector conversion, vcvtps2ph, rounds the same) */
-static inline uint16_t float_half(float f)
-{
-    const float to_inf = 0x1.0p+112f, to_zero = 0x1.0p-110f;
-    float base = (fabsf(f) * to_inf) * to_zero, bias_f;
-    uint32_t w, bias, bits;
-    memcpy(&w, &f, 4);
-    uint32_t shl1 = w + w, sign = w & 0x80000000u;
-    bias = shl1 & 0xff000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
-    bias = (bias >> 1) + 0x07800000u;
-    memcpy(&bias_f, &bias, 4);
-    base = bias_f + base;
-    memcpy(&bits, &base, 4);
-    uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
-    return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
-}
-
 /* the least float16 >= x, for x > 0 (quant._round_up) */
 static inline uint16_t half_round_up(float x)
 {

@@ -17,9 +17,11 @@ the threads or the instruction set, as its source says, so the same weights and 
 same bits on either kind of machine. Elsewhere the int4 layers keep torch's own kernel and
 layout (`int4_native`).
 
-When a model is packed, gguf_blocks.c de-quantizes a GGUF's Q4_K and Q6_K blocks (gguf-py's
-numbers, bit for bit) and int4_grid.c finds each int4 group's grid (`quant.quantize_int4`, op
-for op and bit for bit), on every thread: in numpy and torch they were most of a first load.
+When a model is packed, gguf_blocks.c reads a GGUF's Q4_1 and Q4_K rows straight into the int4
+layout (their groups already are grids), de-quantizes its Q6_K blocks and the Q4_K ones bound
+elsewhere (gguf-py's numbers, bit for bit), and int4_grid.c finds the grid of each int4 group
+that is not one already (`quant.quantize_int4`, op for op and bit for bit), on every thread:
+in numpy and torch they were most of a first load.
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ def library() -> ctypes.CDLL | None:
     lib.kvchat_gguf_blocks.restype = ctypes.c_int
     lib.kvchat_gguf_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
                                        ctypes.c_void_p, ctypes.c_int]
+    lib.kvchat_int4_from_blocks.restype = ctypes.c_int
+    lib.kvchat_int4_from_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+                                            ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_void_p, ctypes.c_int]
     lib.kvchat_int4_grid.restype = ctypes.c_long
     lib.kvchat_int4_grid.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -260,6 +266,34 @@ def gguf_blocks(data: Any, ggml_type: int) -> Any:
                               torch.get_num_threads()) != 0:
         return None
     return out
+
+
+def int4_from_blocks(data: Any, ggml_type: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A GGUF tensor's Q4_1 or Q4_K rows (`data`: its rows of bytes, gguf-py's shape) as the int4
+    layers' own layout, read as they are (gguf_blocks.c): (q (N, K / 2) bytes, int4_matmul.c's
+    layout; scales, zeros (N, K / 32) float16). None for another type, where the layers do not
+    run on kvchat's kernel, or where a scale overflows float16."""
+    import numpy as np
+    import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    lib = library()
+    kinds = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+    if lib is None or not int4_native() or ggml_type not in kinds or data.ndim != 2:
+        return None
+    values, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if data.shape[-1] % size:
+        return None
+    src = np.ascontiguousarray(data)
+    n, k = src.shape[0], src.shape[1] // size * values
+    q = torch.empty(n, k // 2, dtype=torch.uint8)
+    scales = torch.empty(n, k // 32, dtype=torch.float16)
+    zeros = torch.empty(n, k // 32, dtype=torch.float16)
+    rc = lib.kvchat_int4_from_blocks(int(ggml_type), src.ctypes.data, n, k, q.data_ptr(),
+                                     scales.data_ptr(), zeros.data_ptr(),
+                                     torch.get_num_threads())
+    return (q, scales, zeros) if rc == 0 else None
 
 
 def attention_native() -> bool:

@@ -1,7 +1,7 @@
 /* What the native kernels share: the fixed sum of 16 lanes they end each output with (l + l+8,
  * then + l+4, + l+2, + l+1; `tree16` over an array, the portable paths, and `sum512` over an
  * AVX-512 register give the same bits), the rounding of their bfloat16 outputs, and float16
- * values read exactly. */
+ * values read and written exactly. */
 
 #ifndef KVCHAT_NATIVE_SUMS_H
 #define KVCHAT_NATIVE_SUMS_H
@@ -32,6 +32,25 @@ static inline float half_float(uint16_t h)
     u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* float to IEEE half, rounding to nearest even (c10's fp16_ieee_from_fp32_value, which torch's
+ * scalar conversion runs; its vector conversion, vcvtps2ph, rounds the same) */
+static inline uint16_t float_half(float f)
+{
+    const float to_inf = 0x1.0p+112f, to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * to_inf) * to_zero, bias_f;
+    uint32_t w, bias, bits;
+    memcpy(&w, &f, 4);
+    uint32_t shl1 = w + w, sign = w & 0x80000000u;
+    bias = shl1 & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    bias = (bias >> 1) + 0x07800000u;
+    memcpy(&bias_f, &bias, 4);
+    base = bias_f + base;
+    memcpy(&bits, &base, 4);
+    uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
 }
 
 static inline float tree16(const float *lane)

@@ -58,7 +58,8 @@ _CLASSES: dict[str, type[QuantLinear]] = {
     cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear)}
 # the modules whose code decides the packed numbers: an edit to any of them packs afresh
 _PACKING_MODULES = ("quant.py", "gguf_weights.py", "native.py", "precision.py", "footprint.py",
-                    "packed_weights.py", "int4_grid.c", "gguf_blocks.c", "native_sums.h")
+                    "packed_weights.py", "gguf_int4.py", "int4_grid.c", "gguf_blocks.c",
+                    "native_sums.h")
 
 
 class PackedFileError(ValueError):
@@ -118,8 +119,7 @@ def save_packed(model: nn.Module, path: Path, key: dict[str, Any], n_params: int
     fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}.", dir=path.parent)
     try:
         os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+        with os.fdopen(fd, "wb") as out, _Digest() as digest:
             for chunk in _chunks(_PREFIX.pack(MAGIC, VERSION, len(data)) + data, payload):
                 digest.update(chunk)
                 out.write(chunk)
@@ -254,7 +254,7 @@ def _read(path: Path, key: dict[str, Any]) -> tuple[dict[str, Any], list[torch.T
     """The header and the tensors of the file at `path`, each in its own allocation (a stacked
     layer that later replaces some of them frees them), after the checks: the length the
     header gives, the key, and the checksum over every byte read."""
-    with open(path, "rb") as fh:
+    with open(path, "rb") as fh, _Digest() as digest:
         size = os.fstat(fh.fileno()).st_size
         prefix = fh.read(_PREFIX.size)
         if len(prefix) < _PREFIX.size:
@@ -263,7 +263,7 @@ def _read(path: Path, key: dict[str, Any]) -> tuple[dict[str, Any], list[torch.T
         if magic != MAGIC or version != VERSION or length > _MAX_HEADER:
             raise PackedFileError("not a packed-weights file of this kvchat")
         raw = fh.read(length)
-        digest = hashlib.blake2b(prefix + raw, digest_size=CHECKSUM_BYTES)
+        digest.update(prefix + raw)
         try:
             header = json.loads(raw)
         except ValueError as exc:
@@ -286,6 +286,32 @@ def _read(path: Path, key: dict[str, Any]) -> tuple[dict[str, Any], list[torch.T
         if digest.digest() != fh.read(CHECKSUM_BYTES):
             raise PackedFileError("its checksum does not match")
     return header, tensors
+
+
+class _Digest:
+    """The BLAKE2b-256 of the chunks given, in order, computed on a thread of its own while the
+    caller reads or writes the next one (hashlib lets go of the GIL on large buffers): a load
+    or a save takes the longer of the two instead of their sum. A chunk must not change until
+    `digest()`."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._sum = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvchat-digest")  # in order
+
+    def __enter__(self) -> _Digest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def update(self, chunk: Any) -> None:
+        self._pool.submit(self._sum.update, chunk)
+
+    def digest(self) -> bytes:
+        self._pool.shutdown(wait=True)
+        return self._sum.digest()
 
 
 def _empty(record: dict[str, Any], at: int) -> torch.Tensor:

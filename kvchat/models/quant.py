@@ -223,6 +223,18 @@ class Int4Linear(QuantLinear):
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", torch_int4_scales(grid))
 
+    @classmethod
+    def from_native(cls, linear: nn.Linear, qweight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor) -> Int4Linear:
+        """`linear`'s layer (its shape and bias) holding int4_matmul.c's layout as made
+        elsewhere (a GGUF's Q4_1 / Q4_K rows as they are: `native.int4_from_blocks`)."""
+        layer = cls.__new__(cls)
+        QuantLinear.__init__(layer, linear)
+        layer.group, layer.native = GROUP, True
+        for name, tensor in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+            layer.register_buffer(name, tensor)
+        return layer
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             from kvchat.models.native import int4_mm
