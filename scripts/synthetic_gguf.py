@@ -56,7 +56,7 @@ class Shape:
 
     name: str
     model: str  # the model it copies
-    arch: str  # "qwen2" or "llama"
+    arch: str  # "qwen2", "llama", "qwen3" or "phi3"
     hidden: int
     layers: int
     heads: int
@@ -65,6 +65,7 @@ class Shape:
     vocab: int
     nominal: float  # parameters, as the model's card gives them
     tied: bool = True
+    head_dim: int = 0  # 0: hidden / heads
 
 
 SHAPES = {s.name: s for s in (
@@ -76,6 +77,14 @@ SHAPES = {s.name: s for s in (
     Shape("llama-0.5b", "a Llama 3.2-like 0.5B", "llama", 1024, 24, 16, 8, 4096, 128_256, 0.5e9),
     Shape("llama-1b", "Llama-3.2-1B", "llama", 2048, 16, 32, 8, 8192, 128_256, 1.24e9),
     Shape("llama-3b", "Llama-3.2-3B", "llama", 3072, 28, 24, 8, 8192, 128_256, 3.21e9),
+    Shape("qwen3-0.6b", "Qwen3-0.6B", "qwen3", 1024, 28, 16, 8, 3072, 151_936, 0.6e9,
+          head_dim=128),
+    # Phi-3's smallest real model is 3.8B, longer to build and bench than a sitting allows:
+    # its architecture (fused qkv and gate_up) at Llama 3.2 1B's width and depth, with
+    # SmolLM2's vocabulary (Phi-3's own, 32,064, is smaller than the tokenizer). Mistral has
+    # none here: llama.cpp writes it as a "llama" GGUF, which transformers loads as Llama.
+    Shape("phi3-1b", "a Phi-3-architecture 1B", "phi3", 2048, 16, 32, 32, 8192, 49_152, 1.1e9,
+          tied=False),
 )}
 
 
@@ -92,7 +101,7 @@ def say(message: str) -> None:
 
 def build_config(shape: Shape, tokenizer_size: int = 49_152, bos: int = 1, eos: int = 2) -> Any:
     """The transformers config of `shape`, for a tokenizer of `tokenizer_size` ids."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if shape.vocab < tokenizer_size:
         raise Failed(f"{shape.name}: vocabulary {shape.vocab} is smaller than the tokenizer's "
@@ -102,12 +111,20 @@ def build_config(shape: Shape, tokenizer_size: int = 49_152, bos: int = 1, eos: 
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads, tie_word_embeddings=shape.tied,
         bos_token_id=bos, eos_token_id=eos, torch_dtype="bfloat16")
+    head_dim = shape.head_dim or shape.hidden // shape.heads
     if shape.arch == "qwen2":
         return Qwen2Config(**common, max_position_embeddings=32_768, rope_theta=1_000_000.0,
                            rms_norm_eps=1e-6, use_sliding_window=False)
+    if shape.arch == "qwen3":
+        return Qwen3Config(**common, head_dim=head_dim, max_position_embeddings=40_960,
+                           rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_sliding_window=False)
+    if shape.arch == "phi3":
+        return Phi3Config(**common, max_position_embeddings=4096,
+                          original_max_position_embeddings=4096, rope_theta=10_000.0,
+                          rms_norm_eps=1e-5, pad_token_id=eos)
     # Llama 3.2's rope_scaling ("llama3", for contexts past 8k) is left out: it does not change
     # the cost of a step at the contexts the benches use
-    return LlamaConfig(**common, head_dim=shape.hidden // shape.heads,
+    return LlamaConfig(**common, head_dim=head_dim,
                        max_position_embeddings=131_072, rope_theta=500_000.0, rms_norm_eps=1e-5)
 
 
@@ -153,6 +170,11 @@ def write_hf_model(shape: Shape, out: Path, tokenizer: Any) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+    if shape.arch == "phi3":  # the convert script reads a BPE vocabulary for Phi-3 by this name
+        path = out / "tokenizer_config.json"
+        settings = json.loads(path.read_text())
+        settings["tokenizer_class"] = "GPT2Tokenizer"
+        path.write_text(json.dumps(settings, indent=2))
     del model
 
 

@@ -12,53 +12,26 @@ whose processor does more than reorder rows, and every other type, is read as be
 
 from __future__ import annotations
 
-import mmap
 from typing import Any
 
 import torch
-from torch import nn
-
-from kvchat.models.gguf_weights import _data, _owner, _place
-from kvchat.models.precision import GGUFTensor
-from kvchat.models.quant import Int4Linear
 
 
-def read_int4(buf: mmap.mmap, tensor: GGUFTensor, model: Any, names: dict[str, str],
-               processor: Any, config: Any) -> int:
-    """Put a Q4_1 or Q4_K linear weight (not the head) into its int4 layer as the file holds it
-    (`native.int4_from_blocks`: no float copy, no grid search), its rows in the order the
-    processor gives them. Returns the parameters set; 0 where this does not apply (another
-    type or layer, no native kernel, a processor that does more than reorder rows): the tensor
-    is then de-quantized and packed as any other."""
+def int4_rows(data: Any, ggml_type: int, order: Any) -> tuple[torch.Tensor, ...] | None:
+    """The int4 layout (qweight, scales, zeros) of a Q4_1 / Q4_K tensor's rows of bytes `data`,
+    its rows put in `order` (None: as they are); None for another type or where kvchat's int4
+    kernel does not run."""
     from kvchat.models.native import int4_from_blocks
 
-    if len(tensor.dims) != 2:
-        return 0
-    k, n = tensor.dims
-    found = row_order(processor, tensor.name, names, config, n)
-    if found is None:
-        return 0
-    order, hf_name = found
-    parent, leaf = _owner(model, hf_name)
-    if leaf != "weight" or not isinstance(parent, nn.Linear) \
-            or parent is model.get_output_embeddings() \
-            or (parent.out_features, parent.in_features) != (n, k) or not Int4Linear.fits(parent):
-        return 0
-    blocks = int4_from_blocks(_data(buf, tensor), tensor.ggml_type)
-    if blocks is None:
-        return 0
-    q, scales, zeros = blocks
-    if order is not None:
-        rows = torch.from_numpy(order)
-        q, scales, zeros = (t.index_select(0, rows).contiguous() for t in blocks)
-    dense = nn.Linear(k, n, bias=False, device="meta")
-    _place(model, hf_name.rpartition(".")[0], parent, dense,
-           lambda linear: Int4Linear.from_native(linear, q, scales, zeros))
-    return n * k
+    blocks = int4_from_blocks(data, ggml_type)
+    if blocks is None or order is None:
+        return blocks
+    rows = torch.from_numpy(order)
+    return tuple(t.index_select(0, rows).contiguous() for t in blocks)
 
 
 def row_order(processor: Any, name: str, names: dict[str, str], config: Any, n: int
-               ) -> tuple[Any, str] | None:
+              ) -> tuple[Any, str] | None:
     """(the row order the processor puts an (n, K) tensor named `name` in, None when it keeps
     them; the parameter it goes to), found by passing it the row numbers; None where it does
     anything else to them."""

@@ -34,6 +34,7 @@ from torch import nn
 
 from kvchat.errors import ModelError
 from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED
+from kvchat.models.gguf_int4 import int4_rows, row_order
 from kvchat.models.precision import GGUFTensor, gguf_layout
 from kvchat.models.quant import Int4Linear, Int8HeadLinear, Int8Linear, QuantLinear
 
@@ -108,9 +109,7 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
                 progress(done, total)
             continue
         if packs and precision == "int4":
-            from kvchat.models.gguf_int4 import read_int4
-
-            direct = read_int4(buf, tensor, model, names, processor, config)
+            direct = _read_int4(buf, tensor, model, names, processor, config)
             if direct:
                 counts["int4"] += 1
                 n_params += direct
@@ -367,6 +366,33 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
+
+
+def _read_int4(buf: mmap.mmap, tensor: GGUFTensor, model: Any, names: dict[str, str],
+               processor: Any, config: Any) -> int:
+    """Put a Q4_1 or Q4_K linear weight (not the head) into its int4 layer as the file holds it
+    (`kvchat.models.gguf_int4`), its rows in the order the processor gives them. Returns the
+    parameters set; 0 where this does not apply (another type or layer, no native kernel, a
+    processor that does more than reorder rows): the tensor is then read as any other."""
+    if len(tensor.dims) != 2:
+        return 0
+    k, n = tensor.dims
+    found = row_order(processor, tensor.name, names, config, n)
+    if found is None:
+        return 0
+    order, hf_name = found
+    parent, leaf = _owner(model, hf_name)
+    if leaf != "weight" or not isinstance(parent, nn.Linear) \
+            or parent is model.get_output_embeddings() \
+            or (parent.out_features, parent.in_features) != (n, k) or not Int4Linear.fits(parent):
+        return 0
+    blocks = int4_rows(_data(buf, tensor), tensor.ggml_type, order)
+    if blocks is None:
+        return 0
+    dense = nn.Linear(k, n, bias=False, device="meta")
+    _place(model, hf_name.rpartition(".")[0], parent, dense,
+           lambda linear: Int4Linear.from_native(linear, *blocks))
+    return n * k
 
 
 def _place(model: nn.Module, path: str, layer: nn.Module, dense: nn.Linear,
