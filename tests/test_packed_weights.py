@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 
-from kvchat.models import gguf_weights, packed_weights
+from kvchat.models import gguf_weights, native, packed_weights
 from kvchat.models.footprint import footprint_of
 from kvchat.models.gguf import converted_dir_for
 from kvchat.models.loading import describe_model, load_config, load_model, resolve_model
@@ -78,6 +78,33 @@ def test_a_later_load_reads_the_packed_weights_and_gets_the_same_bits(
     shared = isinstance(first.model.get_input_embeddings(), TiedInt8Embedding)
     assert shared == (quant == "Q8_0" and tied)
     assert isinstance(second.model.get_input_embeddings(), TiedInt8Embedding) == shared
+
+
+@pytest.mark.skipif(not native.int4_native(), reason="the int4 layers run on torch's kernel here")
+def test_int4_layers_read_as_the_gguf_holds_them_are_read_from_it_again(
+        tiny_tokenizer, tmp_path, monkeypatch):
+    """Q4_K layers at int4 are the file's own nibbles, scales and zeros: the packed file keeps
+    none of them (what it keeps is what packing cost), and a later load reads them from the
+    GGUF again, to the same bits."""
+    from kvchat.models import gguf_int4
+
+    path = _gguf(tiny_tokenizer, tmp_path)
+    first = load_model(str(path), dtype="int4")
+    direct = [n for n, m in first.model.named_modules() if getattr(m, "gguf_tensor", None)]
+    assert len(direct) == 2 * 7  # every linear layer of both blocks; the head is int8
+    raw = _packed_file(path).read_bytes()
+    _, _, length = packed_weights._PREFIX.unpack(raw[: packed_weights._PREFIX.size])
+    header = json.loads(raw[packed_weights._PREFIX.size : packed_weights._PREFIX.size + length])
+    kept = {r["name"] for r in header["tensors"]}
+    assert not any(name.startswith(tuple(direct)) for name in kept)
+    assert {e["attrs"].get("gguf_tensor") for e in header["modules"]} >= {
+        "blk.0.attn_q.weight", "blk.1.ffn_down.weight"}
+    calls = []
+    real = gguf_int4.read_back
+    monkeypatch.setattr(gguf_int4, "read_back", lambda *a: calls.append(a) or real(*a))
+    second = load_model(str(path), dtype="int4")
+    assert len(calls) == 1
+    _same(first, second)
 
 
 def test_the_file_is_its_owners_only_and_far_smaller_than_the_float_weights(

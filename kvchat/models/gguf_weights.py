@@ -22,7 +22,6 @@ whole tensor gave, since every row's scale is its own.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,9 @@ from torch import nn
 
 from kvchat.errors import ModelError
 from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED
+from kvchat.models.gguf_int4 import drop_pages as _drop_pages
 from kvchat.models.gguf_int4 import int4_rows, row_order
+from kvchat.models.gguf_int4 import tensor_data as _data
 from kvchat.models.precision import GGUFTensor, gguf_layout
 from kvchat.models.quant import Int4Linear, Int8HeadLinear, Int8Linear, QuantLinear
 
@@ -206,18 +207,6 @@ def _libc() -> Any:
 _LIBC: Any = None
 
 
-def _drop_pages(buf: mmap.mmap, start: int, length: int) -> None:
-    """Tell the system that this process is done with the file's pages just read
-    (MADV_DONTNEED): they stay in the page cache but leave this process's resident memory, which
-    would otherwise grow by the whole file during the load."""
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    lo = start - start % mmap.PAGESIZE
-    if advice is None or length <= 0 or lo >= len(buf):
-        return
-    with contextlib.suppress(OSError, ValueError):
-        buf.madvise(advice, lo, min(len(buf), start + length) - lo)
-
-
 def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
              tied: bool) -> RowLoad | None:
     """How to read `tensor` a chunk of rows at a time into the embedding and / or an int8 head,
@@ -318,25 +307,6 @@ def _dequantize(data: Any, ggml_type: int) -> Any:
     return found if found is not None else dequantize(data, GGMLQuantizationType(ggml_type))
 
 
-def _data(buf: mmap.mmap, tensor: GGUFTensor) -> Any:
-    """A tensor's data in the memory map, shaped as gguf-py's reader shapes it (numpy's order;
-    the quantized types as rows of bytes), read-only: what `dequantize` takes."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import quant_shape_to_byte_shape
-
-    kind = GGMLQuantizationType(tensor.ggml_type)
-    shape = tuple(reversed(tensor.dims))
-    plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
-    if kind in plain:
-        count = int(np.prod(shape))
-        return np.frombuffer(buf, plain[kind], count, tensor.offset).reshape(shape)
-    block, size = GGML_QUANT_SIZES[kind]
-    count = int(np.prod(shape)) * size // block
-    return np.frombuffer(buf, np.uint8, count, tensor.offset).reshape(
-        quant_shape_to_byte_shape(shape, kind))
-
-
 def _tensor_names(model: nn.Module, processor: Any, arch: str, config: Any) -> dict[str, str]:
     """GGUF tensor name -> the model's parameter name, from gguf-py's table for the file's
     architecture: what transformers' `get_gguf_hf_weights_map` finds, in one pass instead of
@@ -389,9 +359,10 @@ def _read_int4(buf: mmap.mmap, tensor: GGUFTensor, model: Any, names: dict[str, 
     blocks = int4_rows(_data(buf, tensor), tensor.ggml_type, order)
     if blocks is None:
         return 0
+    q, scales, zeros = blocks
     dense = nn.Linear(k, n, bias=False, device="meta")
     _place(model, hf_name.rpartition(".")[0], parent, dense,
-           lambda linear: Int4Linear.from_native(linear, *blocks))
+           lambda linear: Int4Linear.from_native(linear, q, scales, zeros, tensor.name))
     return n * k
 
 

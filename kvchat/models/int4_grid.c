@@ -47,6 +47,13 @@ static float grid_step(const float *c, float lo, float span)
 {
     float step = span / 15.0f;
     if (span == 0.0f || on_grid(c, lo, step)) return step;
+    /* the candidate below is span / L for some L in 1..14 (15 failed above), accepted only
+     * where on_grid holds for it: where it holds for none, the answer is `step` and the sort
+     * can be skipped (the same answer, found in a few divisions: values off any grid, a Q6_K
+     * layer's, fail each at their first value or two) */
+    int some = 0;
+    for (int l = 1; l < 15 && !some; l++) some = on_grid(c, lo, span / (float)l);
+    if (!some) return step;
     float sorted[GROUP];
     memcpy(sorted, c, sizeof sorted);
     for (int i = 1; i < GROUP; i++) { /* insertion sort: 32 values */

@@ -44,7 +44,7 @@ from kvchat.models import quant
 from kvchat.models.quant import QuantLinear, TiedInt8Embedding
 
 MAGIC = b"KVPW"
-VERSION = 1
+VERSION = 2  # 2: Q4_1 / Q4_K int4 layers are read from the GGUF, not kept
 _PREFIX = struct.Struct("<4sHI")
 CHECKSUM_BYTES = 32
 ALIGN = 64
@@ -164,6 +164,15 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
             owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
         else:
             owner.register_buffer(leaf, tensor)
+    again = {e["path"]: e["attrs"]["gguf_tensor"] for e in header["modules"]
+             if isinstance(e["attrs"].get("gguf_tensor"), str)}
+    if again:
+        from kvchat.models.gguf_int4 import read_back
+
+        try:
+            read_back(model, again, Path(key["gguf"]), config)
+        except (ValueError, KeyError) as exc:
+            raise PackedFileError(str(exc)) from exc
     if tied_embedding is not None:
         head = model.get_output_embeddings()
         assert isinstance(head, quant.Int8HeadLinear)
@@ -211,8 +220,13 @@ def _layout_of(model: nn.Module, key: dict[str, Any], n_params: int
         elif isinstance(module, TiedInt8Embedding):
             modules.append({"path": name, "class": type(module).__name__, "attrs": {}})
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    # int4 layers read from the GGUF as it holds them are read from it again (`read_back`)
+    from_gguf = {f"{name}.{b}" for name, module in model.named_modules()
+                 if getattr(module, "gguf_tensor", None) for b in ("qweight", "scales", "zeros")}
     records, payload, seen, offset = [], [], set(), 0
     for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in from_gguf:
+            continue
         if tensor.data_ptr() in seen and tensor.numel():
             raise ValueError(f"{name} shares its storage with another tensor")
         seen.add(tensor.data_ptr())

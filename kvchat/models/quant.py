@@ -201,6 +201,7 @@ class Int4Linear(QuantLinear):
     elsewhere torch's packed weight and (K / 32, N, 2) bfloat16 scales and zeros."""
 
     bits = 4
+    gguf_tensor: str | None = None  # read as a GGUF holds it: that tensor's name
 
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
@@ -225,12 +226,12 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def from_native(cls, linear: nn.Linear, qweight: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor) -> Int4Linear:
-        """`linear`'s layer (its shape and bias) holding int4_matmul.c's layout as made
-        elsewhere (a GGUF's Q4_1 / Q4_K rows as they are: `native.int4_from_blocks`)."""
+                    zeros: torch.Tensor, gguf_tensor: str) -> Int4Linear:
+        """`linear`'s layer (its shape and bias) holding int4_matmul.c's layout as read from
+        a GGUF's Q4_1 / Q4_K tensor `gguf_tensor` (`native.int4_from_blocks`)."""
         layer = cls.__new__(cls)
         QuantLinear.__init__(layer, linear)
-        layer.group, layer.native = GROUP, True
+        layer.group, layer.native, layer.gguf_tensor = GROUP, True, gguf_tensor
         for name, tensor in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
             layer.register_buffer(name, tensor)
         return layer
