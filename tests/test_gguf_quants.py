@@ -12,6 +12,7 @@ from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 from kvchat.config import CacheConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.verify import verify_prompt
+from kvchat.models.block_embedding import BlockEmbedding
 from kvchat.models.loading import load_model
 
 
@@ -90,6 +91,13 @@ def test_a_gguf_streams_into_the_model_bit_for_bit_as_a_float32_copy_gave(
     if precision in ("int4", "int8"):
         quantize_model(whole, precision)
     ours, theirs = loaded.model.state_dict(), whole.state_dict()
+    embed = loaded.model.get_input_embeddings()
+    if isinstance(embed, BlockEmbedding):  # a K-quant table kept as the file's blocks
+        assert quant in ("Q4_K_M", "Q6_K") and precision in ("int4", "int8")
+        ids = torch.arange(embed.num_embeddings)
+        assert torch.equal(embed(ids), whole.get_input_embeddings()(ids))
+        ours = {k: v for k, v in ours.items() if k != "model.embed_tokens.blocks"}
+        theirs = {k: v for k, v in theirs.items() if k != "model.embed_tokens.weight"}
     assert ours.keys() == theirs.keys()
     # llama.cpp's names of the layers, for their type in the file
     file_names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
@@ -161,7 +169,8 @@ def test_a_tied_embedding_the_int8_head_holds_exactly_is_read_from_it(
         quant, shared, tiny_tokenizer, tmp_path, monkeypatch):
     """Read by rows, a tied Q8_0 table is the int8 head's rows exactly, so the embedding reads
     them from the head instead of holding a bfloat16 copy: the same logits, bitwise, as a
-    load that keeps the copy. Q4_K_M's Q6_K table is not on int8's grid and keeps its own."""
+    load that keeps the copy. Q4_K_M's K-quant table is not on int8's grid and is kept as the
+    file's blocks (`BlockEmbedding`), the same rows as a bfloat16 copy."""
     from kvchat.models import gguf_weights
     from kvchat.models.precision import torch_dtype
     from kvchat.models.quant import TiedInt8Embedding
@@ -174,12 +183,14 @@ def test_a_tied_embedding_the_int8_head_holds_exactly_is_read_from_it(
     # exactly, and a bfloat16 copy's rounded (checked below)
     monkeypatch.setattr("kvchat.models.residual.float32_residual", lambda model: False)
     whole = load_model(str(path), dtype="int8")
-    assert type(whole.model.get_input_embeddings()) is torch.nn.Embedding
+    assert type(whole.model.get_input_embeddings()) is \
+        (torch.nn.Embedding if shared else BlockEmbedding)
     monkeypatch.setattr(gguf_weights, "CHUNK_ROWS_BYTES", 4096)
     model, _ = gguf_weights.load_gguf_weights(path, whole.model.config, "int8",
                                               torch_dtype("bfloat16"))
     embed = model.get_input_embeddings()
     assert isinstance(embed, TiedInt8Embedding) == shared
+    assert isinstance(embed, BlockEmbedding) != shared
     ids = torch.tensor([[5, 9, 2, 40, 7, 0]])
     assert torch.equal(embed(ids), whole.model.get_input_embeddings()(ids))
     with torch.no_grad():

@@ -6,7 +6,8 @@ Four parts, each from files alone (a GGUF's header, a folder's safetensors heade
   a linear weight is 4 bits plus a 16-bit scale and zero per 32 weights (5/8 byte), under int8
   1 byte plus a bfloat16 scale per row, the output head int8 with a float32 scale per 32 weights
   (9/8 byte) under both; a tied head is packed on its own while the embedding, the norms and
-  the biases stay bfloat16 (a large Q8_0 embedding is read from the head's rows instead).
+  the biases stay bfloat16 (a large Q8_0 embedding is read from the head's rows instead, a
+  Q4_K or Q6_K one kept as the file's blocks).
   Float precisions: the precision's itemsize per parameter, a tied head stored once.
 - the K/V pool at its configured size (`CacheConfig.blocks_for`), counted full: it is reserved
   at once and its pages become resident as blocks fill.
@@ -58,6 +59,7 @@ ROW_CHUNKED = frozenset({"token_embd.weight", "output.weight"})
 IGNORE_ENV_VAR = "KVCHAT_IGNORE_MEMORY"
 _GROUP = 32  # int4 weights per scale and zero (kvchat.models.quant.GROUP)
 _Q8_0 = 8  # GGMLQuantizationType.Q8_0: a tied embedding the int8 head holds exactly
+_BLOCKS = {12: (144, 256), 14: (210, 256)}  # Q4_K, Q6_K embeddings: `BlockEmbedding`'s bytes
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2, "int4": 2}
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
                          "I8": 1, "U8": 1, "BOOL": 1}
@@ -175,6 +177,9 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
         if packs and len(tensor.dims) == 2 and not embedding:
             k, n = tensor.dims  # GGUF's order: the fastest-varying (input) first
             total += _linear_bytes(n, k, precision, tensor.name == "output.weight")
+        elif packs and tensor.name == "token_embd.weight" and tensor.ggml_type in _BLOCKS:
+            block_bytes, values = _BLOCKS[tensor.ggml_type]  # kept as the file's blocks
+            total += count // values * block_bytes
         else:
             total += count * size
         if packs and tied and tensor.name == "token_embd.weight":

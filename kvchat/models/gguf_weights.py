@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelError
+from kvchat.models.block_embedding import BlockEmbedding
 from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED
 from kvchat.models.gguf_int4 import drop_pages as _drop_pages
 from kvchat.models.gguf_int4 import int4_rows, row_order
@@ -212,12 +213,14 @@ def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
     """How to read `tensor` a chunk of rows at a time into the embedding and / or an int8 head,
     or None when it is read whole (small, another tensor, or a head of another kind)."""
     hf_name = names.get(tensor.name)
-    if tensor.name not in ROW_CHUNKED or hf_name is None or len(tensor.dims) != 2 \
-            or tensor.dims[0] * tensor.dims[1] * 4 <= CHUNK_ROWS_BYTES:
+    if tensor.name not in ROW_CHUNKED or hf_name is None or len(tensor.dims) != 2:
         return None
     parent, leaf = _owner(model, hf_name)
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
+    blocks = packs and parent is embed and BlockEmbedding.takes(embed, tensor.ggml_type)
+    if tensor.dims[0] * tensor.dims[1] * 4 <= CHUNK_ROWS_BYTES and not blocks:
+        return None  # small: read whole (an embedding kept as blocks is read here at any size)
     int8_head = packs and isinstance(head, nn.Linear) and head.bias is None \
         and int(head.in_features) % 16 == 0  # Int8HeadLinear.fits
     if leaf != "weight" or parent is not head and parent is not embed:
@@ -233,19 +236,20 @@ def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
 
     def load(buf: mmap.mmap, dtype: torch.dtype) -> tuple[list[str], int, int]:
         return _rows_into(buf, tensor, model, embed, torch.bfloat16 if packs else dtype,
-                          tied and packs, tie_plain=tied and not packs)
+                          tied and packs, tie_plain=tied and not packs, keep_blocks=packs)
 
     return load
 
 
 def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module | None,
-               dtype: torch.dtype | None, head_int8: bool,
-               tie_plain: bool = False) -> tuple[list[str], int, int]:
+               dtype: torch.dtype | None, head_int8: bool, tie_plain: bool = False,
+               keep_blocks: bool = False) -> tuple[list[str], int, int]:
     """Fill `target`'s weight (in `dtype`) and / or pack the int8 head from `tensor`'s rows, a
     chunk at a time (a Q8_0 head comes back as the file holds it: its scales are each group's
     amax / 127); `tie_plain`: the head's weight is the embedding's. A tied embedding whose
     rows the int8 head gives back exactly (Q8_0) is read from the head (`TiedInt8Embedding`)
-    instead of held again in bfloat16. Returns (kinds packed, the chunk's float bytes,
+    instead of held again in bfloat16; `keep_blocks`: one of Q4_K or Q6_K keeps the file's
+    blocks instead (`BlockEmbedding`). Returns (kinds packed, the chunk's float bytes,
     parameters read)."""
     from gguf import GGMLQuantizationType
 
@@ -257,9 +261,12 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
     data = _data(buf, tensor)
     step = max(1, CHUNK_ROWS_BYTES // (cols * 4))
     group = head_group(cols)
-    shares = head_int8 and target is not None and dtype == torch.bfloat16 \
+    blocks = keep_blocks and target is not None and dtype == torch.bfloat16 \
+        and BlockEmbedding.takes(target, tensor.ggml_type)
+    shares = head_int8 and target is not None and dtype == torch.bfloat16 and not blocks \
         and TiedInt8Embedding.takes(target)
-    table = torch.empty(rows, cols, dtype=dtype) if target is not None and not shares else None
+    table = torch.empty(rows, cols, dtype=dtype) \
+        if target is not None and not shares and not blocks else None
     q = torch.empty(rows, cols, dtype=torch.int8) if head_int8 else None
     scales = torch.empty(rows, cols // group) if head_int8 else None
     for start in range(0, rows, step):
@@ -268,7 +275,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         end = start + len(value)
         if q is not None and scales is not None:
             q[start:end], scales[start:end] = quantize_int8_groups(value, group)
-            if table is None and target is not None and not torch.equal(
+            if shares and table is None and not torch.equal(
                     int8_group_values(q[start:end], scales[start:end], group), value):
                 # not exact: the embedding keeps its own table, the rows so far from the head
                 table = torch.empty(rows, cols, dtype=dtype)
@@ -280,6 +287,11 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         row_bytes = int(data[0:1].nbytes)
         _drop_pages(buf, tensor.offset + start * row_bytes, (end - start) * row_bytes)
     packed: list[str] = []
+    if target is not None and blocks:
+        import numpy as np
+
+        model.set_input_embeddings(BlockEmbedding(target, torch.from_numpy(np.array(data)),
+                                                  tensor.ggml_type, cols))
     if target is not None and table is not None:
         param = nn.Parameter(table, requires_grad=False)
         target.register_parameter("weight", param)
@@ -291,7 +303,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         head = Int8HeadLinear.from_quantized(q, scales)
         setattr(owner, attr, head)
         packed.append("int8")
-        if target is not None and table is None:
+        if shares and table is None and target is not None:
             model.set_input_embeddings(TiedInt8Embedding(target, head))
     return packed, min(rows, step) * cols * 4, rows * cols
 

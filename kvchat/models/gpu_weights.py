@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvchat.models.block_embedding import BlockEmbedding
 from kvchat.models.quant import (
     GROUP,
     Int4Grid,
@@ -147,6 +148,8 @@ def place_on_gpu(model: Any, device: str) -> GpuPlacement:
             elif isinstance(child, Int8Linear):
                 setattr(parent, name, DenseLinear(child, target))
                 counts["dense"] += 1
+            elif isinstance(child, BlockEmbedding):  # lookups on the device, no CPU
+                child.to_table(target)
             elif isinstance(child, Int8HeadLinear):
                 child.to(target)
                 child.register_buffer("dense_weight",

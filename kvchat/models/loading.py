@@ -431,9 +431,7 @@ def _load_gguf(source: ModelSource, folder: Path, config: PretrainedConfig,
 
 def _input_device(model: Any) -> torch.device:
     # Where input ids must go; with a device_map the layers may sit on several devices.
-    from kvchat.models.quant import TiedInt8Embedding
-
     embed = model.get_input_embeddings()
-    device: torch.device = embed.device if isinstance(embed, TiedInt8Embedding) \
-        else embed.weight.device
+    device: torch.device = embed.device if hasattr(embed, "out_dtype") \
+        else embed.weight.device  # TiedInt8Embedding, BlockEmbedding: no weight of their own
     return device

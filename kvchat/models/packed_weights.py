@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from kvchat.models import quant
+from kvchat.models.block_embedding import BlockEmbedding
 from kvchat.models.quant import QuantLinear, TiedInt8Embedding
 
 MAGIC = b"KVPW"
@@ -57,9 +58,9 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in (
 _CLASSES: dict[str, type[QuantLinear]] = {
     cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear)}
 # the modules whose code decides the packed numbers: an edit to any of them packs afresh
-_PACKING_MODULES = ("quant.py", "gguf_weights.py", "native.py", "precision.py", "footprint.py",
-                    "packed_weights.py", "gguf_int4.py", "int4_grid.c", "gguf_blocks.c",
-                    "native_sums.h")
+_PACKING_MODULES = ("quant.py", "block_embedding.py", "gguf_weights.py", "native.py",
+                    "precision.py", "footprint.py", "packed_weights.py", "gguf_int4.py",
+                    "int4_grid.c", "gguf_blocks.c", "native_sums.h")
 
 
 class PackedFileError(ValueError):
@@ -153,6 +154,13 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
         if entry["class"] == TiedInt8Embedding.__name__:
             tied_embedding = entry
             continue
+        if entry["class"] == BlockEmbedding.__name__:  # its blocks are among the tensors
+            owner, attr = _owner(model, entry["path"])
+            attrs = entry["attrs"]
+            setattr(owner, attr, BlockEmbedding(
+                getattr(owner, attr), torch.empty(0, 0, dtype=torch.uint8),
+                int(attrs["ggml_type"]), int(attrs["embedding_dim"])))
+            continue
         cls = _CLASSES.get(entry["class"])
         if cls is None:
             raise PackedFileError(f"an unknown module {entry['class']!r}")
@@ -219,6 +227,10 @@ def _layout_of(model: nn.Module, key: dict[str, Any], n_params: int
                             "attrs": _plain_attributes(module)})
         elif isinstance(module, TiedInt8Embedding):
             modules.append({"path": name, "class": type(module).__name__, "attrs": {}})
+        elif isinstance(module, BlockEmbedding):
+            modules.append({"path": name, "class": type(module).__name__,
+                            "attrs": {"ggml_type": module.ggml_type,
+                                      "embedding_dim": module.embedding_dim}})
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     # int4 layers read from the GGUF as it holds them are read from it again (`read_back`)
     from_gguf = {f"{name}.{b}" for name, module in model.named_modules()

@@ -1,0 +1,85 @@
+"""A token embedding kept as its GGUF's K-quant blocks, its rows de-quantized as they are looked
+up.
+
+Llama 3.x and Qwen2.5 Q4_K_M files hold their (tied) token embedding as Q6_K: 0.82 bytes a
+value, where a bfloat16 table takes 2 (Llama 3.2 1B's 128,256 x 2,048: 215 MiB against 501 MiB,
+held beside the int8 head packed from the same numbers). `BlockEmbedding` keeps the file's
+bytes and de-quantizes only the rows a forward asks for (`native.gguf_blocks`, gguf-py's
+numbers bit for bit, or gguf-py itself where the library is not built), rounded to the table's
+dtype first: the very values a table de-quantized whole gave. Gemma's scaled embedding
+multiplies by its scale as its own forward does. On a GPU it becomes that table
+(`to_table`), whose lookups need no CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_BF16 = torch.bfloat16
+KINDS = (12, 14)  # GGMLQuantizationType Q4_K, Q6_K: the types gguf_blocks.c de-quantizes
+
+
+class BlockEmbedding(nn.Module):
+    """`blocks`: (rows, bytes per row) uint8, the GGUF tensor's rows as the file holds them."""
+
+    def __init__(self, embed: nn.Module, blocks: torch.Tensor, ggml_type: int, dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(blocks.shape[0]), dim
+        self.ggml_type = int(ggml_type)
+        self.padding_idx = getattr(embed, "padding_idx", None)
+        scale = getattr(embed, "embed_scale", None)
+        self.embed_scale: torch.Tensor | None
+        if isinstance(scale, torch.Tensor):
+            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = None
+        self.register_buffer("blocks", blocks)
+        self.table: torch.Tensor | None = None  # `to_table`'s
+        self.out_dtype = _BF16  # float32 where the residual stream is (kvchat.models.residual)
+
+    @staticmethod
+    def takes(embed: nn.Module, ggml_type: int) -> bool:
+        """A plain embedding, or one whose forward only multiplies by `embed_scale`, of a type
+        this module de-quantizes."""
+        plain = type(embed) is nn.Embedding or (
+            type(embed).__name__.endswith("ScaledWordEmbedding")
+            and isinstance(getattr(embed, "embed_scale", None), torch.Tensor))
+        return plain and int(ggml_type) in KINDS
+
+    @property
+    def device(self) -> torch.device:
+        return (self.table if self.table is not None else self.get_buffer("blocks")).device
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table's rows `ids` (any shape): (*ids.shape, dim) bfloat16."""
+        if self.table is not None:
+            return nn.functional.embedding(ids, self.table)
+        from kvchat.models.native import gguf_blocks
+
+        picked = self.get_buffer("blocks").index_select(0, ids.reshape(-1).cpu()).numpy()
+        values: Any = gguf_blocks(picked, self.ggml_type)
+        if values is None:
+            from gguf import GGMLQuantizationType, dequantize
+
+            values = dequantize(picked, GGMLQuantizationType(self.ggml_type))
+        out = torch.from_numpy(values).to(_BF16)
+        return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(ids)  # scaled in bfloat16, as the table's own forward scales
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(_BF16)
+        return rows.to(self.out_dtype)
+
+    def to_table(self, device: torch.device) -> None:
+        """De-quantize every row once into a bfloat16 table on `device` (a GPU's lookups)."""
+        ids = torch.arange(self.num_embeddings)
+        self.table = torch.cat([self.rows(ids[i : i + 8192])
+                                for i in range(0, len(ids), 8192)]).to(device)
+        del self.blocks
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
