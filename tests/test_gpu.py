@@ -83,20 +83,28 @@ def test_batched_rows_on_the_gpu(tiny_tokenizer, dtype: torch.dtype) -> None:
     assert [t.token_ids for t in together] == [a.token_ids for a in alone]
 
 
-def test_int4_gguf_runs_packed_on_the_gpu(tiny_tokenizer, tmp_path: Path) -> None:
-    """A Q4_1 GGUF at int4 on a GPU: its layers on torch's CUDA int4 kernel, half a byte per
-    weight, logits close to the CPU's int4 run, a radix hit giving the cold tokens."""
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+def test_int4_gguf_runs_packed_on_the_gpu(qtype, tiny_tokenizer, tmp_path: Path) -> None:
+    """A Q4_1 / Q4_K GGUF at int4 on a GPU: its layers on torch's CUDA int4 kernel, half a
+    byte per weight, logits close to the CPU's int4 run, a radix hit giving the cold tokens;
+    a Q4_K embedding (kept as the file's blocks on CPU) is a table on the device."""
     from conftest import write_tiny_gguf
 
+    from kvchat.models.block_embedding import BlockEmbedding
     from kvchat.models.gpu_weights import CudaInt4Linear
     from kvchat.models.loading import load_model
     from kvchat.models.quant import Int4Linear, QuantLinear
 
     config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=512)
-    path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "q41.gguf",
-                           lambda name: "Q4_1")
+    path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "q4.gguf",
+                           lambda name: qtype)
     gpu = load_model(str(path), dtype="int4", device="cuda")
     cpu = load_model(str(path), dtype="int4", device="cpu")
+    embed = gpu.model.get_input_embeddings()
+    assert isinstance(embed, BlockEmbedding) == (qtype == "Q4_K")
+    if isinstance(embed, BlockEmbedding):
+        assert embed.table is not None and embed.table.device.type == "cuda"
+        assert gpu.device.type == "cuda"
     layers = [m for m in gpu.model.modules() if isinstance(m, QuantLinear)]
     assert any(isinstance(m, CudaInt4Linear) for m in layers)
     assert not any(isinstance(m, Int4Linear) for m in layers)
