@@ -29,9 +29,11 @@ SOURCE_RECORD = "kvchat-source.json"
 # What a converted folder holds: 2, the config and tokenizer only (the weights stay in the GGUF)
 FOLDER_FORMAT = 2
 
-# Seconds per MB of GGUF for reading its metadata and writing the tokenizer (its vocabulary is
-# most of the work): SmolLM2's 98 MB took 12 s on a loaded 2-core VM. A range goes around it.
-SECONDS_PER_MB = 0.1
+# Reading a GGUF's metadata and writing its tokenizer: importing transformers and building the
+# tokenizer from its vocabulary are most of it, the file's size little. On a 2-core Xeon, in a
+# fresh process: SmolLM2's 98 MB 3.4 s, a Llama 1B-shaped 803 MB 4.2 s, a Qwen2.5 3B-shaped
+# 1.9 GB 3.3 s, Gemma 3 270M's 253 MB (a 262k-token vocabulary) 6.6 s. A range goes around it.
+BASE_SECONDS, SECONDS_PER_MB = 3.0, 0.002
 
 # Temp conversion folders are named "<prefix><final name>.<pid>.<random>" so that a later run can
 # tell a dead run's leftovers from a conversion another live process is doing right now.
@@ -94,7 +96,7 @@ def ensure_converted(
 def estimate(n_bytes: int) -> str:
     """How long a conversion of a GGUF this size takes, as a range: it depends on the CPU, the
     quantization and the vocabulary as much as on the size."""
-    seconds = n_bytes / 1e6 * SECONDS_PER_MB
+    seconds = BASE_SECONDS + n_bytes / 1e6 * SECONDS_PER_MB
     low, high = seconds * 0.6, seconds * 1.6
     if high <= 10:
         span = "a few seconds"
