@@ -222,3 +222,35 @@ def test_kvchat_models_says_whether_a_load_reads_or_packs(tiny_tokenizer, tmp_pa
     # reading the file holds no float32 copy of a tensor on the side
     assert after.packed_ready and _loading_bytes(after) == 0
     assert describe_model(str(path), dtype="bfloat16").packed_weights is None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_block_embedding_read_back_is_whole_and_becomes_a_table(
+        tied, tiny_tokenizer, tmp_path, monkeypatch):
+    """A K-quant embedding kept as blocks comes back from the packed file with all its rows
+    (a GPU start turns it into a table from them), and a file whose blocks are not its shape
+    is never read."""
+    from kvchat.models.block_embedding import BlockEmbedding
+
+    path = _gguf(tiny_tokenizer, tmp_path, "Q4_K", tied)
+    first = load_model(str(path), dtype="int4")
+    second = load_model(str(path), dtype="int4")  # read from the packed file
+    embed = second.model.get_input_embeddings()
+    assert isinstance(embed, BlockEmbedding) and embed.whole()
+    assert embed.num_embeddings == len(tiny_tokenizer)
+    ids = torch.arange(embed.num_embeddings)
+    want = first.model.get_input_embeddings()(ids)
+    embed.to_table(torch.device("cpu"))  # what place_on_gpu does, here on the CPU
+    assert embed.table is not None and torch.equal(embed(ids), want)
+    streams = _Streams(monkeypatch)
+    real = packed_weights._read
+
+    def cut(*args):  # the embedding's blocks one row short
+        header, tensors = real(*args)
+        at = [r["name"] for r in header["tensors"]].index("model.embed_tokens.blocks")
+        tensors[at] = tensors[at][1:]
+        return header, tensors
+
+    monkeypatch.setattr(packed_weights, "_read", cut)
+    load_model(str(path), dtype="int4")
+    assert streams.calls == 1  # packed again

@@ -20,6 +20,7 @@ from torch import nn
 
 _BF16 = torch.bfloat16
 KINDS = (12, 14)  # GGMLQuantizationType Q4_K, Q6_K: the types gguf_blocks.c de-quantizes
+_BLOCK_BYTES = {12: 144, 14: 210}  # per 256 values
 
 
 class BlockEmbedding(nn.Module):
@@ -27,7 +28,8 @@ class BlockEmbedding(nn.Module):
 
     def __init__(self, embed: nn.Module, blocks: torch.Tensor, ggml_type: int, dim: int) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim = int(blocks.shape[0]), dim
+        self.embedding_dim = dim
+        self.rows_wanted = getattr(embed, "num_embeddings", None)  # the table it stands for
         self.ggml_type = int(ggml_type)
         self.padding_idx = getattr(embed, "padding_idx", None)
         scale = getattr(embed, "embed_scale", None)
@@ -50,9 +52,23 @@ class BlockEmbedding(nn.Module):
         return plain and int(ggml_type) in KINDS
 
     @property
+    def num_embeddings(self) -> int:  # the rows held: a packed file's shell gets them later
+        return int((self.table if self.table is not None else self.get_buffer("blocks")).shape[0])
+
+    def whole(self) -> bool:
+        """Whether its blocks are those of (rows, embedding_dim) values of its type."""
+        blocks = self.get_buffer("blocks")
+        rows = self.rows_wanted if isinstance(self.rows_wanted, int) else blocks.shape[0]
+        return blocks.dim() == 2 and blocks.dtype == torch.uint8 and blocks.shape[0] > 0 \
+            and blocks.shape[0] == rows \
+            and self.embedding_dim % 256 == 0 \
+            and blocks.shape[1] == self.embedding_dim // 256 * _BLOCK_BYTES[self.ggml_type]
+
+    @property
     def device(self) -> torch.device:
         return (self.table if self.table is not None else self.get_buffer("blocks")).device
 
+    @torch.compiler.disable  # numpy and C: outside a compiled graph, as the int4 kernel is
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The table's rows `ids` (any shape): (*ids.shape, dim) bfloat16."""
         if self.table is not None:
@@ -77,9 +93,10 @@ class BlockEmbedding(nn.Module):
     def to_table(self, device: torch.device) -> None:
         """De-quantize every row once into a bfloat16 table on `device` (a GPU's lookups)."""
         ids = torch.arange(self.num_embeddings)
-        self.table = torch.cat([self.rows(ids[i : i + 8192])
-                                for i in range(0, len(ids), 8192)]).to(device)
+        table = torch.cat([self.rows(ids[i : i + 8192]).to(device)  # a chunk at a time on CPU
+                           for i in range(0, len(ids), 8192)])
         del self.blocks
+        self.table = table
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"

@@ -60,6 +60,9 @@ IGNORE_ENV_VAR = "KVCHAT_IGNORE_MEMORY"
 _GROUP = 32  # int4 weights per scale and zero (kvchat.models.quant.GROUP)
 _Q8_0 = 8  # GGMLQuantizationType.Q8_0: a tied embedding the int8 head holds exactly
 _BLOCKS = {12: (144, 256), 14: (210, 256)}  # Q4_K, Q6_K embeddings: `BlockEmbedding`'s bytes
+# the architectures whose loads keep such an embedding as blocks (a plain or scaled embedding,
+# read by rows: `gguf_weights._KEEPS_EMBEDDINGS`); elsewhere it is counted as a table
+_KEEPS_BLOCKS = frozenset({"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"})
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2, "int4": 2}
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
                          "I8": 1, "U8": 1, "BOOL": 1}
@@ -164,7 +167,8 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
     packs = precision in ("int4", "int8")
     size = _ITEMSIZE[precision]
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        tensors = gguf_layout(buf).tensors
+        layout = gguf_layout(buf)
+    tensors, arch = layout.tensors, layout.architecture
     total = largest = 0
     for tensor in tensors:
         if tensor.name.startswith("rope_freqs"):  # llama.cpp's own; transformers has none
@@ -177,7 +181,8 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
         if packs and len(tensor.dims) == 2 and not embedding:
             k, n = tensor.dims  # GGUF's order: the fastest-varying (input) first
             total += _linear_bytes(n, k, precision, tensor.name == "output.weight")
-        elif packs and tensor.name == "token_embd.weight" and tensor.ggml_type in _BLOCKS:
+        elif packs and tensor.name == "token_embd.weight" and tensor.ggml_type in _BLOCKS \
+                and arch in _KEEPS_BLOCKS and tensor.dims[0] % 256 == 0:
             block_bytes, values = _BLOCKS[tensor.ggml_type]  # kept as the file's blocks
             total += count // values * block_bytes
         else:

@@ -17,6 +17,7 @@ nothing is replaced. The tests compare the config both ways on the GGUFs they bu
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,8 +85,12 @@ def _is_array_count(key: str) -> bool:
 
 
 def available() -> bool:
-    """Whether this transformers has the fast reader `MetadataReader` stands on."""
+    """Whether this transformers has the fast reader `MetadataReader` stands on, and builds a
+    GGUF's tokenizer through it (so the legacy reader's result gives a config only)."""
     try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # noqa: F401
+            get_gguf_tokenizer,
+        )
         from transformers.integrations.gguf.reader import read_gguf_metadata  # noqa: F401
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: F401
     except ImportError:
@@ -93,31 +98,41 @@ def available() -> bool:
     return True
 
 
+_LOCK = threading.RLock()  # one conversion at a time swaps transformers' reader
+
+
 @contextlib.contextmanager
 def fast_config_reads() -> Iterator[None]:
     """While inside, transformers' `load_gguf_checkpoint(path, return_tensors=False)` reads
-    the file through `MetadataReader`; anything that asks for tensors runs as it did."""
+    the file through `MetadataReader` (and, should that fail, as it did); anything that asks
+    for tensors runs as it did."""
     if not available():
         yield
         return
     import transformers.modeling_gguf_pytorch_utils as legacy
 
-    original = legacy.load_gguf_checkpoint
+    with _LOCK:
+        original = legacy.load_gguf_checkpoint
 
-    def config_only(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
-        if return_tensors or args or kwargs.get("model_to_load") is not None:
-            return original(path, return_tensors, *args, **kwargs)
-        import gguf
+        def config_only(path: Any, return_tensors: bool = False, *args: Any,
+                        **kwargs: Any) -> Any:
+            if return_tensors or args or kwargs.get("model_to_load") is not None:
+                return original(path, return_tensors, *args, **kwargs)
+            import gguf
 
-        reader_class = gguf.GGUFReader
-        gguf.GGUFReader = MetadataReader  # type: ignore[misc, assignment]
+            with _LOCK:
+                reader_class = gguf.GGUFReader
+                gguf.GGUFReader = MetadataReader  # type: ignore[misc, assignment]
+                try:
+                    return original(path, return_tensors=False)
+                except Exception:  # the fast reader could not: the legacy one reads it
+                    gguf.GGUFReader = reader_class  # type: ignore[misc]
+                    return original(path, return_tensors=False)
+                finally:
+                    gguf.GGUFReader = reader_class  # type: ignore[misc]
+
+        legacy.load_gguf_checkpoint = config_only  # type: ignore[assignment]
         try:
-            return original(path, return_tensors=False)
+            yield
         finally:
-            gguf.GGUFReader = reader_class  # type: ignore[misc]
-
-    legacy.load_gguf_checkpoint = config_only  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        legacy.load_gguf_checkpoint = original  # type: ignore[assignment]
+            legacy.load_gguf_checkpoint = original  # type: ignore[assignment]

@@ -269,7 +269,13 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         if target is not None and not shares and not blocks else None
     q = torch.empty(rows, cols, dtype=torch.int8) if head_int8 else None
     scales = torch.empty(rows, cols // group) if head_int8 else None
-    for start in range(0, rows, step):
+    if blocks and target is not None:  # the file's bytes, copied before its pages drop
+        import numpy as np
+
+        model.set_input_embeddings(BlockEmbedding(target, torch.from_numpy(np.array(data)),
+                                                  tensor.ggml_type, cols))
+    floats = table is not None or q is not None  # else the blocks alone: nothing de-quantized
+    for start in range(0, rows if floats else 0, step):
         chunk = _dequantize(data[start : start + step], kind)
         value = torch.from_numpy(chunk if chunk.flags.writeable else chunk.copy()).float()
         end = start + len(value)
@@ -287,11 +293,6 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         row_bytes = int(data[0:1].nbytes)
         _drop_pages(buf, tensor.offset + start * row_bytes, (end - start) * row_bytes)
     packed: list[str] = []
-    if target is not None and blocks:
-        import numpy as np
-
-        model.set_input_embeddings(BlockEmbedding(target, torch.from_numpy(np.array(data)),
-                                                  tensor.ggml_type, cols))
     if target is not None and table is not None:
         param = nn.Parameter(table, requires_grad=False)
         target.register_parameter("weight", param)
@@ -305,7 +306,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         packed.append("int8")
         if shares and table is None and target is not None:
             model.set_input_embeddings(TiedInt8Embedding(target, head))
-    return packed, min(rows, step) * cols * 4, rows * cols
+    return packed, min(rows, step) * cols * 4 if floats else 0, rows * cols
 
 
 def _dequantize(data: Any, ggml_type: int) -> Any:

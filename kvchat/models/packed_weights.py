@@ -157,8 +157,8 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
         if entry["class"] == BlockEmbedding.__name__:  # its blocks are among the tensors
             owner, attr = _owner(model, entry["path"])
             attrs = entry["attrs"]
-            setattr(owner, attr, BlockEmbedding(
-                getattr(owner, attr), torch.empty(0, 0, dtype=torch.uint8),
+            setattr(owner, attr, BlockEmbedding(  # a meta shell: "lacks" below if not filled
+                getattr(owner, attr), torch.empty(0, 0, dtype=torch.uint8, device="meta"),
                 int(attrs["ggml_type"]), int(attrs["embedding_dim"])))
             continue
         cls = _CLASSES.get(entry["class"])
@@ -172,6 +172,8 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
             owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
         else:
             owner.register_buffer(leaf, tensor)
+    if any(isinstance(m, BlockEmbedding) and not m.whole() for m in model.modules()):
+        raise PackedFileError("its embedding's blocks are not its shape")
     again = {e["path"]: e["attrs"]["gguf_tensor"] for e in header["modules"]
              if isinstance(e["attrs"].get("gguf_tensor"), str)}
     if again:
@@ -325,6 +327,7 @@ class _Digest:
 
         self._sum = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvchat-digest")  # in order
+        self._done: list[Any] = []
 
     def __enter__(self) -> _Digest:
         return self
@@ -333,10 +336,12 @@ class _Digest:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def update(self, chunk: Any) -> None:
-        self._pool.submit(self._sum.update, chunk)
+        self._done.append(self._pool.submit(self._sum.update, chunk))
 
     def digest(self) -> bytes:
         self._pool.shutdown(wait=True)
+        for done in self._done:
+            done.result()  # an error in the thread is the caller's
         return self._sum.digest()
 
 
