@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kvchat.models import native
-from kvchat.models.block_embedding import BlockEmbedding
+from kvchat.models.quant_embeddings import BlockEmbedding
 
 
 class FakeScaledWordEmbedding(nn.Embedding):

@@ -12,8 +12,8 @@ from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 from kvchat.config import CacheConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.verify import verify_prompt
-from kvchat.models.block_embedding import BlockEmbedding
 from kvchat.models.loading import load_model
+from kvchat.models.quant_embeddings import BlockEmbedding
 
 
 def q4_k_m(name: str) -> str:
@@ -173,7 +173,7 @@ def test_a_tied_embedding_the_int8_head_holds_exactly_is_read_from_it(
     file's blocks (`BlockEmbedding`), the same rows as a bfloat16 copy."""
     from kvchat.models import gguf_weights
     from kvchat.models.precision import torch_dtype
-    from kvchat.models.quant import TiedInt8Embedding
+    from kvchat.models.quant_embeddings import TiedInt8Embedding
 
     config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
                                num_hidden_layers=1, tie_word_embeddings=True)

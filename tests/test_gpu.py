@@ -90,10 +90,10 @@ def test_int4_gguf_runs_packed_on_the_gpu(qtype, tiny_tokenizer, tmp_path: Path)
     a Q4_K embedding (kept as the file's blocks on CPU) is a table on the device."""
     from conftest import write_tiny_gguf
 
-    from kvchat.models.block_embedding import BlockEmbedding
     from kvchat.models.gpu_weights import CudaInt4Linear
     from kvchat.models.loading import load_model
     from kvchat.models.quant import Int4Linear, QuantLinear
+    from kvchat.models.quant_embeddings import BlockEmbedding
 
     config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=512)
     path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "q4.gguf",

@@ -115,7 +115,7 @@ def test_the_library_is_built_once_and_privately(tmp_path, monkeypatch):
 def test_gemmas_scaled_embedding_read_from_the_head_gives_its_own_numbers():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
-    from kvchat.models.quant import TiedInt8Embedding
+    from kvchat.models.quant_embeddings import TiedInt8Embedding
 
     head = _head(n=300, k=64)
     own = Gemma3TextScaledWordEmbedding(300, 64, padding_idx=0, embed_scale=64**0.5)

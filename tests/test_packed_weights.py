@@ -18,7 +18,8 @@ from kvchat.models import gguf_weights, native, packed_weights
 from kvchat.models.footprint import footprint_of
 from kvchat.models.gguf import converted_dir_for
 from kvchat.models.loading import describe_model, load_config, load_model, resolve_model
-from kvchat.models.quant import QuantLinear, TiedInt8Embedding
+from kvchat.models.quant import QuantLinear
+from kvchat.models.quant_embeddings import TiedInt8Embedding
 
 
 def _gguf(tiny_tokenizer, tmp_path, quant="Q4_K", tied=False):
@@ -230,7 +231,7 @@ def test_a_block_embedding_read_back_is_whole_and_becomes_a_table(
     """A K-quant embedding kept as blocks comes back from the packed file with all its rows
     (a GPU start turns it into a table from them), and a file whose blocks are not its shape
     is never read."""
-    from kvchat.models.block_embedding import BlockEmbedding
+    from kvchat.models.quant_embeddings import BlockEmbedding
 
     path = _gguf(tiny_tokenizer, tmp_path, "Q4_K", tied)
     first = load_model(str(path), dtype="int4")

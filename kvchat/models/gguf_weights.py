@@ -32,13 +32,13 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelError
-from kvchat.models.block_embedding import BlockEmbedding
 from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED
 from kvchat.models.gguf_int4 import drop_pages as _drop_pages
 from kvchat.models.gguf_int4 import int4_rows, row_order
 from kvchat.models.gguf_int4 import tensor_data as _data
 from kvchat.models.precision import GGUFTensor, gguf_layout
 from kvchat.models.quant import Int4Linear, Int8HeadLinear, Int8Linear, QuantLinear
+from kvchat.models.quant_embeddings import BlockEmbedding
 
 Progress = Callable[[int, int], None]
 # transformers' processors that leave those two as they are (GPT-2's, for one, renames the head)
@@ -254,7 +254,8 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
     from gguf import GGMLQuantizationType
 
     from kvchat.models.native import int8_group_values
-    from kvchat.models.quant import TiedInt8Embedding, head_group, quantize_int8_groups
+    from kvchat.models.quant import head_group, quantize_int8_groups
+    from kvchat.models.quant_embeddings import TiedInt8Embedding
 
     kind = GGMLQuantizationType(tensor.ggml_type)
     cols, rows = tensor.dims

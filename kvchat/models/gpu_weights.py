@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvchat.models.block_embedding import BlockEmbedding
 from kvchat.models.quant import (
     GROUP,
     Int4Grid,
@@ -36,6 +35,7 @@ from kvchat.models.quant import (
     quantize_int4,
     torch_int4_scales,
 )
+from kvchat.models.quant_embeddings import BlockEmbedding
 
 _BF16 = torch.bfloat16
 _MIN_CAPABILITY = (8, 0)  # tinygemm's bfloat16 mma instructions: Ampere and later

@@ -309,10 +309,10 @@ def describe_model(
 
 def _packed_status(source: ModelSource, folder: Path | None, config: PretrainedConfig,
                    precision: Precision) -> tuple[str, bool] | None:
-    """`packed_weights.packed_status` for a quantized GGUF; None for anything else."""
+    """`packed_loads.packed_status` for a quantized GGUF; None for anything else."""
     if not source.is_gguf or not precision.quantized or folder is None:
         return None
-    from kvchat.models.packed_weights import packed_status
+    from kvchat.models.packed_loads import packed_status
 
     return packed_status(Path(source.location), folder, config, precision.name,
                          precision.compute_dtype)
@@ -415,7 +415,7 @@ def _load_gguf(source: ModelSource, folder: Path, config: PretrainedConfig,
     copy of the whole model, on disk or in memory (`kvchat.models.gguf_weights`); at int4 and
     int8 kept packed in `folder` for the next start (`kvchat.models.packed_weights`)."""
     from kvchat.models.gpu_weights import place
-    from kvchat.models.packed_weights import load_gguf_packed
+    from kvchat.models.packed_loads import load_gguf_packed
 
     label = EMBEDDED_NAME if source.kind == "embedded" else Path(source.location).stem
     with load_errors(source), quiet_transformers():

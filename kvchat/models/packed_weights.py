@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from kvchat.models import quant
-from kvchat.models.block_embedding import BlockEmbedding
-from kvchat.models.quant import QuantLinear, TiedInt8Embedding
+from kvchat.models.quant import QuantLinear
+from kvchat.models.quant_embeddings import BlockEmbedding, TiedInt8Embedding
 
 MAGIC = b"KVPW"
 VERSION = 2  # 2: Q4_1 / Q4_K int4 layers are read from the GGUF, not kept
@@ -58,7 +58,7 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in (
 _CLASSES: dict[str, type[QuantLinear]] = {
     cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear)}
 # the modules whose code decides the packed numbers: an edit to any of them packs afresh
-_PACKING_MODULES = ("quant.py", "block_embedding.py", "gguf_weights.py", "native.py",
+_PACKING_MODULES = ("quant.py", "quant_embeddings.py", "gguf_weights.py", "native.py",
                     "precision.py", "footprint.py", "packed_weights.py", "gguf_int4.py",
                     "int4_grid.c", "gguf_blocks.c", "native_sums.h")
 
@@ -396,77 +396,3 @@ def _remove_stale_temp_files(folder: Path) -> None:
         if pid.isdigit() and not pid_alive(int(pid)):
             with contextlib.suppress(OSError):
                 entry.unlink()
-
-
-def load_gguf_packed(gguf: Path, folder: Path, config: Any, precision: str, dtype: torch.dtype,
-                     label: str) -> tuple[Any, int, str]:
-    """The model of `gguf` at `precision`: read from its packed-weights file in `folder` when
-    one was made for it, else streamed from the GGUF and packed (`gguf_weights`), then saved
-    there for the next start. Only int4 and int8 are kept: a float precision is the GGUF
-    de-quantized, which is not written. Returns (model, parameters, what happened: "read",
-    "packed", or "packed, not kept: <why>")."""
-    from kvchat.models.gguf import spinner
-    from kvchat.models.gguf_weights import load_gguf_weights
-
-    if precision not in ("int4", "int8"):
-        model, done = load_gguf_weights(gguf, config, precision, dtype)
-        return model, done.n_params, "streamed"
-    compute = str(dtype).removeprefix("torch.")
-    architecture = _architecture(config)
-    key = packed_key(gguf, precision, compute, architecture, config.to_json_string())
-    path = packed_path(folder, precision, compute)
-    try:
-        model, read = load_packed(path, key, config, dtype)
-        return model, read.n_params, "read"
-    except OSError:  # none, or unreadable now: packed, and written again if it can be
-        pass
-    except (KeyboardInterrupt, MemoryError):
-        raise
-    except Exception:  # damaged, made for another version, or not this model's: packed again
-        with contextlib.suppress(OSError):
-            path.unlink()
-    with spinner(f"Packing {label}'s weights to {precision} for this machine's kernels; later "
-                 f"starts read them from {path.name} in {folder}…"):
-        model, done = load_gguf_weights(gguf, config, precision, dtype)
-        try:
-            save_packed(model, path, key, done.n_params)
-        except (OSError, ValueError) as exc:
-            why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
-            _warn(f"kvchat: could not keep {label}'s packed weights in {folder} ({why}); the "
-                  "next start packs them again.")
-            return model, done.n_params, f"packed, not kept: {why}"
-    return model, done.n_params, "packed"
-
-
-def _architecture(config: Any) -> str:
-    return str((getattr(config, "architectures", None) or ["?"])[0])
-
-
-def _warn(line: str) -> None:
-    import sys
-
-    from rich.console import Console
-
-    Console(file=sys.stderr, highlight=False).print(line, markup=False)
-
-
-def packed_status(gguf: Path, folder: Path, config: Any, precision: str,
-                  compute: str) -> tuple[str, bool]:
-    """Whether a load will read packed weights (True) or pack them, and one line saying so for
-    `kvchat models` (the header's key is read, not the whole file's checksum)."""
-    path = packed_path(folder, precision, compute)
-    architecture = _architecture(config)
-    try:
-        with open(path, "rb") as fh:
-            magic, version, length = _PREFIX.unpack(fh.read(_PREFIX.size))
-            header = json.loads(fh.read(min(length, _MAX_HEADER)))
-        size = path.stat().st_size
-    except (OSError, ValueError, struct.error):
-        return "none yet: the first load packs them and keeps them in the converted folder", \
-            False
-    if magic != MAGIC or version != VERSION or not isinstance(header, dict) \
-            or header.get("key") != packed_key(gguf, precision, compute, architecture,
-                                               config.to_json_string()):
-        return f"{path.name} was made by another version: the next load packs them again", \
-            False
-    return f"{path.name} ({size / 2**20:,.1f} MiB): a load reads them instead of packing", True

@@ -326,44 +326,6 @@ class Int8HeadLinear(QuantLinear):
         return self.rows(torch.arange(self.out_features, device=self.get_buffer("qweight").device))
 
 
-class TiedInt8Embedding(nn.Module):
-    """A tied model's token embedding read from its int8 head's rows and cast to `out_dtype`
-    (bfloat16, or float32 under `float32_residual`): where those rows are exactly the file's
-    numbers (a GGUF's Q8_0 table), the same values as a table of them, without holding one
-    (Gemma 3 270M: 320 MiB). Gemma's scaled embedding multiplies by its scale as its own
-    forward does."""
-
-    def __init__(self, embed: nn.Module, head: Int8HeadLinear) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        self.padding_idx = getattr(embed, "padding_idx", None)
-        scale = getattr(embed, "embed_scale", None)
-        self.embed_scale: torch.Tensor | None
-        if isinstance(scale, torch.Tensor):
-            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
-        else:
-            self.embed_scale = None
-        self.__dict__["head"] = head  # not a submodule: the head owns the weights
-        self.out_dtype = _BF16  # float32 where the residual stream is (kvchat.models.residual)
-
-    @property
-    def device(self) -> torch.device:
-        return self.__dict__["head"].get_buffer("qweight").device
-
-    @staticmethod
-    def takes(embed: nn.Module) -> bool:
-        """A plain embedding, or one whose forward only multiplies by `embed_scale`."""
-        return type(embed) is nn.Embedding or (
-            type(embed).__name__.endswith("ScaledWordEmbedding")
-            and isinstance(getattr(embed, "embed_scale", None), torch.Tensor))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.__dict__["head"].rows(ids).to(self.out_dtype)
-        if self.embed_scale is not None:
-            rows = rows * self.embed_scale.to(self.out_dtype)
-        return rows
-
-
 @dataclass(frozen=True)
 class Quantized:
     """What `quantize_model` did: layers swapped per kind, and the bytes one decode step reads

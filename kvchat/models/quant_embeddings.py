@@ -1,36 +1,39 @@
-"""A token embedding kept as its GGUF's K-quant blocks, its rows de-quantized as they are looked
-up.
+"""Token embeddings read from packed weights instead of a bfloat16 table of their own: a tied
+model's int8 head's rows (`TiedInt8Embedding`), or a GGUF's K-quant blocks (`BlockEmbedding`).
+Both stand for a plain embedding or Gemma's scaled one, whose scale they apply as its forward
+does, and give their rows in `out_dtype` (float32 under `kvchat.models.residual`).
 
-Llama 3.x and Qwen2.5 Q4_K_M files hold their (tied) token embedding as Q6_K: 0.82 bytes a
-value, where a bfloat16 table takes 2 (Llama 3.2 1B's 128,256 x 2,048: 205 MiB against 501 MiB,
-held beside the int8 head packed from the same numbers). `BlockEmbedding` keeps the file's
+`BlockEmbedding`: Llama 3.x and Qwen2.5 Q4_K_M files hold their (tied) token embedding as Q6_K:
+0.82 bytes a value, where a bfloat16 table takes 2 (Llama 3.2 1B's 128,256 x 2,048: 205 MiB
+against 501 MiB, held beside the int8 head packed from the same numbers). It keeps the file's
 bytes and de-quantizes only the rows a forward asks for (`native.gguf_blocks`, gguf-py's
 numbers bit for bit, or gguf-py itself where the library is not built), rounded to the table's
-dtype first: the very values a table de-quantized whole gave. Gemma's scaled embedding
-multiplies by its scale as its own forward does. On a GPU it becomes that table
+dtype first: the very values a table de-quantized whole gave. On a GPU it becomes that table
 (`to_table`), whose lookups need no CPU.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvchat.models.quant import Int8HeadLinear
 
 _BF16 = torch.bfloat16
 KINDS = (12, 14)  # GGMLQuantizationType Q4_K, Q6_K: the types gguf_blocks.c de-quantizes
 _BLOCK_BYTES = {12: 144, 14: 210}  # per 256 values
 
 
-class BlockEmbedding(nn.Module):
-    """`blocks`: (rows, bytes per row) uint8, the GGUF tensor's rows as the file holds them."""
+class _PackedEmbedding(nn.Module):
+    """What both share: the embedding they stand for's padding index and scale, and the dtype
+    their rows come out in."""
 
-    def __init__(self, embed: nn.Module, blocks: torch.Tensor, ggml_type: int, dim: int) -> None:
+    def __init__(self, embed: nn.Module, dim: int) -> None:
         super().__init__()
         self.embedding_dim = dim
-        self.rows_wanted = getattr(embed, "num_embeddings", None)  # the table it stands for
-        self.ggml_type = int(ggml_type)
         self.padding_idx = getattr(embed, "padding_idx", None)
         scale = getattr(embed, "embed_scale", None)
         self.embed_scale: torch.Tensor | None
@@ -38,18 +41,55 @@ class BlockEmbedding(nn.Module):
             self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
         else:
             self.embed_scale = None
-        self.register_buffer("blocks", blocks)
-        self.table: torch.Tensor | None = None  # `to_table`'s
         self.out_dtype = _BF16  # float32 where the residual stream is (kvchat.models.residual)
 
     @staticmethod
-    def takes(embed: nn.Module, ggml_type: int) -> bool:
-        """A plain embedding, or one whose forward only multiplies by `embed_scale`, of a type
-        this module de-quantizes."""
-        plain = type(embed) is nn.Embedding or (
+    def plain(embed: nn.Module) -> bool:
+        """A plain embedding, or one whose forward only multiplies by `embed_scale`."""
+        return type(embed) is nn.Embedding or (
             type(embed).__name__.endswith("ScaledWordEmbedding")
             and isinstance(getattr(embed, "embed_scale", None), torch.Tensor))
-        return plain and int(ggml_type) in KINDS
+
+
+class TiedInt8Embedding(_PackedEmbedding):
+    """A tied model's token embedding read from its int8 head's rows: where those rows are
+    exactly the file's numbers (a GGUF's Q8_0 table), the same values as a table of them,
+    without holding one (Gemma 3 270M: 320 MiB)."""
+
+    def __init__(self, embed: nn.Module, head: Int8HeadLinear) -> None:
+        super().__init__(embed, head.in_features)
+        self.num_embeddings = head.out_features
+        self.__dict__["head"] = head  # not a submodule: the head owns the weights
+
+    @property
+    def device(self) -> torch.device:
+        return self.__dict__["head"].get_buffer("qweight").device
+
+    @staticmethod
+    def takes(embed: nn.Module) -> bool:
+        return _PackedEmbedding.plain(embed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.__dict__["head"].rows(ids).to(self.out_dtype)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(self.out_dtype)
+        return rows
+
+
+class BlockEmbedding(_PackedEmbedding):
+    """`blocks`: (rows, bytes per row) uint8, the GGUF tensor's rows as the file holds them."""
+
+    def __init__(self, embed: nn.Module, blocks: torch.Tensor, ggml_type: int, dim: int) -> None:
+        super().__init__(embed, dim)
+        self.rows_wanted = getattr(embed, "num_embeddings", None)  # the table it stands for
+        self.ggml_type = int(ggml_type)
+        self.register_buffer("blocks", blocks)
+        self.table: torch.Tensor | None = None  # `to_table`'s
+
+    @staticmethod
+    def takes(embed: nn.Module, ggml_type: int) -> bool:
+        """A plain or scaled embedding of a type this module de-quantizes."""
+        return _PackedEmbedding.plain(embed) and int(ggml_type) in KINDS
 
     @property
     def num_embeddings(self) -> int:  # the rows held: a packed file's shell gets them later
