@@ -12,6 +12,7 @@ from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 from kvchat.config import CacheConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.verify import verify_prompt
+from kvchat.models.block_head import BlockHeadLinear
 from kvchat.models.loading import load_model
 from kvchat.models.quant_embeddings import BlockEmbedding
 
@@ -90,6 +91,11 @@ def test_a_gguf_streams_into_the_model_bit_for_bit_as_a_float32_copy_gave(
               if isinstance(m, torch.nn.Linear)}
     if precision in ("int4", "int8"):
         quantize_model(whole, precision)
+    head = loaded.model.get_output_embeddings()
+    if isinstance(head, BlockHeadLinear):  # a Q6_K head kept as the file's blocks
+        assert quant in ("Q4_K_M", "Q6_K")
+        assert torch.equal(head.dequantized(), floats["lm_head"])  # the file's numbers
+        whole.lm_head = head  # the rest compared beside the same head
     ours, theirs = loaded.model.state_dict(), whole.state_dict()
     embed = loaded.model.get_input_embeddings()
     if isinstance(embed, BlockEmbedding):  # a K-quant table kept as the file's blocks
@@ -125,7 +131,9 @@ def test_a_gguf_streams_into_the_model_bit_for_bit_as_a_float32_copy_gave(
         else:
             assert torch.equal(loaded.model(ids).logits, whole(ids).logits)
     _, done = load_gguf_weights(path, loaded.model.config, precision, dtype)
-    biggest = max(t.n_elements for t in gguf.GGUFReader(path).tensors)
+    kept = {"token_embd.weight"} if isinstance(embed, BlockEmbedding) else set()  # as blocks
+    kept |= {"output.weight"} if isinstance(head, BlockHeadLinear) else set()
+    biggest = max(t.n_elements for t in gguf.GGUFReader(path).tensors if t.name not in kept)
     assert done.largest_float_bytes == 4 * biggest  # one tensor at a time, never the model
     assert done.n_params == loaded.facts.n_params
 
@@ -143,8 +151,9 @@ def test_the_embedding_and_head_read_by_rows_give_the_whole_tensors_numbers(
 
     config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
                                num_hidden_layers=1, tie_word_embeddings=tied)
+    # a Q5_K head: packed int8 from its rows (a Q6_K one keeps the file's blocks)
     path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "m.gguf",
-                           QUANTS["Q4_K_M"])
+                           lambda name: "Q5_K" if name == "output.weight" else q4_k_m(name))
     whole = load_model(str(path), dtype=precision)
     dtype = torch_dtype("bfloat16")
     _, read_whole = gguf_weights.load_gguf_weights(path, whole.model.config, precision, dtype)

@@ -83,13 +83,15 @@ def test_batched_rows_on_the_gpu(tiny_tokenizer, dtype: torch.dtype) -> None:
     assert [t.token_ids for t in together] == [a.token_ids for a in alone]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
 def test_int4_gguf_runs_packed_on_the_gpu(qtype, tiny_tokenizer, tmp_path: Path) -> None:
-    """A Q4_1 / Q4_K GGUF at int4 on a GPU: its layers on torch's CUDA int4 kernel, half a
-    byte per weight, logits close to the CPU's int4 run, a radix hit giving the cold tokens;
-    a Q4_K embedding (kept as the file's blocks on CPU) is a table on the device."""
+    """A Q4_1 / Q4_K / Q6_K GGUF at int4 on a GPU: its layers on torch's CUDA int4 kernel, half
+    a byte per weight, logits close to the CPU's int4 run, a radix hit giving the cold tokens;
+    a K-quant embedding (kept as the file's blocks on CPU) is a table on the device, and a
+    Q6_K head (blocks on CPU) a bfloat16 copy there."""
     from conftest import write_tiny_gguf
 
+    from kvchat.models.block_head import BlockHeadLinear
     from kvchat.models.gpu_weights import CudaInt4Linear
     from kvchat.models.loading import load_model
     from kvchat.models.quant import Int4Linear, QuantLinear
@@ -101,10 +103,14 @@ def test_int4_gguf_runs_packed_on_the_gpu(qtype, tiny_tokenizer, tmp_path: Path)
     gpu = load_model(str(path), dtype="int4", device="cuda")
     cpu = load_model(str(path), dtype="int4", device="cpu")
     embed = gpu.model.get_input_embeddings()
-    assert isinstance(embed, BlockEmbedding) == (qtype == "Q4_K")
+    assert isinstance(embed, BlockEmbedding) == (qtype != "Q4_1")
     if isinstance(embed, BlockEmbedding):
         assert embed.table is not None and embed.table.device.type == "cuda"
         assert gpu.device.type == "cuda"
+    head = gpu.model.get_output_embeddings()
+    assert isinstance(head, BlockHeadLinear) == (qtype == "Q6_K")
+    if isinstance(head, BlockHeadLinear):
+        assert head.get_buffer("dense_weight").device.type == "cuda"
     layers = [m for m in gpu.model.modules() if isinstance(m, QuantLinear)]
     assert any(isinstance(m, CudaInt4Linear) for m in layers)
     assert not any(isinstance(m, Int4Linear) for m in layers)

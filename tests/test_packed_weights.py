@@ -15,6 +15,7 @@ import torch
 from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 
 from kvchat.models import gguf_weights, native, packed_weights
+from kvchat.models.block_head import BlockHeadLinear
 from kvchat.models.footprint import footprint_of
 from kvchat.models.gguf import converted_dir_for
 from kvchat.models.loading import describe_model, load_config, load_model, resolve_model
@@ -61,7 +62,7 @@ def _packed_file(path, precision="int4"):
 
 @pytest.mark.parametrize(("quant", "tied", "precision"), [
     ("Q4_K", False, "int4"), ("Q4_K", False, "int8"), ("Q8_0", True, "int4"),
-    ("Q4_K", True, "int8")])
+    ("Q4_K", True, "int8"), ("Q6_K", False, "int4"), ("Q6_K", True, "int8")])
 def test_a_later_load_reads_the_packed_weights_and_gets_the_same_bits(
         quant, tied, precision, tiny_tokenizer, tmp_path, monkeypatch):
     path = _gguf(tiny_tokenizer, tmp_path, quant, tied)
@@ -79,6 +80,10 @@ def test_a_later_load_reads_the_packed_weights_and_gets_the_same_bits(
     shared = isinstance(first.model.get_input_embeddings(), TiedInt8Embedding)
     assert shared == (quant == "Q8_0" and tied)
     assert isinstance(second.model.get_input_embeddings(), TiedInt8Embedding) == shared
+    # a Q6_K head keeps the file's blocks in both, a tied one the embedding reads too
+    block_head = isinstance(second.model.get_output_embeddings(), BlockHeadLinear)
+    assert block_head == (quant == "Q6_K")
+    assert getattr(second.model.get_input_embeddings(), "tied", False) == (block_head and tied)
 
 
 @pytest.mark.skipif(not native.int4_native(), reason="the int4 layers run on torch's kernel here")

@@ -59,6 +59,7 @@ ROW_CHUNKED = frozenset({"token_embd.weight", "output.weight"})
 IGNORE_ENV_VAR = "KVCHAT_IGNORE_MEMORY"
 _GROUP = 32  # int4 weights per scale and zero (kvchat.models.quant.GROUP)
 _Q8_0 = 8  # GGMLQuantizationType.Q8_0: a tied embedding the int8 head holds exactly
+_Q6_K = 14
 _BLOCKS = {12: (144, 256), 14: (210, 256)}  # Q4_K, Q6_K embeddings: `BlockEmbedding`'s bytes
 # the architectures whose loads keep such an embedding as blocks (a plain or scaled embedding,
 # read by rows: `gguf_weights._KEEPS_EMBEDDINGS`); elsewhere it is counted as a table
@@ -178,16 +179,21 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
         held = min(count, max(tensor.dims[0], CHUNK_ROWS_BYTES // 4)) if chunked else count
         largest = max(largest, held)
         embedding = "embd" in tensor.name  # token_embd, position_embd: not linear layers
+        # a Q6_K head keeps the file's blocks (`BlockHeadLinear`), a tied one the embedding's
+        head_blocks = packs and tensor.ggml_type == _Q6_K and arch in _KEEPS_BLOCKS \
+            and tensor.dims[0] % 256 == 0 and tensor.name in ROW_CHUNKED
         if packs and len(tensor.dims) == 2 and not embedding:
             k, n = tensor.dims  # GGUF's order: the fastest-varying (input) first
-            total += _linear_bytes(n, k, precision, tensor.name == "output.weight")
+            is_head = tensor.name == "output.weight"
+            total += count // 256 * 210 if is_head and head_blocks \
+                else _linear_bytes(n, k, precision, is_head)
         elif packs and tensor.name == "token_embd.weight" and tensor.ggml_type in _BLOCKS \
                 and arch in _KEEPS_BLOCKS and tensor.dims[0] % 256 == 0:
             block_bytes, values = _BLOCKS[tensor.ggml_type]  # kept as the file's blocks
             total += count // values * block_bytes
         else:
             total += count * size
-        if packs and tied and tensor.name == "token_embd.weight":
+        if packs and tied and tensor.name == "token_embd.weight" and not head_blocks:
             k, n = tensor.dims  # the head, packed from the embedding's numbers
             total += _linear_bytes(n, k, precision, True)
             if tensor.ggml_type == _Q8_0 and chunked and count * 4 > CHUNK_ROWS_BYTES:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelError
+from kvchat.models.block_head import BlockHeadLinear
 from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED
 from kvchat.models.gguf_int4 import drop_pages as _drop_pages
 from kvchat.models.gguf_int4 import int4_rows, row_order
@@ -210,47 +211,55 @@ _LIBC: Any = None
 
 def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
              tied: bool) -> RowLoad | None:
-    """How to read `tensor` a chunk of rows at a time into the embedding and / or an int8 head,
-    or None when it is read whole (small, another tensor, or a head of another kind)."""
+    """How to read `tensor` a chunk of rows at a time into the embedding and / or the head, or
+    None when it is read whole (small, another tensor, or a head of another kind)."""
     hf_name = names.get(tensor.name)
     if tensor.name not in ROW_CHUNKED or hf_name is None or len(tensor.dims) != 2:
         return None
     parent, leaf = _owner(model, hf_name)
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
-    blocks = packs and parent is embed and BlockEmbedding.takes(embed, tensor.ggml_type)
-    if tensor.dims[0] * tensor.dims[1] * 4 <= CHUNK_ROWS_BYTES and not blocks:
-        return None  # small: read whole (an embedding kept as blocks is read here at any size)
-    int8_head = packs and isinstance(head, nn.Linear) and head.bias is None \
-        and int(head.in_features) % 16 == 0  # Int8HeadLinear.fits
     if leaf != "weight" or parent is not head and parent is not embed:
         return None
+    blocks = packs and parent is embed and BlockEmbedding.takes(embed, tensor.ggml_type)
+    # a Q6_K head keeps the file's blocks (a tied one: the embedding's)
+    head_blocks = packs and (parent is head or tied) \
+        and BlockHeadLinear.takes(head, tensor.ggml_type)
+    if tensor.dims[0] * tensor.dims[1] * 4 <= CHUNK_ROWS_BYTES and not blocks \
+            and not head_blocks:
+        return None  # small: read whole (blocks kept as they are are read here at any size)
+    int8_head = packs and not head_blocks and isinstance(head, nn.Linear) \
+        and head.bias is None and int(head.in_features) % 16 == 0  # Int8HeadLinear.fits
     if parent is head:
-        if packs and not int8_head:
+        if packs and not int8_head and not head_blocks:
             return None
-        if packs:  # the file's own head, packed int8
-            return lambda buf, dtype: _rows_into(buf, tensor, model, None, None, True)
+        if packs:  # the file's own head, packed int8 or kept as blocks
+            return lambda buf, dtype: _rows_into(buf, tensor, model, None, None, int8_head,
+                                                 head_blocks=head_blocks)
         return lambda buf, dtype: _rows_into(buf, tensor, model, head, dtype, False)
-    if tied and packs and not int8_head:
+    if tied and packs and not int8_head and not head_blocks:
         return None
 
     def load(buf: mmap.mmap, dtype: torch.dtype) -> tuple[list[str], int, int]:
         return _rows_into(buf, tensor, model, embed, torch.bfloat16 if packs else dtype,
-                          tied and packs, tie_plain=tied and not packs, keep_blocks=packs)
+                          tied and int8_head, tie_plain=tied and not packs, keep_blocks=packs,
+                          head_blocks=tied and head_blocks)
 
     return load
 
 
 def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module | None,
                dtype: torch.dtype | None, head_int8: bool, tie_plain: bool = False,
-               keep_blocks: bool = False) -> tuple[list[str], int, int]:
+               keep_blocks: bool = False, head_blocks: bool = False
+               ) -> tuple[list[str], int, int]:
     """Fill `target`'s weight (in `dtype`) and / or pack the int8 head from `tensor`'s rows, a
     chunk at a time (a Q8_0 head comes back as the file holds it: its scales are each group's
     amax / 127); `tie_plain`: the head's weight is the embedding's. A tied embedding whose
     rows the int8 head gives back exactly (Q8_0) is read from the head (`TiedInt8Embedding`)
     instead of held again in bfloat16; `keep_blocks`: one of Q4_K or Q6_K keeps the file's
-    blocks instead (`BlockEmbedding`). Returns (kinds packed, the chunk's float bytes,
-    parameters read)."""
+    blocks instead (`BlockEmbedding`); `head_blocks`: the head is a Q6_K tensor's blocks as
+    the file holds them (`BlockHeadLinear`), which a tied embedding kept as blocks reads too.
+    Returns (kinds packed, the chunk's float bytes, parameters read)."""
     from gguf import GGMLQuantizationType
 
     from kvchat.models.native import int8_group_values
@@ -270,11 +279,22 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         if target is not None and not shares and not blocks else None
     q = torch.empty(rows, cols, dtype=torch.int8) if head_int8 else None
     scales = torch.empty(rows, cols // group) if head_int8 else None
-    if blocks and target is not None:  # the file's bytes, copied before its pages drop
+    packed: list[str] = []
+    if blocks or head_blocks:  # the file's bytes, copied (once) before its pages drop
         import numpy as np
 
-        model.set_input_embeddings(BlockEmbedding(target, torch.from_numpy(np.array(data)),
-                                                  tensor.ggml_type, cols))
+        file_blocks = torch.from_numpy(np.array(data))
+        block_head = None
+        if head_blocks:
+            head_path = _name_of(model, model.get_output_embeddings())
+            owner, attr = _owner(model, head_path)
+            block_head = BlockHeadLinear(model.get_output_embeddings(), file_blocks)
+            setattr(owner, attr, block_head)
+            packed.append("int8")  # the head, as an int8 one counts
+        if blocks and target is not None:
+            model.set_input_embeddings(BlockEmbedding(
+                target, None if block_head else file_blocks, tensor.ggml_type, cols,
+                head=block_head))
     floats = table is not None or q is not None  # else the blocks alone: nothing de-quantized
     for start in range(0, rows if floats else 0, step):
         chunk = _dequantize(data[start : start + step], kind)
@@ -293,7 +313,6 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         del chunk, value
         row_bytes = int(data[0:1].nbytes)
         _drop_pages(buf, tensor.offset + start * row_bytes, (end - start) * row_bytes)
-    packed: list[str] = []
     if target is not None and table is not None:
         param = nn.Parameter(table, requires_grad=False)
         target.register_parameter("weight", param)

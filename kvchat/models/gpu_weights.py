@@ -10,7 +10,7 @@ A GGUF (or a float model at `--dtype int4`) is read and packed on CPU as everywh
 - torch has no CUDA int8 weight kernel, so an int8 layer (a shape int4 cannot take, or every
   layer at `--dtype int8`) runs its dequantized weight in bfloat16, and the int8 output head
   keeps its int8 rows (a tied embedding reads them) beside a bfloat16 copy the logits come
-  from;
+  from; a head kept as Q6_K blocks becomes that copy alone;
 - everything else (norms, embeddings, biases) moves as it is.
 
 The fused forward and kvchat's attention kernel are CPU code: on a GPU transformers' forward
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvchat.models.block_head import BlockHeadLinear
 from kvchat.models.quant import (
     GROUP,
     Int4Grid,
@@ -140,6 +141,9 @@ def place_on_gpu(model: Any, device: str) -> GpuPlacement:
     target = torch.device(device)
     counts = {"int4": 0, "dense": 0}
     head_dense = False
+    for module in list(model.modules()):  # first: a tied one reads the head's CPU blocks
+        if isinstance(module, BlockEmbedding):  # lookups on the device, no CPU
+            module.to_table(target)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Int4Linear):
@@ -148,8 +152,11 @@ def place_on_gpu(model: Any, device: str) -> GpuPlacement:
             elif isinstance(child, Int8Linear):
                 setattr(parent, name, DenseLinear(child, target))
                 counts["dense"] += 1
-            elif isinstance(child, BlockEmbedding):  # lookups on the device, no CPU
-                child.to_table(target)
+            elif isinstance(child, BlockHeadLinear):  # de-quantized on CPU, where it is built
+                dense = child.dequantized().to(device=target, dtype=_BF16)
+                del child.blocks
+                child.register_buffer("dense_weight", dense, persistent=False)
+                head_dense = True
             elif isinstance(child, Int8HeadLinear):
                 child.to(target)
                 child.register_buffer("dense_weight",

@@ -121,34 +121,12 @@ AVX512 static void rows_avx512(const job_t *j)
                 if (c % 64 == 0) /* the line four rows on, as one_row_avx512 */
                     _mm_prefetch((const char *)(q + 4 * k + c), _MM_HINT_T0);
                 __m512 w = weights16(q + c, scale);
-                /* spelt out, so that the accumulators stay in registers */
-                t[0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + c), t[0]);
-                if (mb > 1) t[1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + k + c), t[1]);
-                if (mb > 2) t[2] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 2 * k + c), t[2]);
-                if (mb > 3) t[3] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 3 * k + c), t[3]);
-                if (mb > 4) t[4] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 4 * k + c), t[4]);
-                if (mb > 5) t[5] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 5 * k + c), t[5]);
-                if (mb > 6) t[6] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 6 * k + c), t[6]);
-                if (mb > 7) t[7] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 7 * k + c), t[7]);
+                HEAD_FMA8(t, w, x, k, c, mb);
               }
             }
             for (long m = 0; m < mb; m++) out[m * n + r] = sum512(t[m]);
         }
     }
-}
-
-AVX2 static inline float sum256x2(__m256 lo, __m256 hi)
-{
-    __m256 a = _mm256_add_ps(lo, hi);
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
-
-AVX2 static inline __m256 weights8(const int8_t *q, __m256 scale)
-{
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)q);
-    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
 }
 
 AVX2 static void rows_avx2(const job_t *j)
@@ -168,12 +146,8 @@ AVX2 static void rows_avx2(const job_t *j)
               for (long end = c + j->group; c < end; c += 16) {
                 if (c % 64 == 0) /* the line four rows on, as one_row_avx512 */
                     _mm_prefetch((const char *)(q + 4 * k + c), _MM_HINT_T0);
-                __m256 w0 = weights8(q + c, scale), w1 = weights8(q + c + 8, scale);
-#define ROW(m) if (mb > m) { \
-                    lo[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * k + c), lo[m]); \
-                    hi[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * k + c + 8), hi[m]); }
-                ROW(0) ROW(1) ROW(2) ROW(3)
-#undef ROW
+                __m256 w0 = head_weights8(q + c, scale), w1 = head_weights8(q + c + 8, scale);
+                HEAD_FMA4X2(lo, hi, w0, w1, x, k, c, mb);
               }
             }
             for (long m = 0; m < mb; m++) out[m * n + r] = sum256x2(lo[m], hi[m]);

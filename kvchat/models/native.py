@@ -1,4 +1,5 @@
-"""kvchat's native kernels, the output head's (int8_head.c) and the int4 layers' (int4_matmul.c):
+"""kvchat's native kernels, the output head's (int8_head.c, block_head.c) and the int4 layers'
+(int4_matmul.c):
 built with the machine's C compiler on first use, once per source and compiler, into one library
 in the kvchat cache dir, and loaded with ctypes.
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("int8_head.c", "int4_matmul.c", "attention.c", "int4_grid.c",
-                             "gguf_blocks.c"))
+                             "gguf_blocks.c", "block_head.c"))
 HEADERS = (Path(__file__).with_name("native_sums.h"),)  # included by both: part of the key
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
@@ -110,6 +111,9 @@ def library() -> ctypes.CDLL | None:
     lib.kvchat_int8_head_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + \
         [ctypes.c_int, ctypes.c_int]
     lib.kvchat_int8_head_isa.restype = ctypes.c_int
+    lib.kvchat_q6k_head_mm.restype = ctypes.c_int
+    lib.kvchat_q6k_head_mm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + \
+        [ctypes.c_int, ctypes.c_int]
     lib.kvchat_int4_mm.restype = ctypes.c_int
     lib.kvchat_int4_mm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + \
         [ctypes.c_int, ctypes.c_int]
@@ -363,6 +367,39 @@ def int8_head_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: 
                                  out.data_ptr(), m, n, k, group, torch.get_num_threads(), isa)
     if rc != 0:
         raise ValueError(f"int8 head: no kernel for K={k}, group={group}")
+    return out
+
+
+def q6k_head_mm(x: torch.Tensor, blocks: torch.Tensor, k: int, isa: int = -1) -> torch.Tensor:
+    """(M, K) activations times the (N, K) weight held as Q6_K `blocks` ((N, K / 256 * 210)
+    bytes): (M, N) float32, `int8_head_mm`'s sum with groups of 16 (block_head.c). Without the
+    library, torch's sum over de-quantized rows, its bits its own."""
+    import torch
+
+    xf = x.float().contiguous()
+    m = xf.shape[0]
+    if xf.shape[1] != k or k % 256:
+        raise ValueError(f"Q6_K head: no kernel for K={xf.shape[1]} (a multiple of 256, {k})")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != k // 256 * 210 \
+            or not blocks.is_contiguous():
+        raise ValueError(f"Q6_K head: blocks of shape {tuple(blocks.shape)} for K={k}")
+    n = blocks.shape[0]
+    lib = library() if x.device.type == "cpu" else None
+    if lib is None:  # gguf-py's rows (the library would de-quantize them too)
+        from gguf import GGMLQuantizationType, dequantize
+
+        out = torch.empty(m, n, dtype=torch.float32)
+        for lo in range(0, n, _FALLBACK_ROWS):
+            rows = blocks[lo : lo + _FALLBACK_ROWS].numpy()
+            w = torch.from_numpy(dequantize(rows, GGMLQuantizationType.Q6_K))
+            for row in range(m):
+                out[row, lo : lo + len(w)] = torch.mv(w, xf[row])
+        return out
+    out = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.kvchat_q6k_head_mm(blocks.data_ptr(), xf.data_ptr(), out.data_ptr(), m, n, k,
+                                torch.get_num_threads(), isa)
+    if rc != 0:
+        raise ValueError(f"Q6_K head: no kernel for K={k}")
     return out
 
 

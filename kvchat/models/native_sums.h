@@ -1,7 +1,7 @@
 /* What the native kernels share: the fixed sum of 16 lanes they end each output with (l + l+8,
- * then + l+4, + l+2, + l+1; `tree16` over an array, the portable paths, and `sum512` over an
- * AVX-512 register give the same bits), the rounding of their bfloat16 outputs, and float16
- * values read and written exactly. */
+ * then + l+4, + l+2, + l+1; `tree16` over an array, the portable paths, `sum512` over an
+ * AVX-512 register and `sum256x2` over two AVX2 registers give the same bits), the rounding of
+ * their bfloat16 outputs, and float16 values read and written exactly. */
 
 #ifndef KVCHAT_NATIVE_SUMS_H
 #define KVCHAT_NATIVE_SUMS_H
@@ -72,6 +72,51 @@ __attribute__((target("avx512f,avx512dq"))) static inline float sum512(__m512 v)
     __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
+
+/* the same tree over 16 lanes held as two AVX2 registers, lanes 0-7 and 8-15 */
+__attribute__((target("avx2"))) static inline float sum256x2(__m256 lo, __m256 hi)
+{
+    __m256 a = _mm256_add_ps(lo, hi);
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
 #endif
+
+/* The head kernels' (int8_head.c, block_head.c) shared steps: 16 int8 weights as floats
+ * float32(scale * q), and those weights' fused multiply-adds into up to 8 (AVX-512) or 4 (AVX2)
+ * activation rows' accumulators, column c of rows k apart. Macros, so that the accumulators stay
+ * in the caller's registers. */
+#define HEAD_FMA8(t, w, x, k, c, mb) do { \
+    t[0] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + (c)), t[0]); \
+    if ((mb) > 1) t[1] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + (k) + (c)), t[1]); \
+    if ((mb) > 2) t[2] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 2 * (k) + (c)), t[2]); \
+    if ((mb) > 3) t[3] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 3 * (k) + (c)), t[3]); \
+    if ((mb) > 4) t[4] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 4 * (k) + (c)), t[4]); \
+    if ((mb) > 5) t[5] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 5 * (k) + (c)), t[5]); \
+    if ((mb) > 6) t[6] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 6 * (k) + (c)), t[6]); \
+    if ((mb) > 7) t[7] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 7 * (k) + (c)), t[7]); \
+} while (0)
+
+#define HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, m) if ((mb) > (m)) { \
+    lo[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps((x) + (m) * (k) + (c)), lo[m]); \
+    hi[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps((x) + (m) * (k) + (c) + 8), hi[m]); }
+#define HEAD_FMA4X2(lo, hi, w0, w1, x, k, c, mb) do { \
+    HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, 0) \
+    HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, 1) \
+    HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, 2) \
+    HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, 3) \
+} while (0)
+
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx2"))) static inline __m256 head_weights8(const int8_t *q, __m256 scale)
+{
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)q);
+    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+}
+#endif
+
+/* the instruction set of the head kernels (int8_head.c): 2 AVX-512, 1 AVX2 + FMA, 0 portable */
+int kvchat_int8_head_isa(void);
 
 #endif

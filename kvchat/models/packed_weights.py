@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from kvchat.models import quant
+from kvchat.models.block_head import BlockHeadLinear
 from kvchat.models.quant import QuantLinear
 from kvchat.models.quant_embeddings import BlockEmbedding, TiedInt8Embedding
 
@@ -56,11 +57,12 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool)}
 _CLASSES: dict[str, type[QuantLinear]] = {
-    cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear)}
+    cls.__name__: cls for cls in (quant.Int4Linear, quant.Int8Linear, quant.Int8HeadLinear,
+                                  BlockHeadLinear)}
 # the modules whose code decides the packed numbers: an edit to any of them packs afresh
-_PACKING_MODULES = ("quant.py", "quant_embeddings.py", "gguf_weights.py", "native.py",
-                    "precision.py", "footprint.py", "packed_weights.py", "gguf_int4.py",
-                    "int4_grid.c", "gguf_blocks.c", "native_sums.h")
+_PACKING_MODULES = ("quant.py", "quant_embeddings.py", "block_head.py", "gguf_weights.py",
+                    "native.py", "precision.py", "footprint.py", "packed_weights.py",
+                    "gguf_int4.py", "int4_grid.c", "gguf_blocks.c", "native_sums.h")
 
 
 class PackedFileError(ValueError):
@@ -148,11 +150,14 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
     with init_empty_weights(include_buffers=False), quiet_transformers():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
-    tied_embedding = None
+    tied_embedding = tied_blocks = None
     names = {record["name"] for record in header["tensors"]}
     for entry in header["modules"]:
         if entry["class"] == TiedInt8Embedding.__name__:
             tied_embedding = entry
+            continue
+        if entry["class"] == BlockEmbedding.__name__ and entry["attrs"].get("tied"):
+            tied_blocks = entry  # the head's blocks: made once the head has them
             continue
         if entry["class"] == BlockEmbedding.__name__:  # its blocks are among the tensors
             owner, attr = _owner(model, entry["path"])
@@ -172,8 +177,17 @@ def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
             owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
         else:
             owner.register_buffer(leaf, tensor)
-    if any(isinstance(m, BlockEmbedding) and not m.whole() for m in model.modules()):
-        raise PackedFileError("its embedding's blocks are not its shape")
+    if tied_blocks is not None:
+        head, attrs = model.get_output_embeddings(), tied_blocks["attrs"]
+        if not isinstance(head, BlockHeadLinear) \
+                or not isinstance(getattr(head, "blocks", None), torch.Tensor):
+            raise PackedFileError("its embedding reads a head it lacks")
+        model.set_input_embeddings(BlockEmbedding(
+            model.get_input_embeddings(), None, int(attrs["ggml_type"]),
+            int(attrs["embedding_dim"]), head=head))
+    if any(isinstance(m, (BlockEmbedding, BlockHeadLinear)) and not m.whole()
+           for m in model.modules()):
+        raise PackedFileError("its blocks are not their layer's shape")
     again = {e["path"]: e["attrs"]["gguf_tensor"] for e in header["modules"]
              if isinstance(e["attrs"].get("gguf_tensor"), str)}
     if again:
@@ -232,7 +246,8 @@ def _layout_of(model: nn.Module, key: dict[str, Any], n_params: int
         elif isinstance(module, BlockEmbedding):
             modules.append({"path": name, "class": type(module).__name__,
                             "attrs": {"ggml_type": module.ggml_type,
-                                      "embedding_dim": module.embedding_dim}})
+                                      "embedding_dim": module.embedding_dim,
+                                      "tied": module.tied}})
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     # int4 layers read from the GGUF as it holds them are read from it again (`read_back`)
     from_gguf = {f"{name}.{b}" for name, module in model.named_modules()

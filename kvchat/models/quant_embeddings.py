@@ -8,8 +8,9 @@ does, and give their rows in `out_dtype` (float32 under `kvchat.models.residual`
 against 501 MiB, held beside the int8 head packed from the same numbers). It keeps the file's
 bytes and de-quantizes only the rows a forward asks for (`native.gguf_blocks`, gguf-py's
 numbers bit for bit, or gguf-py itself where the library is not built), rounded to the table's
-dtype first: the very values a table de-quantized whole gave. On a GPU it becomes that table
-(`to_table`), whose lookups need no CPU.
+dtype first: the very values a table de-quantized whole gave. A tied model whose head keeps
+the same blocks (`block_head.BlockHeadLinear`) reads them from the head: one copy for both. On
+a GPU it becomes that table (`to_table`), whose lookups need no CPU.
 """
 
 from __future__ import annotations
@@ -20,11 +21,28 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from kvchat.models.block_head import BlockHeadLinear
     from kvchat.models.quant import Int8HeadLinear
 
 _BF16 = torch.bfloat16
 KINDS = (12, 14)  # GGMLQuantizationType Q4_K, Q6_K: the types gguf_blocks.c de-quantizes
 _BLOCK_BYTES = {12: 144, 14: 210}  # per 256 values
+
+
+def block_rows(blocks: torch.Tensor, ids: torch.Tensor, ggml_type: int, dim: int
+               ) -> torch.Tensor:
+    """The float32 values of rows `ids` (any shape) of `blocks` ((rows, bytes per row) uint8, a
+    GGUF tensor's Q4_K or Q6_K rows): (*ids.shape, dim), gguf-py's numbers (`native.gguf_blocks`,
+    or gguf-py itself where the library is not built)."""
+    from kvchat.models.native import gguf_blocks
+
+    picked = blocks.index_select(0, ids.reshape(-1).cpu()).numpy()
+    values: Any = gguf_blocks(picked, ggml_type)
+    if values is None:
+        from gguf import GGMLQuantizationType, dequantize
+
+        values = dequantize(picked, GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(values).reshape(*ids.shape, dim)
 
 
 class _PackedEmbedding(nn.Module):
@@ -77,13 +95,19 @@ class TiedInt8Embedding(_PackedEmbedding):
 
 
 class BlockEmbedding(_PackedEmbedding):
-    """`blocks`: (rows, bytes per row) uint8, the GGUF tensor's rows as the file holds them."""
+    """`blocks`: (rows, bytes per row) uint8, the GGUF tensor's rows as the file holds them;
+    or, given `head`, that head's own (a tied model's: not held twice)."""
 
-    def __init__(self, embed: nn.Module, blocks: torch.Tensor, ggml_type: int, dim: int) -> None:
+    def __init__(self, embed: nn.Module, blocks: torch.Tensor | None, ggml_type: int, dim: int,
+                 head: BlockHeadLinear | None = None) -> None:
         super().__init__(embed, dim)
         self.rows_wanted = getattr(embed, "num_embeddings", None)  # the table it stands for
         self.ggml_type = int(ggml_type)
-        self.register_buffer("blocks", blocks)
+        self.tied = head is not None
+        if head is not None:
+            self.__dict__["head"] = head  # not a submodule: the head owns the blocks
+        else:
+            self.register_buffer("blocks", blocks)
         self.table: torch.Tensor | None = None  # `to_table`'s
 
     @staticmethod
@@ -91,13 +115,17 @@ class BlockEmbedding(_PackedEmbedding):
         """A plain or scaled embedding of a type this module de-quantizes."""
         return _PackedEmbedding.plain(embed) and int(ggml_type) in KINDS
 
+    def _blocks(self) -> torch.Tensor:
+        owner = self.__dict__["head"] if self.tied else self
+        return owner.get_buffer("blocks")
+
     @property
     def num_embeddings(self) -> int:  # the rows held: a packed file's shell gets them later
-        return int((self.table if self.table is not None else self.get_buffer("blocks")).shape[0])
+        return int((self.table if self.table is not None else self._blocks()).shape[0])
 
     def whole(self) -> bool:
         """Whether its blocks are those of (rows, embedding_dim) values of its type."""
-        blocks = self.get_buffer("blocks")
+        blocks = self._blocks()
         rows = self.rows_wanted if isinstance(self.rows_wanted, int) else blocks.shape[0]
         return blocks.dim() == 2 and blocks.dtype == torch.uint8 and blocks.shape[0] > 0 \
             and blocks.shape[0] == rows \
@@ -106,23 +134,15 @@ class BlockEmbedding(_PackedEmbedding):
 
     @property
     def device(self) -> torch.device:
-        return (self.table if self.table is not None else self.get_buffer("blocks")).device
+        return (self.table if self.table is not None else self._blocks()).device
 
     @torch.compiler.disable  # numpy and C: outside a compiled graph, as the int4 kernel is
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The table's rows `ids` (any shape): (*ids.shape, dim) bfloat16."""
         if self.table is not None:
             return nn.functional.embedding(ids, self.table)
-        from kvchat.models.native import gguf_blocks
-
-        picked = self.get_buffer("blocks").index_select(0, ids.reshape(-1).cpu()).numpy()
-        values: Any = gguf_blocks(picked, self.ggml_type)
-        if values is None:
-            from gguf import GGMLQuantizationType, dequantize
-
-            values = dequantize(picked, GGMLQuantizationType(self.ggml_type))
-        out = torch.from_numpy(values).to(_BF16)
-        return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+        values = block_rows(self._blocks(), ids, self.ggml_type, self.embedding_dim)
+        return values.to(_BF16).to(ids.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.rows(ids)  # scaled in bfloat16, as the table's own forward scales
@@ -135,7 +155,11 @@ class BlockEmbedding(_PackedEmbedding):
         ids = torch.arange(self.num_embeddings)
         table = torch.cat([self.rows(ids[i : i + 8192]).to(device)  # a chunk at a time on CPU
                            for i in range(0, len(ids), 8192)])
-        del self.blocks
+        if self.tied:
+            del self.__dict__["head"]  # the head makes its own copy on the device
+            self.tied = False
+        else:
+            del self.blocks
         self.table = table
 
     def extra_repr(self) -> str:

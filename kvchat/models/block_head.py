@@ -1,0 +1,74 @@
+"""The output head kept as a GGUF's Q6_K blocks, the type llama.cpp's Q4_K_M and Q5_K_M files
+give their head (or the token embedding a tied head reads): 0.82 bytes a weight where the int8
+head packed from the same numbers takes 1.125, and exactly the file's numbers where that head
+re-rounds them to its own grid.
+
+A Q6_K weight is float32(d * sc) * (q - 32), one scale per 16 columns, so the head is
+`Int8HeadLinear`'s definition with groups of 16 and those scales (block_head.c says how, and
+gives its bits on AVX-512, AVX2 and portable C): a row's logits are bitwise the same alone, in
+a batch and under any number of threads. On Qwen3 0.6B's shape (151,936 x 1,024) a step's head
+read 5.2 ms against the int8 head's 6.1 here. A tied model's embedding reads its rows from
+these blocks (`BlockEmbedding` with `head`): one copy of the table instead of two.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvchat.models.quant import QuantLinear
+from kvchat.models.quant_embeddings import block_rows
+
+Q6_K = 14  # GGMLQuantizationType
+BLOCK_BYTES = 210  # per 256 values
+GROUP = 16  # columns per scale
+_BF16 = torch.bfloat16
+_ROWS_AT_ONCE = 8192  # de-quantized at a time where a whole weight is asked for
+
+
+class BlockHeadLinear(QuantLinear):
+    """`blocks`: (N, K / 256 * 210) uint8, the GGUF tensor's rows as the file holds them;
+    float32 logits, as `Int8HeadLinear` gives."""
+
+    bits = 6
+    group = GROUP
+
+    @staticmethod
+    def takes(head: nn.Module, ggml_type: int) -> bool:
+        """A head without a bias, of a type and width this kernel reads."""
+        return isinstance(head, nn.Linear) and head.bias is None \
+            and int(ggml_type) == Q6_K and int(head.in_features) % 256 == 0
+
+    def __init__(self, head: nn.Linear, blocks: torch.Tensor) -> None:
+        super().__init__(head)
+        self.ggml_type = Q6_K
+        self.register_buffer("blocks", blocks)
+
+    def whole(self) -> bool:
+        """Whether its blocks are those of (out_features, in_features) values."""
+        blocks = getattr(self, "blocks", None)  # a packed file's shell may lack them
+        shape = (self.out_features, self.in_features // 256 * BLOCK_BYTES)
+        return isinstance(blocks, torch.Tensor) and blocks.dtype == torch.uint8 \
+            and tuple(blocks.shape) == shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = self._mm(x.reshape(-1, shape[-1]))
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":  # on a GPU: a bfloat16 copy (`gpu_weights.place_on_gpu`)
+            return nn.functional.linear(x.to(_BF16), self.get_buffer("dense_weight")).float()
+        from kvchat.models.native import q6k_head_mm
+
+        return q6k_head_mm(x, self.get_buffer("blocks"), self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows `ids` (any shape): (*ids.shape, K)."""
+        return block_rows(self.get_buffer("blocks"), ids, Q6_K, self.in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The (N, K) float32 weight, a chunk of rows de-quantized at a time."""
+        ids = torch.arange(self.out_features)
+        return torch.cat([self.rows(ids[i : i + _ROWS_AT_ONCE])
+                          for i in range(0, self.out_features, _ROWS_AT_ONCE)])

@@ -1,0 +1,184 @@
+"""An output head kept as a GGUF's Q6_K blocks (models/block_head.c via block_head.py): exactly
+the int8 head's sum with groups of 16 and the file's scales, one set of bits per logit whatever
+the batch, the threads or the instruction set; the file's own numbers; and a tied model's
+embedding reading the same blocks, held once, through a packed file and back."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
+from torch import nn
+
+from kvchat.models import footprint, gguf_weights, native
+from kvchat.models.block_head import BlockHeadLinear
+from kvchat.models.loading import load_model
+from kvchat.models.quant_embeddings import BlockEmbedding
+
+Q6_K = gguf.GGMLQuantizationType.Q6_K
+needs_kernel = pytest.mark.skipif(native.library() is None, reason=native.kernel_name())
+
+
+def _blocks(n: int = 777, k: int = 512, seed: int = 3) -> np.ndarray:
+    """Random Q6_K rows: any bytes, their float16 d small and finite (one row all zero scales)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 256, 1)) * 0.001).astype(np.float16)
+    raw[:, :, 208:] = d.view(np.uint8)
+    raw[4, :, 192:208] = 0
+    return raw.reshape(n, -1)
+
+
+def _int8_groups(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same weight as the int8 head's layout: q = the 6-bit value - 32, and per 16 columns
+    the scale float32(d * sc), read from the bytes as llama.cpp's format documents them."""
+    n = blocks.shape[0]
+    b = blocks.reshape(-1, 210)
+    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+    scales = b[:, 192:208].view(np.int8).astype(np.float32) \
+        * b[:, 208:].view(np.float16).astype(np.float32)
+    q = np.empty((len(b), 2, 4, 32), np.int16)
+    for r in range(4):
+        low = (ql[:, :, 32 * (r % 2) : 32 * (r % 2) + 32] >> (4 * (r // 2))) & 15
+        q[:, :, r] = (low | (((qh >> (2 * r)) & 3) << 4)).astype(np.int16) - 32
+    return (torch.from_numpy(q.reshape(n, -1).astype(np.int8)),
+            torch.from_numpy(scales.reshape(n, -1)))
+
+
+def _head(blocks: np.ndarray) -> BlockHeadLinear:
+    n, k = blocks.shape[0], blocks.shape[1] // 210 * 256
+    return BlockHeadLinear(nn.Linear(k, n, bias=False, device="meta"),
+                           torch.from_numpy(blocks.copy()))
+
+
+def _x(m: int, k: int = 512, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_its_rows_are_the_files_numbers():
+    blocks = _blocks()
+    head = _head(blocks)
+    assert head.whole()
+    values = torch.from_numpy(gguf.dequantize(blocks, Q6_K).copy())
+    assert torch.equal(head.dequantized(), values)
+    q, scales = _int8_groups(blocks)
+    assert torch.equal(native.int8_group_values(q, scales, 16), values)
+    ids = torch.tensor([[3, 776], [4, 0]])
+    assert torch.equal(head.rows(ids), values[ids])
+
+
+@needs_kernel
+def test_it_is_the_int8_heads_sum_with_groups_of_16_in_any_batch_threads_or_isa():
+    blocks = _blocks()
+    head = _head(blocks)
+    q, scales = _int8_groups(blocks)
+    x = _x(11)
+    alone = [head(x[i : i + 1])[0] for i in range(11)]
+    best = native.library().kvchat_int8_head_isa()
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            for isa in range(best + 1):
+                for rows in (1, 2, 3, 4, 5, 8, 9, 11):
+                    want = native.int8_head_mm(x[:rows], q, scales, 16, isa=isa)
+                    got = native.q6k_head_mm(x[:rows], head.blocks, 512, isa=isa)
+                    assert got.dtype == torch.float32 and torch.equal(got, want), \
+                        (n_threads, isa, rows)
+                    for i in range(rows):
+                        assert torch.equal(got[i], alone[i]), (n_threads, isa, rows, i)
+    finally:
+        torch.set_num_threads(threads)
+    exact = x.double() @ head.dequantized().double().t()
+    assert torch.allclose(head(x).double(), exact, rtol=1e-5, atol=1e-4)
+
+
+def test_without_the_kernel_torch_computes_the_same_sum(monkeypatch):
+    head = _head(_blocks(n=300, k=256))
+    x = _x(3, k=256)
+    exact = x.double() @ head.dequantized().double().t()
+    monkeypatch.setattr(native, "library", lambda: None)
+    monkeypatch.setattr(native, "gguf_blocks", lambda data, ggml_type: None)  # gguf-py's rows
+    batch = head(x)
+    assert torch.allclose(batch.double(), exact, rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(head(x[i : i + 1])[0], batch[i]) for i in range(3))
+
+
+def test_other_heads_and_shapes_are_refused():
+    head = nn.Linear(512, 40, bias=False)
+    assert BlockHeadLinear.takes(head, int(Q6_K))
+    assert not BlockHeadLinear.takes(head, int(gguf.GGMLQuantizationType.Q8_0))
+    assert not BlockHeadLinear.takes(nn.Linear(512, 40), int(Q6_K))  # a bias
+    assert not BlockHeadLinear.takes(nn.Linear(320, 40, bias=False), int(Q6_K))
+    blocks = torch.from_numpy(_blocks(n=8, k=256).copy())
+    with pytest.raises(ValueError, match="K=512"):
+        native.q6k_head_mm(_x(1, k=512), blocks, 512)
+    with pytest.raises(ValueError, match="no kernel"):
+        native.q6k_head_mm(_x(1, k=200), blocks, 200)
+
+
+def _tied_q6_k(tiny_tokenizer, tmp_path):
+    config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
+                               num_hidden_layers=2, tie_word_embeddings=True)
+    return write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "tied.gguf",
+                           lambda name: "Q6_K" if name == "token_embd.weight" else "Q4_K")
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_a_tied_q6_k_table_is_held_once_for_the_embedding_and_the_head(
+        precision, tiny_tokenizer, tmp_path, monkeypatch):
+    """The head keeps the file's blocks and the embedding reads its rows from them: one copy
+    of the table, its rows the bfloat16 table's, its logits the file's numbers', the same
+    again from the packed file a later load reads, and counted once by the estimate."""
+    path = _tied_q6_k(tiny_tokenizer, tmp_path)
+    first = load_model(str(path), dtype=precision)
+    model = first.model
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, BlockHeadLinear) and isinstance(embed, BlockEmbedding) and embed.tied
+    assert "model.embed_tokens.blocks" not in model.state_dict()
+    table = [t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight"][0]
+    values = torch.from_numpy(gguf.dequantize(table.data, Q6_K).copy())
+    assert torch.equal(head.dequantized(), values)
+    ids = torch.tensor([[5, 9, 2, 40, 7, 0]])
+    assert torch.equal(embed.rows(ids), values[ids].to(torch.bfloat16))
+    hidden = torch.randn(2, 256)
+    q, scales = _int8_groups(np.asarray(table.data))
+    assert torch.equal(head(hidden), native.int8_head_mm(hidden, q, scales, 16))
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    estimate = footprint._gguf_weights(path, precision, True).packed
+    assert held - 256 <= estimate <= held, (estimate, held)  # less the rotary inv_freq
+
+    calls = []
+    real = gguf_weights.load_gguf_weights
+    monkeypatch.setattr(gguf_weights, "load_gguf_weights",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    second = load_model(str(path), dtype=precision)
+    assert not calls  # read from the packed file the first load wrote
+    head2, embed2 = second.model.get_output_embeddings(), second.model.get_input_embeddings()
+    assert isinstance(head2, BlockHeadLinear) and isinstance(embed2, BlockEmbedding)
+    assert embed2.tied and embed2._blocks() is head2.blocks
+    assert torch.equal(head2.blocks, head.blocks)
+    with torch.no_grad():
+        assert torch.equal(second.model(ids).logits, first.model(ids).logits)
+
+
+def test_on_a_gpu_the_head_and_its_tied_embedding_become_bfloat16_copies(
+        tiny_tokenizer, tmp_path):
+    """`place_on_gpu`'s step for them, on CPU: the embedding's table first (it reads the head's
+    blocks, still on CPU), then the head's bfloat16 copy of its weight, its blocks let go."""
+    from kvchat.models import gpu_weights
+
+    loaded = load_model(str(_tied_q6_k(tiny_tokenizer, tmp_path)), dtype="int8")
+    model = loaded.model
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    values = head.dequantized()
+    ids = torch.arange(embed.num_embeddings)
+    rows = embed.rows(ids)
+    held = nn.Module()
+    held.embed, held.head = embed, head
+    gpu_weights.place_on_gpu(held, "cpu")
+    assert torch.equal(embed.table, rows) and not embed.tied
+    assert "blocks" not in dict(head.named_buffers())
+    assert torch.equal(head.get_buffer("dense_weight"), values.to(torch.bfloat16))
