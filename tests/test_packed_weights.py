@@ -260,3 +260,33 @@ def test_a_block_embedding_read_back_is_whole_and_becomes_a_table(
     monkeypatch.setattr(packed_weights, "_read", cut)
     load_model(str(path), dtype="int4")
     assert streams.calls == 1  # packed again
+
+
+def test_a_same_size_rewrite_that_keeps_the_mtime_is_packed_afresh(
+        tiny_tokenizer, tmp_path, monkeypatch):
+    """Its path, size and mtime are the packed file's, its weights not: the key's sample of
+    the file's bytes tells them apart, so the load packs the new weights (and the converted
+    folder is made again) instead of reading the old ones beside the new file's Q4 layers."""
+    path = _gguf(tiny_tokenizer, tmp_path)
+    first = load_model(str(path), dtype="int4")
+    config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
+                               num_hidden_layers=2)
+    other = build_tiny_model(config)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.5)
+    rewrite = write_tiny_gguf(other, tiny_tokenizer, tmp_path / "other.gguf", lambda n: "Q4_K")
+    assert rewrite.stat().st_size == path.stat().st_size
+    stamp = path.stat()
+    os.replace(rewrite, path)
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert path.stat().st_mtime_ns == stamp.st_mtime_ns
+    streams = _Streams(monkeypatch)
+    second = load_model(str(path), dtype="int4")
+    assert streams.calls == 1  # packed afresh, not read
+    fresh = load_model(str(path), dtype="int4")  # and that packing is what later loads read
+    assert streams.calls == 1
+    _same(second, fresh)
+    ids = torch.tensor([[5, 9, 2, 40, 7]])
+    with torch.no_grad():
+        assert not torch.equal(second.model(ids).logits, first.model(ids).logits)

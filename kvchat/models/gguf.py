@@ -48,11 +48,29 @@ def cache_dir() -> Path:
     return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("kvchat"))
 
 
+SAMPLE_HEAD, SAMPLE_WINDOWS, SAMPLE_BYTES = 1 << 20, 64, 4096  # `gguf_sample`
+
+
+def gguf_sample(path: Path) -> str:
+    """A digest of the file's first `SAMPLE_HEAD` bytes (a GGUF's header: its metadata and
+    tensor table) and of `SAMPLE_WINDOWS` windows of `SAMPLE_BYTES` at evenly spaced offsets:
+    a few hundred KiB read, where a whole 2 GB file would take seconds to hash. A same-size
+    rewrite changes it unless it leaves every sampled byte as it was."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        digest.update(fh.read(SAMPLE_HEAD))
+        for i in range(SAMPLE_WINDOWS):
+            fh.seek(size * i // SAMPLE_WINDOWS)
+            digest.update(fh.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def converted_dir_for(gguf: Path) -> Path:
-    """The folder a GGUF converts into; a new or touched file converts afresh."""
+    """The folder a GGUF converts into; a new, touched or rewritten file converts afresh."""
     gguf = gguf.resolve()
     stat = gguf.stat()
-    key = f"{stat.st_size}:{stat.st_mtime_ns}:{gguf}".encode()
+    key = f"{stat.st_size}:{stat.st_mtime_ns}:{gguf}:{gguf_sample(gguf)}".encode()
     return cache_dir() / "models" / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:10]}"
 
 
