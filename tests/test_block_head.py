@@ -149,6 +149,8 @@ def test_a_tied_q6_k_table_is_held_once_for_the_embedding_and_the_head(
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     estimate = footprint._gguf_weights(path, precision, True).packed
     assert held - 256 <= estimate <= held, (estimate, held)  # less the rotary inv_freq
+    assert footprint.gguf_head(path, tied=True).startswith("Q6_K")  # what `kvchat models` says
+    assert footprint.gguf_head(path, tied=False).startswith("int8")  # it has no output.weight
 
     calls = []
     real = gguf_weights.load_gguf_weights

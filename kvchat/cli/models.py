@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat.cli.app import app, stdout
@@ -20,7 +21,7 @@ from rich import box
 from rich.table import Table
 
 from kvchat.config import CacheConfig
-from kvchat.models.footprint import IGNORE_ENV_VAR, available_memory, footprint_of
+from kvchat.models.footprint import IGNORE_ENV_VAR, available_memory, footprint_of, gguf_head
 from kvchat.models.loading import ModelReport, describe_model
 
 
@@ -44,10 +45,12 @@ def models(
     if report.precision.quantized:
         from kvchat.models.native import int4_kernel_name, kernel_name
 
-        head = kernel_name()
+        form = gguf_head(Path(report.source.location), report.tied_head) \
+            if report.source.is_gguf else "int8, a float32 scale per 32 weights"
+        head = f"{form}, {kernel_name()}"
         int4 = int4_kernel_name() if report.precision.name == "int4" else None
         if report.device != "cpu":  # gpu_weights.place_on_gpu
-            head = f"logits from a bfloat16 copy on {report.device}"
+            head = f"{form}, logits from a bfloat16 copy on {report.device}"
             int4 = f"torch's int4 kernel on {report.device}"
     from kvchat.engine.forward_plan import choose_forward
 
@@ -98,7 +101,7 @@ def model_table(report: ModelReport, footprint: Footprint | None = None,
     if forward is not None:
         table.add_row("Forward", forward)
     if head_kernel is not None:
-        table.add_row("Output head", f"int8, a float32 scale per 32 weights, {head_kernel}")
+        table.add_row("Output head", head_kernel)
     step = report.step_bytes
     table.add_row("Weights read per decode step",
                   "unknown" if step is None else f"≈ {_size(step)}")

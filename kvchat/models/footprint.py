@@ -5,9 +5,10 @@ Four parts, each from files alone (a GGUF's header, a folder's safetensors heade
 - weights as kvchat packs them (`kvchat.models.quant`, `kvchat.models.gguf_weights`): under int4
   a linear weight is 4 bits plus a 16-bit scale and zero per 32 weights (5/8 byte), under int8
   1 byte plus a bfloat16 scale per row, the output head int8 with a float32 scale per 32 weights
-  (9/8 byte) under both; a tied head is packed on its own while the embedding, the norms and
-  the biases stay bfloat16 (a large Q8_0 embedding is read from the head's rows instead, a
-  Q4_K or Q6_K one kept as the file's blocks).
+  (9/8 byte) under both, or a GGUF's Q6_K head as the file's blocks (0.82 byte); a tied head is
+  packed on its own while the embedding, the norms and the biases stay bfloat16 (a large Q8_0
+  embedding is read from the head's rows instead, a Q4_K or Q6_K one kept as the file's blocks,
+  which a Q6_K head shares).
   Float precisions: the precision's itemsize per parameter, a tied head stored once.
 - the K/V pool at its configured size (`CacheConfig.blocks_for`), counted full: it is reserved
   at once and its pages become resident as blocks fill.
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvchat.errors import ModelTooLarge
-from kvchat.models.precision import gguf_layout
+from kvchat.models.precision import GGUFTensor, gguf_layout
 
 if TYPE_CHECKING:
     from kvchat.config import CacheConfig
@@ -179,9 +180,7 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
         held = min(count, max(tensor.dims[0], CHUNK_ROWS_BYTES // 4)) if chunked else count
         largest = max(largest, held)
         embedding = "embd" in tensor.name  # token_embd, position_embd: not linear layers
-        # a Q6_K head keeps the file's blocks (`BlockHeadLinear`), a tied one the embedding's
-        head_blocks = packs and tensor.ggml_type == _Q6_K and arch in _KEEPS_BLOCKS \
-            and tensor.dims[0] % 256 == 0 and tensor.name in ROW_CHUNKED
+        head_blocks = packs and _head_blocks(tensor, arch)
         if packs and len(tensor.dims) == 2 and not embedding:
             k, n = tensor.dims  # GGUF's order: the fastest-varying (input) first
             is_head = tensor.name == "output.weight"
@@ -199,6 +198,24 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
             if tensor.ggml_type == _Q8_0 and chunked and count * 4 > CHUNK_ROWS_BYTES:
                 total -= count * size  # read from the head's rows (`TiedInt8Embedding`)
     return _Weights(total, int(GGUF_LOAD_COPIES * 4 * largest))
+
+
+def _head_blocks(tensor: GGUFTensor, arch: str) -> bool:
+    """Whether a packed load keeps `tensor` (the head, or a tied head's embedding) as a Q6_K
+    head's blocks (`BlockHeadLinear`), as `gguf_weights` decides."""
+    return tensor.ggml_type == _Q6_K and arch in _KEEPS_BLOCKS and tensor.dims[0] % 256 == 0 \
+        and tensor.name in ROW_CHUNKED and len(tensor.dims) == 2
+
+
+def gguf_head(path: Path, tied: bool) -> str:
+    """What a packed load of the GGUF at `path` makes its output head, for `kvchat models`."""
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        layout = gguf_layout(buf)
+    name = "token_embd.weight" if tied else "output.weight"
+    tensor = next((t for t in layout.tensors if t.name == name), None)
+    if tensor is not None and _head_blocks(tensor, layout.architecture):
+        return "Q6_K as the file holds it, a float32 scale per 16 weights"
+    return "int8, a float32 scale per 32 weights"
 
 
 def _folder_weights(folder: Path, precision: str, tied: bool) -> _Weights | None:
