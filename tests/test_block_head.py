@@ -104,6 +104,10 @@ def test_without_the_kernel_torch_computes_the_same_sum(monkeypatch):
     batch = head(x)
     assert torch.allclose(batch.double(), exact, rtol=1e-5, atol=1e-4)
     assert all(torch.equal(head(x[i : i + 1])[0], batch[i]) for i in range(3))
+    # the int8 head's torch sum over the same weights, to the bit
+    q, scales = _int8_groups(head.blocks.numpy())
+    assert torch.equal(batch, native._torch_mm(x.float(), q, scales, 16))
+    assert torch.equal(native.q6k_values(head.blocks), head.dequantized())
 
 
 def test_other_heads_and_shapes_are_refused():

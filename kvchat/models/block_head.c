@@ -85,7 +85,7 @@ static void rows_portable(const job_t *j)
 }
 
 #ifdef KVCHAT_X86
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
 /* unpack_portable's integers and scales, 32 values an instruction */
@@ -141,7 +141,7 @@ AVX512 static inline void unpack_avx512(const uint8_t *b, int8_t *q, float *s)
     }
     uint16_t dh;
     memcpy(&dh, b + 208, 2);
-    __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+    __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)dh)); /* exact, AVX-512F's own */
     __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
     _mm512_storeu_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
 }

@@ -67,8 +67,10 @@ class BlockHeadLinear(QuantLinear):
         """The float32 weight rows `ids` (any shape): (*ids.shape, K)."""
         return block_rows(self.get_buffer("blocks"), ids, Q6_K, self.in_features)
 
-    def dequantized(self) -> torch.Tensor:
-        """The (N, K) float32 weight, a chunk of rows de-quantized at a time."""
+    def dequantized(self, device: torch.device | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) weight in `dtype` on `device` (default: float32 where the blocks are),
+        a chunk of rows de-quantized at a time, so that no float32 copy of the whole is held."""
         ids = torch.arange(self.out_features)
-        return torch.cat([self.rows(ids[i : i + _ROWS_AT_ONCE])
+        return torch.cat([self.rows(ids[i : i + _ROWS_AT_ONCE]).to(device=device, dtype=dtype)
                           for i in range(0, self.out_features, _ROWS_AT_ONCE)])

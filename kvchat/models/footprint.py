@@ -180,7 +180,7 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
         held = min(count, max(tensor.dims[0], CHUNK_ROWS_BYTES // 4)) if chunked else count
         largest = max(largest, held)
         embedding = "embd" in tensor.name  # token_embd, position_embd: not linear layers
-        head_blocks = packs and _head_blocks(tensor, arch)
+        head_blocks = packs and head_kept_as_blocks(tensor, arch)
         if packs and len(tensor.dims) == 2 and not embedding:
             k, n = tensor.dims  # GGUF's order: the fastest-varying (input) first
             is_head = tensor.name == "output.weight"
@@ -200,9 +200,10 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
     return _Weights(total, int(GGUF_LOAD_COPIES * 4 * largest))
 
 
-def _head_blocks(tensor: GGUFTensor, arch: str) -> bool:
+def head_kept_as_blocks(tensor: GGUFTensor, arch: str) -> bool:
     """Whether a packed load keeps `tensor` (the head, or a tied head's embedding) as a Q6_K
-    head's blocks (`BlockHeadLinear`), as `gguf_weights` decides."""
+    head's blocks (`BlockHeadLinear`): the rule `gguf_weights` loads by (with the head's own
+    conditions, `BlockHeadLinear.takes`), the estimate counts by and `kvchat models` names."""
     return tensor.ggml_type == _Q6_K and arch in _KEEPS_BLOCKS and tensor.dims[0] % 256 == 0 \
         and tensor.name in ROW_CHUNKED and len(tensor.dims) == 2
 
@@ -213,7 +214,7 @@ def gguf_head(path: Path, tied: bool) -> str:
         layout = gguf_layout(buf)
     name = "token_embd.weight" if tied else "output.weight"
     tensor = next((t for t in layout.tensors if t.name == name), None)
-    if tensor is not None and _head_blocks(tensor, layout.architecture):
+    if tensor is not None and head_kept_as_blocks(tensor, layout.architecture):
         return "Q6_K as the file holds it, a float32 scale per 16 weights"
     return "int8, a float32 scale per 32 weights"
 

@@ -10,6 +10,7 @@ half-written behind; one that fails is one paragraph.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -48,17 +49,27 @@ def cache_dir() -> Path:
     return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("kvchat"))
 
 
-SAMPLE_HEAD, SAMPLE_WINDOWS, SAMPLE_BYTES = 1 << 20, 64, 4096  # `gguf_sample`
+# `gguf_sample`: the header's bytes (1.7-6.2 MiB in the files tried, a 262k-token vocabulary
+# the largest), then windows spread over the rest
+SAMPLE_HEAD, SAMPLE_WINDOWS, SAMPLE_BYTES = 16 << 20, 64, 4096
 
 
 def gguf_sample(path: Path) -> str:
-    """A digest of the file's first `SAMPLE_HEAD` bytes (a GGUF's header: its metadata and
-    tensor table) and of `SAMPLE_WINDOWS` windows of `SAMPLE_BYTES` at evenly spaced offsets:
-    a few hundred KiB read, where a whole 2 GB file would take seconds to hash. A same-size
-    rewrite changes it unless it leaves every sampled byte as it was."""
+    """A digest of a GGUF's first `SAMPLE_HEAD` bytes (its whole header in every file tried:
+    the metadata, the tokenizer's vocabulary among it, and the tensor table) and of
+    `SAMPLE_WINDOWS` windows of `SAMPLE_BYTES` at evenly spaced offsets: 16 MiB read at most,
+    where a whole 2 GB file would take seconds to hash. A same-size rewrite changes it unless
+    it keeps the header and every sampled byte as they were. Computed once per version of the
+    file in a process (its ctime moves with any write, and with a set mtime)."""
+    stat = path.stat()
+    return _sample(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
+                   stat.st_ino)
+
+
+@functools.lru_cache(maxsize=16)
+def _sample(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
     digest = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
         digest.update(fh.read(SAMPLE_HEAD))
         for i in range(SAMPLE_WINDOWS):
             fh.seek(size * i // SAMPLE_WINDOWS)
@@ -67,10 +78,11 @@ def gguf_sample(path: Path) -> str:
 
 
 def converted_dir_for(gguf: Path) -> Path:
-    """The folder a GGUF converts into; a new, touched or rewritten file converts afresh."""
+    """The folder a GGUF converts into; a new or touched file converts afresh (a rewritten one
+    into the same folder: `_is_complete`)."""
     gguf = gguf.resolve()
     stat = gguf.stat()
-    key = f"{stat.st_size}:{stat.st_mtime_ns}:{gguf}:{gguf_sample(gguf)}".encode()
+    key = f"{stat.st_size}:{stat.st_mtime_ns}:{gguf}".encode()
     return cache_dir() / "models" / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:10]}"
 
 
@@ -83,7 +95,7 @@ def ensure_converted(
     interrupted run leaves no final folder, only a temp folder that the next run removes.
     """
     final = converted_dir_for(gguf)
-    if _is_complete(final):
+    if _is_complete(final, gguf):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(final.parent)
@@ -103,7 +115,7 @@ def ensure_converted(
             os.replace(tmp, final)
         except OSError:
             # Another process finished the same conversion first; its folder is as good as ours.
-            if not _is_complete(final):
+            if not _is_complete(final, gguf):
                 raise
     finally:
         if tmp.exists():
@@ -197,23 +209,26 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _is_complete(folder: Path) -> bool:
-    """A folder a completed conversion of this kvchat's kind renamed into place: one from a
-    kvchat that stored float32 weights there (no "format" in its record) is made again, which
-    frees their space."""
+def _is_complete(folder: Path, gguf: Path) -> bool:
+    """A folder a completed conversion of this kvchat's kind renamed into place, made from the
+    bytes `gguf` holds now (`gguf_sample`: a file rewritten at the same size and mtime, or a
+    folder from a kvchat that did not record the sample, is made again, its packed weights
+    with it); one from a kvchat that stored float32 weights there (no "format" in its record)
+    is made again too, which frees their space."""
     if not (folder / "config.json").is_file():
         return False
     try:
         record = json.loads((folder / SOURCE_RECORD).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(record, dict) and record.get("format") == FOLDER_FORMAT
+    return isinstance(record, dict) and record.get("format") == FOLDER_FORMAT \
+        and record.get("sample") == gguf_sample(gguf)
 
 
 def _write_source_record(folder: Path, gguf: Path) -> None:
     stat = gguf.stat()
     record = {"gguf": str(gguf.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-              "format": FOLDER_FORMAT}
+              "format": FOLDER_FORMAT, "sample": gguf_sample(gguf)}
     (folder / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 

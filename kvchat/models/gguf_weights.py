@@ -33,7 +33,7 @@ from torch import nn
 
 from kvchat.errors import ModelError
 from kvchat.models.block_head import BlockHeadLinear
-from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED
+from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED, head_kept_as_blocks
 from kvchat.models.gguf_int4 import drop_pages as _drop_pages
 from kvchat.models.gguf_int4 import int4_rows, row_order
 from kvchat.models.gguf_int4 import tensor_data as _data
@@ -101,7 +101,7 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
     largest = n_params = 0
     total = len(layout.tensors)
     for done, tensor in enumerate(layout.tensors, 1):
-        by_rows = _by_rows(model, names, tensor, packs, tied) \
+        by_rows = _by_rows(model, names, tensor, packs, tied, arch) \
             if type(processor).__name__ in _KEEPS_EMBEDDINGS else None
         if by_rows is not None:
             kind, chunk_bytes, params = by_rows(buf, dtype)
@@ -210,7 +210,7 @@ _LIBC: Any = None
 
 
 def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
-             tied: bool) -> RowLoad | None:
+             tied: bool, arch: str) -> RowLoad | None:
     """How to read `tensor` a chunk of rows at a time into the embedding and / or the head, or
     None when it is read whole (small, another tensor, or a head of another kind)."""
     hf_name = names.get(tensor.name)
@@ -224,7 +224,7 @@ def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
     blocks = packs and parent is embed and BlockEmbedding.takes(embed, tensor.ggml_type)
     # a Q6_K head keeps the file's blocks (a tied one: the embedding's)
     head_blocks = packs and (parent is head or tied) \
-        and BlockHeadLinear.takes(head, tensor.ggml_type)
+        and BlockHeadLinear.takes(head, tensor.ggml_type) and head_kept_as_blocks(tensor, arch)
     if tensor.dims[0] * tensor.dims[1] * 4 <= CHUNK_ROWS_BYTES and not blocks \
             and not head_blocks:
         return None  # small: read whole (blocks kept as they are are read here at any size)
@@ -288,7 +288,8 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         if head_blocks:
             head_path = _name_of(model, model.get_output_embeddings())
             owner, attr = _owner(model, head_path)
-            block_head = BlockHeadLinear(model.get_output_embeddings(), file_blocks)
+            block_head = BlockHeadLinear(  # the file's rows, as an int8 head takes them
+                nn.Linear(cols, rows, bias=False, device="meta"), file_blocks)
             setattr(owner, attr, block_head)
             packed.append("int8")  # the head, as an int8 one counts
         if blocks and target is not None:

@@ -153,7 +153,7 @@ def place_on_gpu(model: Any, device: str) -> GpuPlacement:
                 setattr(parent, name, DenseLinear(child, target))
                 counts["dense"] += 1
             elif isinstance(child, BlockHeadLinear):  # de-quantized on CPU, where it is built
-                dense = child.dequantized().to(device=target, dtype=_BF16)
+                dense = child.dequantized(target, _BF16)
                 del child.blocks
                 child.register_buffer("dense_weight", dense, persistent=False)
                 head_dense = True

@@ -385,13 +385,10 @@ def q6k_head_mm(x: torch.Tensor, blocks: torch.Tensor, k: int, isa: int = -1) ->
         raise ValueError(f"Q6_K head: blocks of shape {tuple(blocks.shape)} for K={k}")
     n = blocks.shape[0]
     lib = library() if x.device.type == "cpu" else None
-    if lib is None:  # gguf-py's rows (the library would de-quantize them too)
-        from gguf import GGMLQuantizationType, dequantize
-
+    if lib is None:  # `_torch_mm`'s sum over the same weights, a chunk of rows at a time
         out = torch.empty(m, n, dtype=torch.float32)
         for lo in range(0, n, _FALLBACK_ROWS):
-            rows = blocks[lo : lo + _FALLBACK_ROWS].numpy()
-            w = torch.from_numpy(dequantize(rows, GGMLQuantizationType.Q6_K))
+            w = q6k_values(blocks[lo : lo + _FALLBACK_ROWS])
             for row in range(m):
                 out[row, lo : lo + len(w)] = torch.mv(w, xf[row])
         return out
@@ -401,6 +398,23 @@ def q6k_head_mm(x: torch.Tensor, blocks: torch.Tensor, k: int, isa: int = -1) ->
     if rc != 0:
         raise ValueError(f"Q6_K head: no kernel for K={k}")
     return out
+
+
+def q6k_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows ((N, K / 256 * 210) uint8) as float32 (N, K) in torch ops: gguf-py's
+    `dequantize` op for op (float32(d * sc) * (q - 32)), on torch's threads."""
+    import torch
+
+    b = blocks.reshape(-1, 210)
+    low = (b[:, :128].reshape(-1, 2, 1, 64)
+           >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 15
+    high = (b[:, 128:192].reshape(-1, 2, 1, 32)
+            >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    q = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).to(torch.int8) - 32
+    scale = b[:, 208:210].contiguous().view(torch.float16).float() \
+        * b[:, 192:208].contiguous().view(torch.int8).float()
+    values = scale.reshape(-1, 16, 1) * q.reshape(-1, 16, 16).float()
+    return values.reshape(blocks.shape[0], -1)
 
 
 def int8_group_values(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:

@@ -12,9 +12,9 @@ and every later load reads it back: the same tensors, bit for bit, in the same m
     10 + h     payload: each tensor's bytes, each starting at a multiple of 64
     end - 32   BLAKE2b-256 of everything before it
 
-The key names everything that decides the packed numbers: the GGUF (path, size, mtime, and a
-digest of its first MiB and of 64 windows of 4 KiB spread over it, so that a rewrite keeping
-the size and the mtime is not mistaken for the file packed before), its
+The key names everything that decides the packed numbers: the GGUF (path, size, mtime, and
+`gguf.gguf_sample`'s digest of its header and of windows spread over it, so that a rewrite
+keeping the size and the mtime is not mistaken for the file packed before), its
 converted config, the precision and compute dtype, the int4 layout (kvchat's kernel's, or torch's
 with the CPU capability it follows), the versions of torch, transformers and gguf-py, and a
 digest of the modules that pack. A reader checks the length, the key and the tensor records,

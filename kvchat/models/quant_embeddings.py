@@ -5,7 +5,7 @@ does, and give their rows in `out_dtype` (float32 under `kvchat.models.residual`
 
 `BlockEmbedding`: Llama 3.x and Qwen2.5 Q4_K_M files hold their (tied) token embedding as Q6_K:
 0.82 bytes a value, where a bfloat16 table takes 2 (Llama 3.2 1B's 128,256 x 2,048: 205 MiB
-against 501 MiB, held beside the int8 head packed from the same numbers). It keeps the file's
+against 501 MiB). It keeps the file's
 bytes and de-quantizes only the rows a forward asks for (`native.gguf_blocks`, gguf-py's
 numbers bit for bit, or gguf-py itself where the library is not built), rounded to the table's
 dtype first: the very values a table de-quantized whole gave. A tied model whose head keeps
