@@ -162,20 +162,23 @@ def test_a_full_disk_costs_only_the_next_starts_packing(tiny_tokenizer, tmp_path
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(packed_weights.os, "fsync", full)
-    loaded = load_model(str(path), dtype="int4")
+    # (patches undone on their own: monkeypatch.undo() would also undo the test's private
+    # KVCHAT_CACHE_DIR, and the rest would write into the user's cache dir)
+    with monkeypatch.context() as patch:
+        patch.setattr(packed_weights.os, "fsync", full)
+        loaded = load_model(str(path), dtype="int4")
     assert "No space left on device" in capsys.readouterr().err
     folder = converted_dir_for(path)
     assert not _packed_file(path).exists()
     assert not list(folder.glob(".tmp-packed-*"))
-    monkeypatch.undo()
     # nor is a file written that would leave the disk nearly full
-    monkeypatch.setattr(packed_weights, "FREE_MARGIN", 1 << 60)
-    load_model(str(path), dtype="int4")
+    with monkeypatch.context() as patch:
+        patch.setattr(packed_weights, "FREE_MARGIN", 1 << 60)
+        load_model(str(path), dtype="int4")
     assert "would leave less than" in capsys.readouterr().err
     assert not _packed_file(path).exists()
-    monkeypatch.undo()
     _same(loaded, load_model(str(path), dtype="int4"))
+    assert str(_packed_file(path)).startswith(str(tmp_path))  # in the test's own cache dir
     assert _packed_file(path).is_file()
 
 
