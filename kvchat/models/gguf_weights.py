@@ -296,6 +296,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
             model.set_input_embeddings(BlockEmbedding(
                 target, None if block_head else file_blocks, tensor.ggml_type, cols,
                 head=block_head))
+        _drop_pages(buf, tensor.offset, int(data.nbytes))  # copied: the map's pages can go
     floats = table is not None or q is not None  # else the blocks alone: nothing de-quantized
     for start in range(0, rows if floats else 0, step):
         chunk = _dequantize(data[start : start + step], kind)
