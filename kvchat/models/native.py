@@ -373,7 +373,7 @@ def int8_head_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: 
 def q6k_head_mm(x: torch.Tensor, blocks: torch.Tensor, k: int, isa: int = -1) -> torch.Tensor:
     """(M, K) activations times the (N, K) weight held as Q6_K `blocks` ((N, K / 256 * 210)
     bytes): (M, N) float32, `int8_head_mm`'s sum with groups of 16 (block_head.c). Without the
-    library, torch's sum over de-quantized rows, its bits its own."""
+    library, `int8_head_mm`'s torch sum over the same weights (its bits, not the kernel's)."""
     import torch
 
     xf = x.float().contiguous()
