@@ -174,3 +174,26 @@ def test_a_cgroup_limit_leaves_less_than_meminfo(tmp_path: Path):
     (tmp_path / "memory.max").write_text("max\n")
     assert footprint._cgroup_left(tmp_path, "memory.max", "memory.current", "memory.stat",
                                   "inactive_file") is None
+
+
+@pytest.mark.parametrize(("quant", "tied", "precision"), [
+    ("Q4_K_M", False, "int4"), ("Q6_K", True, "int4"), ("Q8_0", True, "int8"),
+    ("Q4_K", True, "int8"), ("Q4_K_M", False, "bfloat16"), ("Q8_0", True, "float32")])
+def test_a_gguf_step_is_counted_from_its_header_as_the_load_counts_it(
+        quant, tied, precision, tiny_tokenizer, tmp_path, monkeypatch):
+    """`kvchat models`' "Weights read per decode step" for a GGUF: the bytes the loaded model's
+    step reads (`quant.step_bytes`), whichever form its head and embedding take: a Q6_K head's
+    blocks, shared with a tied embedding or not, an int8 head a Q8_0 table is read from, or
+    one beside the embedding's own blocks, and float heads."""
+    from kvchat.models import gguf_weights
+    from kvchat.models.footprint import gguf_step_bytes
+
+    monkeypatch.setattr(gguf_weights, "CHUNK_ROWS_BYTES", 4096)  # tables read by rows
+    monkeypatch.setattr(footprint, "CHUNK_ROWS_BYTES", 4096)
+    config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
+                               num_hidden_layers=1, tie_word_embeddings=tied)
+    six = {"Q4_K_M": lambda n: "Q6_K" if n == "output.weight" else "Q4_K"}
+    path = write_tiny_gguf(build_tiny_model(config), tiny_tokenizer, tmp_path / "m.gguf",
+                           six.get(quant, lambda n: quant))
+    loaded = load_model(str(path), dtype=precision, device="cpu")
+    assert gguf_step_bytes(path, precision, tied) == loaded.step_bytes

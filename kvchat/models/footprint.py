@@ -106,6 +106,7 @@ class Available:
 class _Weights(NamedTuple):
     packed: int  # bytes the loaded model's tensors hold
     loading: int  # float32 bytes held on the side during the load
+    step: int = 0  # bytes a decode step reads (`quant.step_bytes`); 0: not counted
 
 
 def footprint_of(source: ModelSource, folder: Path | None, precision: str, tied: bool,
@@ -172,9 +173,11 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
         layout = gguf_layout(buf)
     tensors, arch = layout.tensors, layout.architecture
     total = largest = 0
+    own = 0  # the embedding's own bytes: a step reads a row of them per token, not all
     for tensor in tensors:
         if tensor.name.startswith("rope_freqs"):  # llama.cpp's own; transformers has none
             continue
+        before = total
         count = math.prod(tensor.dims)
         chunked = tensor.name in ROW_CHUNKED and len(tensor.dims) == 2
         held = min(count, max(tensor.dims[0], CHUNK_ROWS_BYTES // 4)) if chunked else count
@@ -192,12 +195,23 @@ def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
             total += count // values * block_bytes
         else:
             total += count * size
+        packed_head = 0
         if packs and tied and tensor.name == "token_embd.weight" and not head_blocks:
             k, n = tensor.dims  # the head, packed from the embedding's numbers
-            total += _linear_bytes(n, k, precision, True)
+            packed_head = _linear_bytes(n, k, precision, True)
+            total += packed_head
             if tensor.ggml_type == _Q8_0 and chunked and count * 4 > CHUNK_ROWS_BYTES:
                 total -= count * size  # read from the head's rows (`TiedInt8Embedding`)
-    return _Weights(total, int(GGUF_LOAD_COPIES * 4 * largest))
+        if tensor.name == "token_embd.weight":
+            # tied: a float head is the table itself, a Q6_K head reads the blocks
+            own = total - before - packed_head if not tied or packed_head else 0
+    return _Weights(total, int(GGUF_LOAD_COPIES * 4 * largest), total - own)
+
+
+def gguf_step_bytes(path: Path, precision: str, tied: bool) -> int:
+    """The bytes of weights one decode step reads once the GGUF at `path` is loaded at
+    `precision`: what `quant.step_bytes` counts on the loaded model, from the header alone."""
+    return _gguf_weights(path, precision, tied).step
 
 
 def head_kept_as_blocks(tensor: GGUFTensor, arch: str) -> bool:

@@ -142,6 +142,13 @@ class ModelReport:
 
     @property
     def step_bytes(self) -> int | None:
+        """A GGUF on CPU: counted from its header as the load will pack it; else estimated
+        from the parameter count."""
+        if self.source.is_gguf and self.source.is_local and self.device == "cpu":
+            from kvchat.models.footprint import gguf_step_bytes
+
+            return gguf_step_bytes(Path(self.source.location), self.precision.name,
+                                   self.tied_head)
         return self.facts.step_bytes(self.precision.name, self.tied_head)
 
 
