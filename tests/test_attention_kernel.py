@@ -104,3 +104,63 @@ def test_strided_keys_read_in_place():
     got = native.attention(q, wide[0][:, :, :40], wide[1][:, :, :40], None, 0.2)
     assert torch.equal(got, native.attention(q, k[:, :, :40].contiguous(),
                                              v[:, :, :40].contiguous(), None, 0.2))
+
+
+def _exp_cephes(x: float) -> float:
+    """attention.c's exp16 for one value, op for op in float32."""
+    import numpy as np
+
+    f = np.float32
+    small = f(x) < f(-87.0)  # zero below -87, as the kernel masks it
+    x = f(-87.0) if small else f(x)
+    t = x * f(1.44269504) + f(12582912.0)
+    n = t - f(12582912.0)
+    r = (x - n * f(0.693359375)) - n * f(-2.12194440e-4)
+    poly = f(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+              5.0000001201e-1):
+        poly = poly * r + f(c)
+    y = poly * r * r + r + f(1.0)
+    pow2 = ((np.array(t).view(np.int32) - np.array(f(12582912.0)).view(np.int32) + 127) << 23)
+    out = y * np.array(pow2, np.int32).view(np.float32)
+    return f(0.0) if small else f(out)
+
+
+def test_its_bits_are_the_documented_order_of_sums():
+    """One query against 37 float32 keys, computed here in numpy float32 in the order the
+    source's header states (16 lanes over d, the fixed tree, Cephes' exp, the sum in 16 lanes
+    by key, the weighted values in key order): the kernel's bits, on every instruction set.
+    A rewrite of the kernel that kept its tests' other checks but moved one sum fails here."""
+    import numpy as np
+
+    f = np.float32
+    q, k, v = _qkv(1, 1, 1, 1, 37, 48, torch.float32, seed=7)
+    qn, kn, vn = q[0, 0, 0].numpy(), k[0, 0].numpy(), v[0, 0].numpy()
+    scale = f(0.125)
+
+    def tree(lane):
+        a = [lane[i] + lane[i + 8] for i in range(8)]
+        b = [a[i] + a[i + 4] for i in range(4)]
+        c = [b[i] + b[i + 2] for i in range(2)]
+        return f(c[0] + c[1])
+
+    scores = []
+    for j in range(37):
+        lane = [f(0.0)] * 16
+        for x in range(48):
+            lane[x % 16] = f(lane[x % 16] + f(qn[x] * kn[j, x]))
+        scores.append(f(tree(lane) * scale))
+    m = max(scores)
+    e = [_exp_cephes(f(s - m)) for s in scores]
+    lanes = [f(0.0)] * 16
+    for j, ej in enumerate(e):
+        lanes[j % 16] = f(lanes[j % 16] + ej)
+    total = tree(lanes)
+    acc = np.zeros(48, np.float32)
+    for j, ej in enumerate(e):
+        acc = (acc + ej * vn[j]).astype(np.float32)
+    want = torch.from_numpy((acc / total).astype(np.float32))
+    best = native.attention_isa()
+    for isa in range(best + 1):
+        got = native.attention(q, k, v, None, 0.125, isa=isa)[0, 0, 0]
+        assert torch.equal(got, want), isa
