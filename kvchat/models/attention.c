@@ -106,43 +106,11 @@ INLINE float tree_v16(v16 v)
     return c[0] + c[1];
 }
 
-/* tree_v16 of 16 vectors at once, r[k] = tree_v16(L[k]): each of its additions is one of
- * tree_v16's, on the same two values, so the bits are the same; the lanes of two vectors are
- * paired by shuffles instead of reduced within one (45 operations for 16 sums, against about
- * 8 a sum) */
-INLINE v16 trees_v16(const v16 *L)
-{
-    v16 p[8], q[4], r[2];
-    for (int m = 0; m < 8; m++) /* a[l] = v[l] + v[l+8]: two keys' 8 each */
-        p[m] = __builtin_shufflevector(L[2 * m], L[2 * m + 1],
-                                       0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + __builtin_shufflevector(L[2 * m], L[2 * m + 1],
-                                       8, 9, 10, 11, 12, 13, 14, 15,
-                                       24, 25, 26, 27, 28, 29, 30, 31);
-    for (int m = 0; m < 4; m++) /* b[l] = a[l] + a[l+4]: four keys' 4 each */
-        q[m] = __builtin_shufflevector(p[2 * m], p[2 * m + 1],
-                                       0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + __builtin_shufflevector(p[2 * m], p[2 * m + 1],
-                                       4, 5, 6, 7, 12, 13, 14, 15,
-                                       20, 21, 22, 23, 28, 29, 30, 31);
-    for (int m = 0; m < 2; m++) /* c[l] = b[l] + b[l+2]: eight keys' 2 each */
-        r[m] = __builtin_shufflevector(q[2 * m], q[2 * m + 1],
-                                       0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + __builtin_shufflevector(q[2 * m], q[2 * m + 1],
-                                       2, 3, 6, 7, 10, 11, 14, 15,
-                                       18, 19, 22, 23, 26, 27, 30, 31);
-    /* c[0] + c[1]: the sixteen keys in order */
-    return __builtin_shufflevector(r[0], r[1],
-                                   0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + __builtin_shufflevector(r[0], r[1],
-                                   1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 /* scratch of one thread: for each of the g query heads of a KV head, its scores (keys, a
- * multiple of 16), accumulators (vecs), query, and the lanes of 16 keys' dot products */
+ * multiple of 16), accumulators (vecs) and query */
 typedef struct {
     float *scores, *qf;
-    v16 *acc, *qv, *lanes;
+    v16 *acc, *qv;
     int32_t *cols;
     long keys;
 } scratch_t;
@@ -177,37 +145,7 @@ INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf1
     const char *hvbase = p ? (const char *)a->hv + kv * a->hvs[0] * es : NULL;
     float best[64], sum[64];
     for (long hh = 0; hh < g; hh++) best[hh] = -INFINITY;
-    /* whole vectors: 16 keys' lanes at a time, then their 16 trees at once (the same sums) */
-    for (long j0 = 0; whole == d && j0 < seen; j0 += 16) {
-        v16 *const lanes = w->lanes;
-        long nj = seen - j0 < 16 ? seen - j0 : 16;
-        for (long jj = 0; jj < 16; jj++) {
-            if (jj >= nj) {
-                for (long hh = 0; hh < g; hh++) lanes[hh * 16 + jj] = (v16){0};
-                continue;
-            }
-            long c = cols[j0 + jj];
-            const char *row = c < 0 ? hkbase + (c + p) * a->hks[1] * es
-                                    : kbase + c * a->ks[2] * es;
-            v16 kr[MAX_VECS];
-            for (long x = 0; x < vecs; x++) kr[x] = LOAD16(row, x * 16, bf16);
-            for (long hh = 0; hh < g; hh++) {
-                v16 acc_l = {0};
-                for (long x = 0; x < vecs; x++) acc_l = acc_l + qv[hh * vecs + x] * kr[x];
-                lanes[hh * 16 + jj] = acc_l;
-            }
-        }
-        for (long hh = 0; hh < g; hh++) {
-            v16 s16 = trees_v16(lanes + hh * 16) * (v16)SPLAT(scale);
-            for (long jj = 0; jj < nj; jj++) {
-                float s = s16[jj];
-                if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
-                scores[hh * keys + j0 + jj] = s;
-                if (s > best[hh]) best[hh] = s;
-            }
-        }
-    }
-    for (long j = 0; whole != d && j < seen; j++) {
+    for (long j = 0; j < seen; j++) {
         long c = cols[j];
         const char *row = c < 0 ? hkbase + (c + p) * a->hks[1] * es : kbase + c * a->ks[2] * es;
         v16 kr[MAX_VECS];
@@ -216,11 +154,15 @@ INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf1
             v16 lanes = {0};
             for (long x = 0; x < vecs; x++) lanes = lanes + qv[hh * vecs + x] * kr[x];
             float s;
-            float lane[16]; /* d not whole vectors: its last dims into the lanes */
-            memcpy(lane, &lanes, 64);
-            for (long x = whole; x < d; x++)
-                lane[x % 16] = lane[x % 16] + qf[hh * d + x] * LOAD1(row, x, bf16);
-            s = tree16(lane) * scale;
+            if (whole == d) {
+                s = tree_v16(lanes) * scale;
+            } else {
+                float lane[16];
+                memcpy(lane, &lanes, 64);
+                for (long x = whole; x < d; x++)
+                    lane[x % 16] = lane[x % 16] + qf[hh * d + x] * LOAD1(row, x, bf16);
+                s = tree16(lane) * scale;
+            }
             if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
             scores[hh * keys + j] = s;
             if (s > best[hh]) best[hh] = s;
@@ -332,10 +274,9 @@ int kvchat_attention(const void *q, const void *k, const void *v, const void *hk
     int32_t *cols = malloc(sizeof(int32_t) * (size_t)(keys + 1) * t);
     v16 *acc = aligned_alloc(64, sizeof(v16) * (size_t)(g * vecs) * t);
     v16 *qv = aligned_alloc(64, sizeof(v16) * (size_t)(g * vecs) * t);
-    v16 *lanes = aligned_alloc(64, sizeof(v16) * (size_t)(g * 16) * t);
     float *qf = malloc(sizeof(float) * (size_t)(a.d * g) * t);
     int rc = 0;
-    if (!scores || !cols || !acc || !qv || !qf || !lanes) {
+    if (!scores || !cols || !acc || !qv || !qf) {
         rc = -2;
     } else {
         long items = a.b * a.kh * a.nq;
@@ -343,8 +284,8 @@ int kvchat_attention(const void *q, const void *k, const void *v, const void *hk
         for (long item = 0; item < items; item++) {
             long me = omp_get_thread_num();
             scratch_t w = {scores + me * (g * keys + 16), qf + me * a.d * g,
-                           acc + me * g * vecs, qv + me * g * vecs, lanes + me * g * 16,
-                           cols + me * (keys + 1), keys};
+                           acc + me * g * vecs, qv + me * g * vecs, cols + me * (keys + 1),
+                           keys};
 #if defined(__x86_64__) || defined(__i386__)
             if (isa == 2) {
                 if (bf16) attend_bf16_avx512(&a, item, &w);
@@ -361,6 +302,6 @@ int kvchat_attention(const void *q, const void *k, const void *v, const void *hk
             else attend_f32(&a, item, &w);
         }
     }
-    free(scores); free(cols); free(acc); free(qv); free(qf); free(lanes);
+    free(scores); free(cols); free(acc); free(qv); free(qf);
     return rc;
 }
