@@ -188,3 +188,36 @@ def test_on_a_gpu_the_head_and_its_tied_embedding_become_bfloat16_copies(
     assert torch.equal(embed.table, rows) and not embed.tied
     assert "blocks" not in dict(head.named_buffers())
     assert torch.equal(head.get_buffer("dense_weight"), values.to(torch.bfloat16))
+
+
+def test_a_packed_file_whose_tied_embedding_lacks_its_head_is_packed_again(
+        tiny_tokenizer, tmp_path, monkeypatch):
+    """A file whose embedding entry says it reads the head's blocks, beside a head of another
+    kind, is refused (PackedFileError), and the load packs afresh and replaces it."""
+    from kvchat.models import packed_weights
+    from kvchat.models.gguf import converted_dir_for
+    from kvchat.models.loading import load_config, resolve_model
+    from kvchat.models.quant import Int8HeadLinear, quantize_int8_groups
+
+    path = _tied_q6_k(tiny_tokenizer, tmp_path)
+    first = load_model(str(path), dtype="int4")
+    model = first.model
+    head = model.get_output_embeddings()
+    q, scales = quantize_int8_groups(head.dequantized(), 32)
+    model.lm_head = Int8HeadLinear.from_quantized(q, scales)  # the embedding still says tied
+    config = load_config(resolve_model(str(path)))
+    key = packed_weights.packed_key(path, "int4", "bfloat16", "LlamaForCausalLM",
+                                    config.to_json_string())
+    kept = packed_weights.packed_path(converted_dir_for(path), "int4", "bfloat16")
+    packed_weights.save_packed(model, kept, key, first.facts.n_params)
+    with pytest.raises(packed_weights.PackedFileError, match="head it lacks"):
+        packed_weights.load_packed(kept, key, config, torch.bfloat16)
+    calls = []
+    real = gguf_weights.load_gguf_weights
+    monkeypatch.setattr(gguf_weights, "load_gguf_weights",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = load_model(str(path), dtype="int4")
+    assert calls == [1]  # packed afresh
+    assert isinstance(again.model.get_output_embeddings(), BlockHeadLinear)
+    load_model(str(path), dtype="int4")
+    assert calls == [1]  # and that file read by the next load
