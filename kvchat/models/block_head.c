@@ -36,29 +36,6 @@ typedef struct {
     int isa;
 } job_t;
 
-static inline float block_d(const uint8_t *b)
-{
-    uint16_t h;
-    memcpy(&h, b + 208, 2);
-    return half_float(h);
-}
-
-/* one block's 256 values as int8 q (value - 32) and its 16 scales d * sc */
-static void unpack_portable(const uint8_t *b, int8_t *q, float *s)
-{
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float d = block_d(b);
-    for (int h = 0; h < 2; h++)
-        for (int r = 0; r < 4; r++)
-            for (int j = 0; j < 32; j++) {
-                int low = (ql[64 * h + 32 * (r % 2) + j] >> (4 * (r / 2))) & 15;
-                int high = (qh[32 * h + j] >> (2 * r)) & 3;
-                q[128 * h + 32 * r + j] = (int8_t)((low | (high << 4)) - 32);
-            }
-    for (int g = 0; g < 16; g++) s[g] = d * (float)sc[g];
-}
-
 static void rows_portable(const job_t *j)
 {
     long blocks = j->k / QK, row_bytes = blocks * BLOCK_BYTES;
@@ -69,7 +46,7 @@ static void rows_portable(const job_t *j)
             long mb = j->m_rows - m0 < ROW_BLOCK ? j->m_rows - m0 : ROW_BLOCK;
             float lane[ROW_BLOCK][16] = {{0}};
             for (long bi = 0; bi < blocks; bi++) {
-                unpack_portable(j->w + r * row_bytes + bi * BLOCK_BYTES, q, s);
+                q6k_unpack(j->w + r * row_bytes + bi * BLOCK_BYTES, q, s);
                 for (int g = 0; g < 16; g++)
                     for (int l = 0; l < 16; l++) {
                         float w = s[g] * (float)q[16 * g + l];
@@ -88,7 +65,14 @@ static void rows_portable(const job_t *j)
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
-/* unpack_portable's integers and scales, 32 values an instruction */
+/* the next rows' copy of a block, a line at a time, as this one is read */
+static inline void prefetch_block(const uint8_t *b)
+{
+    for (int line = 0; line < BLOCK_BYTES; line += 64)
+        _mm_prefetch((const char *)(b + line), _MM_HINT_T0);
+}
+
+/* q6k_unpack's integers and scales (native_sums.h), 32 values an instruction */
 AVX2 static inline void unpack_avx2(const uint8_t *b, int8_t *q, float *s)
 {
     const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
@@ -112,7 +96,9 @@ AVX2 static inline void unpack_avx2(const uint8_t *b, int8_t *q, float *s)
         _mm256_storeu_si256((__m256i *)(o + 64), _mm256_sub_epi8(v2, off));
         _mm256_storeu_si256((__m256i *)(o + 96), _mm256_sub_epi8(v3, off));
     }
-    __m256 d = _mm256_set1_ps(block_d(b));
+    uint16_t dh;
+    memcpy(&dh, b + 208, 2);
+    __m256 d = _mm256_set1_ps(half_float(dh));
     __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
     _mm256_storeu_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
     _mm256_storeu_ps(s + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
@@ -165,8 +151,7 @@ AVX512 static long one_row_avx512(const job_t *j, long r)
         for (long bi = 0; bi < blocks; bi++) {
             for (int i = 0; i < 4; i++) {
                 const uint8_t *b = w + i * row_bytes + bi * BLOCK_BYTES;
-                for (int line = 0; line < BLOCK_BYTES; line += 64)
-                    _mm_prefetch((const char *)(b + 4 * row_bytes + line), _MM_HINT_T0);
+                prefetch_block(b + 4 * row_bytes);
                 unpack_avx512(b, q[i], s[i]);
             }
             const float *x = j->x + bi * QK;
@@ -201,8 +186,7 @@ AVX512 static void rows_avx512(const job_t *j)
             for (int m = 0; m < ROW_BLOCK512; m++) t[m] = _mm512_setzero_ps();
             for (long bi = 0; bi < blocks; bi++) {
                 const uint8_t *b = j->w + r * row_bytes + bi * BLOCK_BYTES;
-                for (int line = 0; line < BLOCK_BYTES; line += 64)
-                    _mm_prefetch((const char *)(b + row_bytes + line), _MM_HINT_T0);
+                prefetch_block(b + row_bytes);
                 unpack_avx512(b, q, s);
                 for (int g = 0; g < 16; g++) {
                     __m512 w = weights16(q + 16 * g, s[g]);
@@ -229,8 +213,7 @@ AVX2 static void rows_avx2(const job_t *j)
             for (int m = 0; m < ROW_BLOCK; m++) lo[m] = hi[m] = _mm256_setzero_ps();
             for (long bi = 0; bi < blocks; bi++) {
                 const uint8_t *b = j->w + r * row_bytes + bi * BLOCK_BYTES;
-                for (int line = 0; line < BLOCK_BYTES; line += 64)
-                    _mm_prefetch((const char *)(b + row_bytes + line), _MM_HINT_T0);
+                prefetch_block(b + row_bytes);
                 unpack_avx2(b, q, s);
                 for (int g = 0; g < 16; g++) {
                     __m256 scale = _mm256_set1_ps(s[g]);

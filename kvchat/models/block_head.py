@@ -17,13 +17,12 @@ import torch
 from torch import nn
 
 from kvchat.models.quant import QuantLinear
-from kvchat.models.quant_embeddings import block_rows
+from kvchat.models.quant_embeddings import block_rows, block_table
 
 Q6_K = 14  # GGMLQuantizationType
 BLOCK_BYTES = 210  # per 256 values
 GROUP = 16  # columns per scale
 _BF16 = torch.bfloat16
-_ROWS_AT_ONCE = 8192  # de-quantized at a time where a whole weight is asked for
 
 
 class BlockHeadLinear(QuantLinear):
@@ -70,7 +69,5 @@ class BlockHeadLinear(QuantLinear):
     def dequantized(self, device: torch.device | None = None,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (N, K) weight in `dtype` on `device` (default: float32 where the blocks are),
-        a chunk of rows de-quantized at a time, so that no float32 copy of the whole is held."""
-        ids = torch.arange(self.out_features)
-        return torch.cat([self.rows(ids[i : i + _ROWS_AT_ONCE]).to(device=device, dtype=dtype)
-                          for i in range(0, self.out_features, _ROWS_AT_ONCE)])
+        no float32 copy of the whole held (`block_table`)."""
+        return block_table(self.get_buffer("blocks"), Q6_K, self.in_features, device, dtype)

@@ -68,19 +68,10 @@ static void q4_k_block(const uint8_t *b, float *out)
 
 static void q6_k_block(const uint8_t *b, float *out)
 {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float d = half_float(read_u16(b + 208));
-    for (int h = 0; h < 2; h++)
-        for (int r = 0; r < 4; r++) { /* 32 values: p = 128 h + 32 r + j, two scales */
-            const uint8_t *lo = ql + 64 * h + 32 * (r % 2), *hi = qh + 32 * h;
-            float *o = out + 128 * h + 32 * r;
-            float scale[2] = {d * (float)sc[8 * h + 2 * r], d * (float)sc[8 * h + 2 * r + 1]};
-            for (int j = 0; j < 32; j++) { /* a loop the compiler makes vector code of */
-                int low = (lo[j] >> (4 * (r / 2))) & 15, high = (hi[j] >> (2 * r)) & 3;
-                o[j] = scale[j / 16] * (float)((low | (high << 4)) - 32);
-            }
-        }
+    int8_t q[QK_K];
+    float s[16];
+    q6k_unpack(b, q, s);
+    for (int p = 0; p < QK_K; p++) out[p] = s[p / 16] * (float)q[p];
 }
 
 /* `blocks` blocks of GGML type `type` from `src` into `out` (256 floats each). Returns 0, or

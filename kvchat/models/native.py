@@ -385,13 +385,8 @@ def q6k_head_mm(x: torch.Tensor, blocks: torch.Tensor, k: int, isa: int = -1) ->
         raise ValueError(f"Q6_K head: blocks of shape {tuple(blocks.shape)} for K={k}")
     n = blocks.shape[0]
     lib = library() if x.device.type == "cpu" else None
-    if lib is None:  # `_torch_mm`'s sum over the same weights, a chunk of rows at a time
-        out = torch.empty(m, n, dtype=torch.float32)
-        for lo in range(0, n, _FALLBACK_ROWS):
-            w = q6k_values(blocks[lo : lo + _FALLBACK_ROWS])
-            for row in range(m):
-                out[row, lo : lo + len(w)] = torch.mv(w, xf[row])
-        return out
+    if lib is None:  # `_torch_mm`'s sum over the same weights
+        return _rows_mv(xf, n, lambda lo, hi: q6k_values(blocks[lo:hi]))
     out = torch.empty(m, n, dtype=torch.float32)
     rc = lib.kvchat_q6k_head_mm(blocks.data_ptr(), xf.data_ptr(), out.data_ptr(), m, n, k,
                                 torch.get_num_threads(), isa)
@@ -428,13 +423,20 @@ def int8_group_values(q: torch.Tensor, scales: torch.Tensor, group: int) -> torc
 def _torch_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
               group: int) -> torch.Tensor:
     """The same sum in torch, each row alone so that no row's bits depend on the others."""
+    return _rows_mv(x, q.shape[0],
+                    lambda lo, hi: int8_group_values(q[lo:hi], scales[lo:hi], group))
+
+
+def _rows_mv(x: torch.Tensor, n: int, weights: Callable[[int, int], torch.Tensor]
+             ) -> torch.Tensor:
+    """x (M, K) times the (n, K) float32 weight `weights(lo, hi)` gives a chunk of rows of at a
+    time, one activation row at a time: (M, n) float32."""
     import torch
 
-    n = q.shape[0]
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     for lo in range(0, n, _FALLBACK_ROWS):
         hi = min(n, lo + _FALLBACK_ROWS)
-        w = int8_group_values(q[lo:hi], scales[lo:hi], group)
+        w = weights(lo, hi)
         for row in range(x.shape[0]):
             out[row, lo:hi] = torch.mv(w, x[row])
     return out

@@ -53,6 +53,27 @@ static inline uint16_t float_half(float f)
     return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
 }
 
+/* One GGUF Q6_K block (210 bytes: gguf_blocks.c gives the layout) as its 256 int8 values
+ * q - 32 and its 16 scales float32(d * sc): value p is s[p / 16] * q[p], exactly (gguf-py's
+ * number). The decoders of the embedding (gguf_blocks.c) and of the head (block_head.c) both
+ * read a block through it. */
+static inline void q6k_unpack(const uint8_t *b, int8_t *q, float *s)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    uint16_t dh;
+    memcpy(&dh, b + 208, 2);
+    float d = half_float(dh);
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 32; j++) {
+                int low = (ql[64 * h + 32 * (r % 2) + j] >> (4 * (r / 2))) & 15;
+                int high = (qh[32 * h + j] >> (2 * r)) & 3;
+                q[128 * h + 32 * r + j] = (int8_t)((low | (high << 4)) - 32);
+            }
+    for (int g = 0; g < 16; g++) s[g] = d * (float)sc[g];
+}
+
 static inline float tree16(const float *lane)
 {
     float a[8], b[4], c[2];

@@ -45,6 +45,15 @@ def block_rows(blocks: torch.Tensor, ids: torch.Tensor, ggml_type: int, dim: int
     return torch.from_numpy(values).reshape(*ids.shape, dim)
 
 
+def block_table(blocks: torch.Tensor, ggml_type: int, dim: int, device: torch.device | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Every row of `blocks` (`block_rows`' values) in `dtype` on `device`, de-quantized 8,192
+    rows at a time on CPU: no float32 copy of the whole is held."""
+    ids = torch.arange(blocks.shape[0])
+    return torch.cat([block_rows(blocks, ids[i : i + 8192], ggml_type, dim)
+                      .to(device=device, dtype=dtype) for i in range(0, len(ids), 8192)])
+
+
 class _PackedEmbedding(nn.Module):
     """What both share: the embedding they stand for's padding index and scale, and the dtype
     their rows come out in."""
@@ -152,9 +161,7 @@ class BlockEmbedding(_PackedEmbedding):
 
     def to_table(self, device: torch.device) -> None:
         """De-quantize every row once into a bfloat16 table on `device` (a GPU's lookups)."""
-        ids = torch.arange(self.num_embeddings)
-        table = torch.cat([self.rows(ids[i : i + 8192]).to(device)  # a chunk at a time on CPU
-                           for i in range(0, len(ids), 8192)])
+        table = block_table(self._blocks(), self.ggml_type, self.embedding_dim, device, _BF16)
         if self.tied:
             del self.__dict__["head"]  # the head makes its own copy on the device
             self.tied = False
