@@ -30,6 +30,7 @@ def result_fields(r: GenerationResult) -> dict[str, Any]:
         "finish_reason": r.finish_reason,
         "draft_tokens": r.draft_tokens,  # tokens the cache proposed (`kvchat.cache.drafts`)
         "draft_accepted": r.draft_accepted,  # of those, the ones verification kept
+        "replayed_tokens": r.replayed_tokens,  # taken from a stored greedy reply, no forward
         "ttft_ms": round(r.ttft_ms, 2),
         "total_ms": round(r.total_ms, 2),
     }
@@ -51,6 +52,7 @@ def result_from_fields(doc: Mapping[str, Any]) -> GenerationResult:
         miss_reason=doc["miss_reason"], diverged_at=doc["diverged_at"],
         miss_detail=doc["miss_detail"], miss_label=doc["miss_label"],
         draft_tokens=doc["draft_tokens"], draft_accepted=doc["draft_accepted"],
+        replayed_tokens=doc["replayed_tokens"],
         reported_completion_tokens=int(doc["completion_tokens"]))
 
 

@@ -47,7 +47,8 @@ GENERATE_FIELDS = {"text": "fine reply", "prompt_tokens": 3, "completion_tokens"
                    "cache_hit_tokens": 0, "finish_reason": "stop", "ttft_ms": 1.0,
                    "total_ms": 2.0, "hit_source": "miss", "disk_hit_tokens": 0,
                    "shared_hit_tokens": 0, "miss_reason": "", "diverged_at": None,
-                   "miss_detail": "", "miss_label": "", "draft_tokens": 0, "draft_accepted": 0}
+                   "miss_detail": "", "miss_label": "", "draft_tokens": 0, "draft_accepted": 0,
+                   "replayed_tokens": 0}
 
 
 def ending_with(last: bytes) -> bytes:

@@ -24,7 +24,8 @@ def reply(prompt: int, hit: int, completion: int) -> dict[str, object]:
             "cache_hit_tokens": hit, "disk_hit_tokens": 0, "shared_hit_tokens": 0,
             "hit_source": "radix", "miss_reason": "hit", "miss_label": "shared prefix",
             "diverged_at": None, "miss_detail": "", "finish_reason": "stop",
-            "draft_tokens": 0, "draft_accepted": 0, "ttft_ms": 3.5, "total_ms": 9.25}
+            "draft_tokens": 0, "draft_accepted": 0, "replayed_tokens": 0, "ttft_ms": 3.5,
+            "total_ms": 9.25}
 
 
 class Listed(LineRun):

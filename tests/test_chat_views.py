@@ -72,6 +72,14 @@ def test_hit_panel_says_how_much_of_the_reply_was_drafted():
     assert "drafted" not in render(views.hit_panel(TURN))
 
 
+def test_hit_panel_says_a_reply_was_replayed_with_no_forward():
+    replayed = TurnView(3, 412, 412, "exact", 1.0, 0.5, 48, 0.0, "length", 240.0,
+                        replayed_tokens=48)
+    lines = render(views.hit_panel(replayed)).splitlines()
+    assert "replayed 48 reply tok from the cache: no forward" in lines[6]
+    assert "replayed" not in render(views.hit_panel(TURN))
+
+
 def test_hit_panel_without_a_rate_says_so():
     first = TurnView(1, 100, 0, "miss", 1500.0, 1490.0, 3, 10.0, "interrupted", None)
     text = render(views.hit_panel(first))

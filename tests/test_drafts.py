@@ -51,7 +51,11 @@ def test_continuation_descends_into_the_longest_child():
 
 
 def _engine(model, tokenizer, batch_size: int = 8) -> Engine:
-    return make_engine(model, tokenizer, num_blocks=512, batch_size=batch_size)
+    """An engine whose exact repeats decode (drafting) instead of replaying a stored reply
+    (tests/test_replay.py)."""
+    engine = make_engine(model, tokenizer, num_blocks=512, batch_size=batch_size)
+    engine.replay = False
+    return engine
 
 
 def _greedy(n: int) -> SamplingParams:

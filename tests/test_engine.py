@@ -545,9 +545,9 @@ def test_a_head_is_held_only_within_one_namespace_and_for_drafts_it_can_take(
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     b = make_backend(model, tiny_tokenizer, "lru")
     heads: list[int] = []
-    for namespaces in (("a", "b"), ("a", "a")):
-        heads.clear()
-        handles = [b.submit(Request(header + prompt(710 + i, 4), params, namespace=ns))
+    for k, namespaces in enumerate((("a", "b"), ("a", "a"))):
+        heads.clear()  # new prompts each time: an exact repeat would replay, with no row
+        handles = [b.submit(Request(header + prompt(710 + 2 * k + i, 4), params, namespace=ns))
                    for i, ns in enumerate(namespaces)]
         while not b.idle:
             b.step()

@@ -123,7 +123,7 @@ def test_generate_returns_the_cold_output_and_the_cache_hit(served: Served) -> N
     assert set(a) == {"text", "prompt_tokens", "completion_tokens", "cache_hit_tokens",
                       "disk_hit_tokens", "shared_hit_tokens", "hit_source", "ttft_ms",
                       "total_ms", "finish_reason", "miss_reason", "miss_label", "diverged_at",
-                      "miss_detail", "draft_tokens", "draft_accepted"}
+                      "miss_detail", "draft_tokens", "draft_accepted", "replayed_tokens"}
     cold = served.cold(user("What is 2 plus 2?"))
     assert a["text"] == b["text"] == served.decode(cold)
     assert a["completion_tokens"] == len(cold) and a["finish_reason"] == "length"
@@ -134,10 +134,18 @@ def test_generate_returns_the_cold_output_and_the_cache_hit(served: Served) -> N
     assert (b["hit_source"], b["cache_hit_tokens"]) == ("exact", b["prompt_tokens"])
     assert (a["miss_reason"], b["miss_reason"], a["diverged_at"]) == ("cold", "hit", None)
     assert (a["miss_label"], b["miss_label"]) == ("cold", "hit")
-    # the repeat's reply was drafted from the first one's, which the cache holds
-    assert a["draft_tokens"] == 0 and b["draft_accepted"] == b["draft_tokens"] > 0
+    # the repeat replayed the first one's reply, which reached its max_tokens: no forward
+    assert a["replayed_tokens"] == a["draft_tokens"] == b["draft_tokens"] == 0
+    assert b["replayed_tokens"] == b["completion_tokens"] == a["completion_tokens"]
+    # a repeat asking for more drafts the stored reply, then decodes past it
+    more = a["completion_tokens"] + 4
+    c = served.client.post("/generate", json={"prompt": "What is 2 plus 2?",
+                                              "max_tokens": more}).json()
+    assert c["text"].startswith(a["text"]) and c["completion_tokens"] == more
+    assert c["replayed_tokens"] == 0 and c["draft_accepted"] == c["draft_tokens"] > 0
     metrics = served.client.get("/metrics").text
-    assert f"kvchat:draft_accepted_tokens_total {float(b['draft_accepted'])}" in metrics
+    assert f"kvchat:draft_accepted_tokens_total {float(c['draft_accepted'])}" in metrics
+    assert f"kvchat:replayed_tokens_total {float(b['replayed_tokens'])}" in metrics
     served.check_cache()
 
 

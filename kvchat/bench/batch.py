@@ -171,15 +171,21 @@ def run_kvchat(
 
 
 def _drafts_note(results: Sequence[Any]) -> str:
-    """What drafts from the cache did: reply tokens drafted, and the exact repeats' decode
-    forwards against the tokens they decoded (the first token of each is the stored logits')."""
+    """What the cache did for replies: exact repeats that ended on a stored greedy reply (no
+    forward), reply tokens drafted, and the drafting repeats' decode forwards against the tokens
+    they decoded (the first token of each is the stored logits')."""
+    replayed = [r for r in results if r.replayed_tokens]
+    note = ""
+    if replayed:
+        tokens = sum(r.replayed_tokens for r in replayed)
+        note += f"; {len(replayed):,} exact repeats replayed {tokens:,} reply tokens, no forward"
     drafted = sum(r.draft_accepted for r in results)
     if not drafted:
-        return ""
+        return note
     repeats = [r for r in results if r.hit_source == "exact" and r.draft_accepted]
     tokens = sum(len(r.token_ids) - 1 for r in repeats)
     forwards = sum(r.decode_forwards for r in repeats)
-    note = f"; {drafted:,} reply tokens drafted from the cache"
+    note += f"; {drafted:,} reply tokens drafted from the cache"
     if forwards:
         note += (f", exact repeats decoded {tokens:,} tokens in {forwards:,} forwards "
                  f"({tokens / forwards:.1f} per forward)")

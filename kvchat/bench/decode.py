@@ -77,11 +77,17 @@ def _prefill_rate(engine: Engine, tokens: int, seed: int) -> float:
 
 
 def _repeat(engine: Engine, context: int, new: int, seed: int) -> tuple[float, float]:
-    """(decode forwards per generated token, seconds per token) of a repeated greedy request."""
+    """(decode forwards per generated token, seconds per token) of a repeated greedy request
+    that drafts its stored reply: replaying it (`engine/replay.py`) would run no forward at
+    all, with no rate to measure."""
     ids = random_prompt(engine, context, seed)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     engine.generate(Request(ids, params))
-    again = engine.generate(Request(ids, params))
+    replay, engine.replay = engine.replay, False
+    try:
+        again = engine.generate(Request(ids, params))
+    finally:
+        engine.replay = replay
     return again.decode_forwards / len(again.token_ids), 1.0 / again.decode_tokens_per_s
 
 

@@ -60,6 +60,9 @@ class ExactEntry:
     blocks: list[Block]  # covering positions [0, len(key))
     logits: Any = None  # the last position's logits row (a tensor), or None
     namespace: str = ""
+    # the greedy reply this process decoded after the prompt (each token the argmax after the
+    # ones before it), longest seen; kept in memory only (`remember_reply`)
+    reply: tuple[int, ...] = ()
 
 
 class ExactIndex:
@@ -98,6 +101,22 @@ class ExactIndex:
             self._by_block.setdefault(block.block_id, set()).add(key)
         while len(self._entries) > self.max_entries:
             self._discard(next(iter(self._entries)))
+
+    def remember_reply(self, tokens: Sequence[int], namespace: str, reply: Sequence[int]) -> bool:
+        """Keep `reply`, a greedy reply decoded after the prompt `tokens`, with its entry (if
+        it still has one); the longer of two is kept. Two replies of one prompt agree where
+        both run (the forward is batch-invariant); False, and the entry keeps none, when they
+        do not."""
+        entry = self._entries.get((namespace, tuple(tokens)))
+        if entry is None or not reply:
+            return True
+        have, new = entry.reply, tuple(reply)
+        short, long = (have, new) if len(have) <= len(new) else (new, have)
+        if long[: len(short)] != short:
+            entry.reply = ()
+            return False
+        entry.reply = long
+        return True
 
     def drop_block(self, block: Block) -> int:
         """Forget every entry that reads this block; returns how many went."""

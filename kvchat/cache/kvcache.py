@@ -124,6 +124,7 @@ class PagedKVCache:
             entry, disk = self.exact.revive(tokens, namespace, self.tree, self.load)
         if entry is not None and entry.logits is not None:
             matched, blocks, source, logits = n, list(entry.blocks), HitSource.EXACT, entry.logits
+            reply = entry.reply
             why = explain(self.tree, tokens, exact=True)
         else:
             found = self.tree.find_prefix(tokens, namespace)
@@ -144,7 +145,7 @@ class PagedKVCache:
             disk, shared = max(min(matched, own) - resident, 0), max(matched - own, 0)
             source = (HitSource.SHARED if shared else HitSource.DISK if disk
                       else HitSource.RADIX if matched else HitSource.MISS)
-            logits = None
+            logits, reply = None, ()
         for block in blocks:
             self.policy.on_access(block)
             block.acquire()
@@ -157,7 +158,7 @@ class PagedKVCache:
         if sid is not None:
             before = self._sessions.get(sid, SessionCounters())
             self._sessions[sid] = before.after_lookup(matched, n)
-        return Lookup(matched, tuple(blocks), source, logits, n, disk, why, shared)
+        return Lookup(matched, tuple(blocks), source, logits, n, disk, why, shared, reply)
 
     def peek(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Cached prefix length, in the pool or on disk, without touching stats, timestamps,

@@ -37,6 +37,7 @@ class Lookup(NamedTuple):
     disk_tokens: int = 0  # of `matched`, tokens whose blocks were loaded from the disk tier
     why: Explanation | None = None  # where the cached prefix ended, and why (`explain`)
     shared_tokens: int = 0  # of `matched`, tokens from blocks other instances stored (shared)
+    reply: tuple[int, ...] = ()  # exact hits: the greedy reply decoded after it (`ExactEntry`)
 
 
 class StoreResult(NamedTuple):

@@ -116,7 +116,8 @@ def reported(turn: Turn, done: dict[str, Any] | None) -> GenerationResult:
         miss_reason=str(done.get("miss_reason") or ""),
         miss_label=str(done.get("miss_label") or done.get("miss_reason") or ""),
         draft_tokens=int(done.get("draft_tokens") or 0),
-        draft_accepted=int(done.get("draft_accepted") or 0))
+        draft_accepted=int(done.get("draft_accepted") or 0),
+        replayed_tokens=int(done.get("replayed_tokens") or 0))
 
 
 class ServerBackend(CacheViews):

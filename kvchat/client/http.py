@@ -34,6 +34,7 @@ GENERATE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "hit_source": _TEXT, "miss_reason": _TEXT, "miss_label": _TEXT,
     "diverged_at": ((int, type(None)), "a whole number or null"), "miss_detail": _TEXT,
     "finish_reason": _TEXT, "draft_tokens": _WHOLE, "draft_accepted": _WHOLE,
+    "replayed_tokens": _WHOLE,
     "ttft_ms": _NUMBER, "total_ms": _NUMBER}
 
 

@@ -31,6 +31,7 @@ from kvchat.engine.drafting import DRAFT_MAX, plan_drafts
 from kvchat.engine.handle import Listener, PromptTooLongError, RequestCancelled, RequestHandle
 from kvchat.engine.model_runner import ModelRunner
 from kvchat.engine.past import Pieces, kv_shape, layer_devices, past_kv, past_length
+from kvchat.engine.replay import remember_reply, replayable
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import (
     Finished,
@@ -58,6 +59,7 @@ class Engine:
         self._ids = itertools.count()
         self._admitting: list[Sequence] = []  # looked up this step, not yet in the batch
         self.draft_max = DRAFT_MAX  # draft tokens per row and step; 0: no drafting
+        self.replay = True  # exact greedy repeats may end on a stored reply (engine/replay.py)
 
     @classmethod
     def create(cls, model: Any, tokenizer: Any, cache_config: CacheConfig | None,
@@ -228,7 +230,8 @@ class Engine:
         if seq.exact:  # a repeat: the first token comes from stored logits, K/V only if needed
             assert seq.lookup is not None
             seq.prompt_logits, seq.t_prefill = seq.lookup.logits, time.perf_counter()
-            self._first_token(seq)
+            if not self._replay(seq):
+                self._first_token(seq)
             return
         past = self.runner.past(self._gather(seq))
         started = time.perf_counter()
@@ -304,6 +307,22 @@ class Engine:
         self._admitting.remove(seq)
         self.batch.join(seq)
 
+    def _replay(self, seq: Sequence) -> bool:
+        """An exact repeat whose stored greedy reply reaches a stop takes its tokens and ends
+        here, with no forward (`engine/replay.py`); False when it must decode."""
+        assert seq.lookup is not None
+        if not (self.replay and self.runner.invariant) \
+                or not replayable(seq, self.codec.eos_ids, self.max_context):
+            return False
+        for tok in seq.lookup.reply:
+            seq.replayed += 1
+            if not self._push(seq, tok):
+                return True
+            if seq.done or seq.check_cancel():
+                break
+        self._finish(seq)
+        return True
+
     def _decode(self) -> None:
         started = time.perf_counter()
         with torch.inference_mode():  # the batch's tensors are inference tensors, settle too
@@ -342,10 +361,14 @@ class Engine:
         seq.draft_accepted += accepted
         return ok
 
-    def _push(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        """Sample one token and emit its text; a failure here fails only this sequence."""
+    def _push(self, seq: Sequence, logits: torch.Tensor | int) -> bool:
+        """Sample one token (or take a replayed one) and emit its text; a failure here fails
+        only this sequence."""
         try:
-            delta = seq.push(logits, self.codec.decode, self.codec.eos_ids, self.max_context)
+            codec = self.codec
+            delta = seq.take(logits, codec.decode, codec.eos_ids, self.max_context) \
+                if isinstance(logits, int) else \
+                seq.push(logits, codec.decode, codec.eos_ids, self.max_context)
             if delta:
                 seq.emit(TextDelta(delta))
         except Exception as exc:
@@ -387,6 +410,8 @@ class Engine:
         try:
             if not was_waiting:
                 self._commit(seq, final=True)
+                if error is None and self.cache is not None and self.runner.invariant:
+                    remember_reply(self.cache, seq)
         finally:
             if self.cache is not None and seq.lookup is not None:
                 self.cache.release(seq.lookup.blocks)

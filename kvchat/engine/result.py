@@ -35,6 +35,7 @@ class GenerationResult:
     draft_tokens: int = 0  # tokens the cache proposed as drafts (`kvchat.cache.drafts`)
     draft_accepted: int = 0  # of those, the ones verification kept
     decode_forwards: int = 0  # decode forwards this request took part in
+    replayed_tokens: int = 0  # reply tokens taken from a stored greedy reply (engine/replay.py)
     # a result read back from a server's reply (`responses.result_from_fields`) has no token
     # ids, only their count
     reported_completion_tokens: int | None = None

@@ -9,7 +9,8 @@ takes longer to prefill (`StepCosts`, measured as the engine runs), whatever the
 An exact repeat of a wave-mate always waits: it then needs no forward at all (the first one's
 stored logits give its first token). A greedy request identical to one still decoding (same
 prompt, same namespace, both greedy; the engine names those it can draft from) waits until that
-one finishes: its reply is then in the cache and decodes as drafts, several tokens per forward,
+one finishes: its reply is then in the cache, replayed with no forward where it reaches the
+repeat's stop (`engine/replay.py`) and else decoded as drafts, several tokens per forward,
 instead of taking a row of its own to compute the same tokens alongside. Admitted prompts are
 prefilled one by one (long tails, exact hits, H2O, a wave of one) or together in one forward
 (short tails of similar length).

@@ -89,6 +89,7 @@ class Sequence:
         self._cut_at_stop = False
         self._stopped = False  # a stop, a limit or a cancel: finishes at the end of this step
         self.draft_tokens = self.draft_accepted = self.decode_forwards = 0
+        self.replayed = 0  # reply tokens taken from a stored greedy reply (`engine/replay.py`)
         self.draft_retry_at = 0  # no draft lookup before this length (the last one missed)
 
     # ---- facts ----
@@ -158,7 +159,13 @@ class Sequence:
             self.step_logits.append(logits.float().cpu())
         if self._gen is None and not params.greedy:
             self._gen = make_generator(params, logits.device)
-        tok = sample(logits, params, self._gen)
+        return self.take(sample(logits, params, self._gen), decode, eos_ids, max_context)
+
+    def take(self, tok: int, decode: Decode, eos_ids: frozenset[int], max_context: int) -> str:
+        """Append a token chosen elsewhere (sampled by `push`, or replayed from a stored greedy
+        reply); returns the new text (may be empty) and stops the sequence at EOS, a stop string
+        or a limit, exactly as `push` does."""
+        params = self.params
         self.generated.append(tok)
         if len(self.generated) == 1:
             self.t_first = time.perf_counter()
@@ -216,6 +223,7 @@ class Sequence:
             draft_tokens=self.draft_tokens,
             draft_accepted=self.draft_accepted,
             decode_forwards=self.decode_forwards,
+            replayed_tokens=self.replayed,
             **self._miss_fields(decode),
         )
 

@@ -54,6 +54,8 @@ def admin_metrics(stats: dict[str, Any], worker: EngineWorker) -> Iterator[Metri
                    server.get("draft_tokens", 0))
     yield _counter("kvchat:draft_accepted_tokens", "Drafted tokens verification kept.",
                    server.get("draft_accepted", 0))
+    yield _counter("kvchat:replayed_tokens", "Reply tokens exact greedy repeats took from a "
+                   "stored reply, with no forward.", server.get("replayed_tokens", 0))
     yield from worker.ttft.collect()
     yield from vllm_names.from_stats(stats)
 

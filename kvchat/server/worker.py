@@ -67,6 +67,7 @@ class ServerCounters:
     errors: int = 0
     draft_tokens: int = 0  # reply tokens the cache proposed as drafts
     draft_accepted: int = 0  # of those, the ones verification kept
+    replayed_tokens: int = 0  # reply tokens exact repeats took from a stored greedy reply
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ class EngineWorker:
             handle.session_error = done.save_error  # the reply still goes out, and says so
         self.counters.draft_tokens += done.result.draft_tokens
         self.counters.draft_accepted += done.result.draft_accepted
+        self.counters.replayed_tokens += done.result.replayed_tokens
         self.ttft.observe(done.result.ttft_ms / 1000)
         self.tenants[handle.tenant] = self.tenants.get(handle.tenant,
                                                        TenantCounters()).after(done.result)

@@ -96,6 +96,7 @@ class TurnView:
     miss_label: str = ""  # the reason as people read it: "new", "shared prefix", "cold", ...
     draft_tokens: int = 0  # reply tokens the cache proposed as drafts
     draft_accepted: int = 0  # of those, the ones verification kept
+    replayed_tokens: int = 0  # reply tokens taken from a stored greedy reply, no forward
 
     @property
     def computed_tokens(self) -> int:
@@ -118,7 +119,8 @@ def turn_view(number: int, turn: Turn, result: GenerationResult, saved_ms: float
         decode_tokens_per_s=result.decode_tokens_per_s, finish_reason=turn.finish_reason,
         saved_ms=saved_ms, disk_hit_tokens=result.disk_hit_tokens,
         miss=result.miss_detail if explained else "", miss_label=result.miss_label,
-        draft_tokens=result.draft_tokens, draft_accepted=result.draft_accepted)
+        draft_tokens=result.draft_tokens, draft_accepted=result.draft_accepted,
+        replayed_tokens=result.replayed_tokens)
 
 
 RATE_MIN_TOKENS = 32  # shorter prefills measure mostly a forward pass's fixed cost
@@ -158,7 +160,9 @@ def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
         f"reply {t.completion_tokens:,} tok · {t.decode_tokens_per_s:,.0f} tok/s · "
         f"{t.finish_reason}",
     ]
-    if t.draft_tokens:  # the reply was (partly) drafted from the cache's copy of it
+    if t.replayed_tokens:  # an exact greedy repeat: the stored reply, no forward
+        lines.insert(5, f"replayed {t.replayed_tokens:,} reply tok from the cache: no forward")
+    elif t.draft_tokens:  # the reply was (partly) drafted from the cache's copy of it
         lines.insert(5, f"drafted {t.draft_accepted:,} of {t.completion_tokens:,} reply tok "
                      f"from the cache ({t.draft_tokens:,} proposed)")
     disk = t.disk_hit_tokens

@@ -1,0 +1,167 @@
+"""Exact greedy repeats that end on a stored reply (kvchat/engine/replay.py): no forward, and
+the same tokens, text, finish and events as a cold run of the same request, at every
+precision. Where the stored reply does not reach the request's stop, or the request samples or
+records its logits, or the forward is not batch-invariant, the repeat decodes as before."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_engine
+
+from kvchat.cache.exact import ExactIndex
+from kvchat.config import SamplingParams
+from kvchat.engine.replay import reaches_a_stop
+from kvchat.engine.sequence import Finished, Request, TextDelta
+from kvchat.models.precision import QUANTIZED
+from tests.test_engine import at_precision, prompt
+
+
+def _engine(model, tokenizer, batch_size: int = 8):
+    return make_engine(model, tokenizer, num_blocks=512, batch_size=batch_size)
+
+
+def _params(n: int, **fields) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, **fields)
+
+
+@pytest.mark.parametrize("precision", ("float32", "bfloat16", *QUANTIZED))
+def test_a_repeat_ends_on_the_stored_reply_with_no_forward(tiny_model, tiny_tokenizer,
+                                                            precision):
+    engine = _engine(at_precision(tiny_model, precision), tiny_tokenizer)
+    assert engine.runner.invariant
+    ids = prompt(300, 21)
+    cold = engine.without_cache().generate(Request(ids, _params(30)))
+    first = engine.generate(Request(ids, _params(30)))
+    assert first.replayed_tokens == 0 and first.decode_forwards == 29
+    steps = engine.steps
+    again = engine.generate(Request(ids, _params(30)))
+    assert engine.steps == steps  # not one decode step ran
+    assert again.decode_forwards == 0 and again.replayed_tokens == 30
+    assert again.hit_source == "exact" and again.computed_tokens == 0
+    for run in (first, again):
+        assert run.token_ids == cold.token_ids and run.text == cold.text
+        assert run.finish_reason == cold.finish_reason == "length"
+    assert all(b.ref_count == 0 for b in engine.cache.manager.blocks)
+    engine.cache.check_integrity()
+
+
+def test_a_shorter_repeat_and_a_stop_string_end_where_a_cold_run_does(tiny_model,
+                                                                       tiny_tokenizer):
+    engine = _engine(tiny_model, tiny_tokenizer)
+    plain = engine.without_cache()
+    ids = prompt(301, 17)
+    engine.generate(Request(ids, _params(30)))
+    short = engine.generate(Request(ids, _params(7)))
+    assert short.replayed_tokens == 7 and short.decode_forwards == 0
+    assert short.token_ids == plain.generate(Request(ids, _params(7))).token_ids
+    text = plain.generate(Request(ids, _params(30))).text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # two characters from the reply's middle
+    cut = _params(30, stop=(stop,))
+    cold = plain.generate(Request(ids, cut))
+    got = engine.generate(Request(ids, cut))
+    assert got.replayed_tokens > 0 and got.decode_forwards == 0
+    assert (got.text, got.token_ids, got.finish_reason) == \
+        (cold.text, cold.token_ids, cold.finish_reason)
+    assert got.finish_reason == "stop"
+
+
+def test_a_stored_eos_ends_a_repeat_that_asks_for_more(tiny_model, tiny_tokenizer):
+    """A reply that held an EOS stops any request that honours EOS within it."""
+    engine = _engine(tiny_model, tiny_tokenizer)
+    ids = prompt(302, 19)
+    reply = engine.generate(Request(ids, _params(20))).token_ids
+    engine.codec.eos_ids = frozenset({reply[9]})  # as if the model's EOS came tenth
+    plain = engine.without_cache()
+    honour = SamplingParams(max_new_tokens=64)
+    cold = plain.generate(Request(ids, honour))
+    got = engine.generate(Request(ids, honour))
+    assert got.decode_forwards == 0 and got.replayed_tokens == len(cold.token_ids)
+    assert (got.token_ids, got.text, got.finish_reason) == \
+        (cold.token_ids, cold.text, cold.finish_reason)
+    assert got.finish_reason == "stop" and len(got.token_ids) <= 10
+
+
+def test_a_repeat_asking_past_the_stored_reply_decodes(tiny_model, tiny_tokenizer):
+    engine = _engine(tiny_model, tiny_tokenizer)
+    ids = prompt(303, 15)
+    engine.generate(Request(ids, _params(12)))
+    longer = engine.generate(Request(ids, _params(25)))
+    assert longer.replayed_tokens == 0 and longer.decode_forwards > 0
+    assert longer.draft_accepted > 0  # the stored reply was drafted and verified instead
+    cold = engine.without_cache().generate(Request(ids, _params(25)))
+    assert longer.token_ids == cold.token_ids
+    # the longer reply is now the stored one: the next repeat of either length replays
+    for n in (12, 25):
+        again = engine.generate(Request(ids, _params(n)))
+        assert again.replayed_tokens == n and again.token_ids == cold.token_ids[:n]
+    engine.cache.check_integrity()
+
+
+def test_sampled_recorded_uninvariant_or_switched_off_repeats_decode(tiny_model,
+                                                                      tiny_tokenizer):
+    engine = _engine(tiny_model, tiny_tokenizer)
+    ids = prompt(304, 16)
+    engine.generate(Request(ids, _params(10)))
+    sampled = engine.generate(Request(ids, _params(10, temperature=0.7, seed=3)))
+    assert sampled.replayed_tokens == 0 and sampled.decode_forwards > 0
+    recorded = engine.generate(Request(ids, _params(10), record_logits=True))
+    assert recorded.replayed_tokens == 0 and len(recorded.step_logits) == 10
+    engine.replay = False
+    assert engine.generate(Request(ids, _params(10))).replayed_tokens == 0
+    engine.replay = True
+    assert engine.generate(Request(ids, _params(10))).replayed_tokens == 10
+    h2o = make_engine(tiny_model, tiny_tokenizer, num_blocks=256, policy="h2o")
+    assert not h2o.runner.invariant
+    h2o.generate(Request(ids, _params(10)))
+    assert h2o.generate(Request(ids, _params(10))).replayed_tokens == 0
+
+
+def test_repeats_submitted_together_wait_then_replay(tiny_model, tiny_tokenizer):
+    """Copies of a greedy request in one batch wait while the first decodes, then end on its
+    reply; their streamed text is their result's, and it equals the cold run's."""
+    engine = _engine(tiny_model, tiny_tokenizer, batch_size=4)
+    ids, other = prompt(305, 19), prompt(306, 23)
+    cold = engine.without_cache().generate(Request(ids, _params(30)))
+    events: dict[int, list] = {}
+    handles = [engine.submit(Request(p, _params(30)), events.setdefault(i, []).append)
+               for i, p in enumerate((ids, other, ids, ids))]
+    while not engine.idle:
+        engine.step()
+    first, _, *copies = [h.result for h in handles]
+    assert first.token_ids == cold.token_ids
+    for i, copy in enumerate(copies, start=2):
+        assert copy.token_ids == cold.token_ids and copy.text == cold.text
+        assert copy.replayed_tokens == 30 and copy.decode_forwards == 0
+        streamed = "".join(e.text for e in events[i] if isinstance(e, TextDelta))
+        assert streamed == cold.text and isinstance(events[i][-1], Finished)
+    assert all(b.ref_count == 0 for b in engine.cache.manager.blocks)
+    engine.cache.check_integrity()
+
+
+def test_two_replies_that_disagree_leave_none():
+    index = ExactIndex()
+    index.put([1, 2, 3], [], logits=object())
+    assert index.remember_reply([1, 2, 3], "", [7, 8])
+    assert index.remember_reply([1, 2, 3], "", [7])  # a shorter one agrees: the longer stays
+    assert index.get([1, 2, 3]).reply == (7, 8)
+    assert index.remember_reply([1, 2, 3], "", [7, 8, 9])
+    assert index.get([1, 2, 3]).reply == (7, 8, 9)
+    assert not index.remember_reply([1, 2, 3], "", [7, 5])
+    assert index.get([1, 2, 3]).reply == ()
+    assert index.remember_reply([4], "", [1])  # no entry: nothing kept, nothing wrong
+    assert not index.has([4])
+    index.remember_reply([1, 2, 3], "", [7])
+    assert index.get([1, 2, 3], "tenant-b") is None  # a reply is its namespace's only
+
+
+@pytest.mark.parametrize(("reply", "max_new", "ignore_eos", "prompt_len", "reaches"), [
+    ((5, 6, 2), 50, False, 10, True),  # holds an EOS (2)
+    ((5, 6, 2), 50, True, 10, False),  # ... that the request ignores
+    ((5, 6, 7), 3, False, 10, True),  # as long as max_tokens
+    ((5, 6, 7), 4, False, 10, False),
+    ((5, 6, 7), 50, False, 97, True),  # reaches the context (100)
+    ((5, 6, 7), 50, False, 96, False),
+])
+def test_a_stored_reply_reaches_a_stop(reply, max_new, ignore_eos, prompt_len, reaches):
+    assert reaches_a_stop(reply, max_new, ignore_eos, frozenset({2}), prompt_len, 100) \
+        is reaches
