@@ -42,6 +42,22 @@ def test_batch_writes_results_in_order_and_saves_the_cache(tiny_model_dir, tmp_p
     assert meta is not None and meta.cached_tokens > 0
 
 
+def test_a_repeated_line_replays_its_twins_reply_and_the_summary_says_so(tiny_model_dir,
+                                                                         tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Again?"}\n{"prompt": "Other?"}\n{"prompt": "Again?"}\n')
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["batch", str(src), "-o", str(out),
+                              *args(tiny_model_dir, tmp_path, "--max-tokens", "6")])
+    assert res.exit_code == 0, res.output
+    first, _, again = [json.loads(x) for x in out.read_text().splitlines()]
+    assert again["text"] == first["text"] and first["replayed_tokens"] == 0
+    assert again["hit_source"] == "exact"
+    assert again["replayed_tokens"] == again["completion_tokens"] > 0
+    assert "replies replayed" in res.output
+    assert f"1 ({again['replayed_tokens']} tok, no forward)" in res.output
+
+
 def test_the_batch_size_is_chosen_automatically_by_default(tiny_model_dir, tmp_path,
                                                             monkeypatch):
     from kvchat.engine import autobatch
@@ -255,6 +271,8 @@ def test_a_file_run_again_later_gets_exact_hits(tiny_model_dir, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "first.out").read_text().splitlines()]
     assert [(r["hit_source"], r["cache_hit_tokens"] == r["prompt_tokens"]) for r in rows] == [
         ("exact", True), ("exact", True)]
+    # a reply is kept in memory only: this process had none to replay
+    assert "replies replayed" not in res.output
     listed = json.loads(runner.invoke(app, ["inspect", "--json", "--sessions-dir",
                                             str(tmp_path / "s")]).output)["exact"]
     assert len(listed) == 3  # both files' prompts

@@ -85,6 +85,11 @@ def summary_table(
     t.add_row("hit rate", f"{ratio(hits, prompt):.1%}" if prompt else "–")
     t.add_row("prefill computed / total", f"{computed:,} / {prompt:,}")
     t.add_row("completion tokens", f"{sum(r.completion_tokens for r in done):,}")
+    # exact greedy repeats that ended on a stored reply (a peer engine's replies say nothing)
+    replayed = [n for r in done if (n := getattr(r, "replayed_tokens", 0))]
+    if replayed:
+        tokens = sum(replayed)
+        t.add_row("replies replayed", f"{len(replayed):,} ({tokens:,} tok, no forward)")
     t.add_row("prefill time saved (est.)", "–" if saved is None else f"{saved / 1000:,.1f} s")
     t.add_row("wall time", f"{wall_s:,.1f} s")
     if batch_size is not None:
