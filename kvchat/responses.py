@@ -52,7 +52,7 @@ def result_from_fields(doc: Mapping[str, Any]) -> GenerationResult:
         miss_reason=doc["miss_reason"], diverged_at=doc["diverged_at"],
         miss_detail=doc["miss_detail"], miss_label=doc["miss_label"],
         draft_tokens=doc["draft_tokens"], draft_accepted=doc["draft_accepted"],
-        replayed_tokens=doc["replayed_tokens"],
+        replayed_tokens=int(doc.get("replayed_tokens") or 0),  # an earlier server: none
         reported_completion_tokens=int(doc["completion_tokens"]))
 
 

@@ -76,6 +76,7 @@ def test_hit_panel_says_a_reply_was_replayed_with_no_forward():
     replayed = TurnView(3, 412, 412, "exact", 1.0, 0.5, 48, 0.0, "length", 240.0,
                         replayed_tokens=48)
     lines = render(views.hit_panel(replayed)).splitlines()
+    assert "reply 48 tok · replayed · length" in lines[5]
     assert "replayed 48 reply tok from the cache: no forward" in lines[6]
     assert "replayed" not in render(views.hit_panel(TURN))
 

@@ -237,10 +237,16 @@ def test_a_bad_kvchat_server_reply_says_what_was_wrong(behaviour, said) -> None:
 def test_a_generate_reply_is_checked_for_every_field_a_row_is_read_from() -> None:
     from _bad_servers import GENERATE_FIELDS as SENT
 
-    from kvchat.client.http import GENERATE_FIELDS
+    from kvchat.client.http import GENERATE_FIELDS, GENERATE_LATER_FIELDS, generate_reply
     from kvchat.responses import result_fields, result_from_fields
 
-    assert set(GENERATE_FIELDS) == set(result_fields(result_from_fields(SENT)))
+    assert set(GENERATE_FIELDS) | set(GENERATE_LATER_FIELDS) == \
+        set(result_fields(result_from_fields(SENT)))
+    # a server started by an earlier kvchat sends no replayed_tokens: read as none replayed
+    older = {k: v for k, v in SENT.items() if k not in GENERATE_LATER_FIELDS}
+    assert result_from_fields(generate_reply("x", older)).replayed_tokens == 0
+    with pytest.raises(BadReply, match="replayed_tokens"):
+        generate_reply("x", {**SENT, "replayed_tokens": "many"})
 
 
 # ---- the commands ----

@@ -6,6 +6,7 @@ records its logits, or the forward is not batch-invariant, the repeat decodes as
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_engine
 
 from kvchat.cache.exact import ExactIndex
@@ -37,6 +38,7 @@ def test_a_repeat_ends_on_the_stored_reply_with_no_forward(tiny_model, tiny_toke
     again = engine.generate(Request(ids, _params(30)))
     assert engine.steps == steps  # not one decode step ran
     assert again.decode_forwards == 0 and again.replayed_tokens == 30
+    assert again.decode_tokens_per_s == 0.0  # not decoded: no rate
     assert again.hit_source == "exact" and again.computed_tokens == 0
     for run in (first, again):
         assert run.token_ids == cold.token_ids and run.text == cold.text
@@ -139,19 +141,45 @@ def test_repeats_submitted_together_wait_then_replay(tiny_model, tiny_tokenizer)
 
 
 def test_two_replies_that_disagree_leave_none():
+    row = torch.tensor([0.5, 2.0, -1.0])
     index = ExactIndex()
-    index.put([1, 2, 3], [], logits=object())
-    assert index.remember_reply([1, 2, 3], "", [7, 8])
-    assert index.remember_reply([1, 2, 3], "", [7])  # a shorter one agrees: the longer stays
+    index.put([1, 2, 3], [], logits=row)
+    assert index.remember_reply([1, 2, 3], "", [7, 8], row)
+    assert index.remember_reply([1, 2, 3], "", [7], row)  # a shorter one agrees: the longer stays
     assert index.get([1, 2, 3]).reply == (7, 8)
-    assert index.remember_reply([1, 2, 3], "", [7, 8, 9])
+    assert index.remember_reply([1, 2, 3], "", [7, 8, 9], row.clone())
     assert index.get([1, 2, 3]).reply == (7, 8, 9)
-    assert not index.remember_reply([1, 2, 3], "", [7, 5])
+    assert not index.remember_reply([1, 2, 3], "", [7, 5], row)
     assert index.get([1, 2, 3]).reply == ()
-    assert index.remember_reply([4], "", [1])  # no entry: nothing kept, nothing wrong
+    assert index.remember_reply([4], "", [1], row)  # no entry: nothing kept, nothing wrong
     assert not index.has([4])
-    index.remember_reply([1, 2, 3], "", [7])
+    index.remember_reply([1, 2, 3], "", [7], row)
     assert index.get([1, 2, 3], "tenant-b") is None  # a reply is its namespace's only
+
+
+def test_a_reply_is_kept_only_with_the_logits_it_began_from():
+    row, other = torch.tensor([0.5, 2.0]), torch.tensor([0.5, 2.5])
+    index = ExactIndex()
+    index.put([1, 2], [], logits=row)
+    index.remember_reply([1, 2], "", [1, 0], other)  # another run's logits: not this entry's
+    assert index.get([1, 2]).reply == ()
+    index.remember_reply([1, 2], "", [1, 0], row)
+    index.put([1, 2], [], logits=row.clone())  # stored again from the same bits: kept
+    assert index.get([1, 2]).reply == (1, 0)
+    index.put([1, 2], [], logits=other)  # from other bits: dropped
+    assert index.get([1, 2]).reply == ()
+
+
+def test_repeats_that_decode_or_sample_keep_the_stored_reply(tiny_model, tiny_tokenizer):
+    """A sampled repeat, or one that records its logits, stores the prompt again as it ends:
+    the stored reply stays whole, and the next greedy repeat still replays all of it."""
+    engine = _engine(tiny_model, tiny_tokenizer)
+    ids = prompt(307, 14)
+    first = engine.generate(Request(ids, _params(30)))
+    engine.generate(Request(ids, _params(30, temperature=0.9, seed=2)))
+    engine.generate(Request(ids, _params(5), record_logits=True))
+    again = engine.generate(Request(ids, _params(30)))
+    assert again.replayed_tokens == 30 and again.token_ids == first.token_ids
 
 
 @pytest.mark.parametrize(("reply", "max_new", "ignore_eos", "prompt_len", "reaches"), [

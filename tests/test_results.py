@@ -26,13 +26,17 @@ def test_a_servers_turn_adds_what_its_last_event_says():
     done = {"total_ms": 112.5, "ttft_ms": 12.5, "completion_tokens": 5, "hit_source": "disk",
             "disk_hit_tokens": 16, "miss_detail": "tokens 28-39 of 40 were never cached",
             "miss_reason": "cold", "miss_label": "", "draft_tokens": 3, "draft_accepted": 2,
-            "replayed_tokens": 1}
+            "replayed_tokens": 0}
     r = reported(TURN, done)
     assert r.decode_tokens_per_s == 4 / 0.1  # 4 tokens after the first, in 100 ms
     assert (r.hit_source, r.disk_hit_tokens, r.miss_reason, r.miss_label) == (
         "disk", 16, "cold", "cold")  # no label: the reason stands for it
-    assert (r.draft_tokens, r.draft_accepted, r.replayed_tokens, r.prefill_ms) == (3, 2, 1, 7.25)
+    assert (r.draft_tokens, r.draft_accepted, r.replayed_tokens, r.prefill_ms) == (3, 2, 0, 7.25)
     assert reported(TURN, None) == result_from_turn(TURN)
+    # a reply replayed from the cache was not decoded: it has no rate
+    replayed = reported(TURN, {**done, "draft_tokens": 0, "draft_accepted": 0,
+                               "replayed_tokens": 5})
+    assert (replayed.replayed_tokens, replayed.decode_tokens_per_s) == (5, 0)
 
 
 def test_the_panels_view_takes_counts_from_the_turn_and_the_story_from_the_result():

@@ -65,6 +65,16 @@ class ExactEntry:
     reply: tuple[int, ...] = ()
 
 
+def _same_row(a: Any, b: Any) -> bool:
+    """Whether two logits rows (tensors) hold the same bits."""
+    if a is b:
+        return a is not None
+    try:
+        return a is not None and b is not None and a.dtype == b.dtype and bool(a.equal(b))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
 class ExactIndex:
     def __init__(self, max_entries: int = 256) -> None:
         self.max_entries = max_entries
@@ -95,20 +105,25 @@ class ExactIndex:
         if self.max_entries == 0:
             return
         key = (namespace, _HashedKey(tokens))
+        old = self._entries.get(key)
+        # the prompt stored again (a repeat that decoded): its reply stays, where the logits
+        # are the same bits as those the reply began from
+        reply = old.reply if old is not None and _same_row(old.logits, logits) else ()
         self._discard(key)
-        self._entries[key] = ExactEntry(list(blocks), logits, namespace)
+        self._entries[key] = ExactEntry(list(blocks), logits, namespace, reply)
         for block in blocks:
             self._by_block.setdefault(block.block_id, set()).add(key)
         while len(self._entries) > self.max_entries:
             self._discard(next(iter(self._entries)))
 
-    def remember_reply(self, tokens: Sequence[int], namespace: str, reply: Sequence[int]) -> bool:
-        """Keep `reply`, a greedy reply decoded after the prompt `tokens`, with its entry (if
-        it still has one); the longer of two is kept. Two replies of one prompt agree where
-        both run (the forward is batch-invariant); False, and the entry keeps none, when they
-        do not."""
+    def remember_reply(self, tokens: Sequence[int], namespace: str, reply: Sequence[int],
+                       logits: Any) -> bool:
+        """Keep `reply`, a greedy reply decoded after the prompt `tokens` from the logits row
+        `logits`, with the prompt's entry, if it still has one and holds those very logits;
+        the longer of two is kept. Two replies of one prompt agree where both run (the forward
+        is batch-invariant); False, and the entry keeps none, when they do not."""
         entry = self._entries.get((namespace, tuple(tokens)))
-        if entry is None or not reply:
+        if entry is None or not reply or not _same_row(entry.logits, logits):
             return True
         have, new = entry.reply, tuple(reply)
         short, long = (have, new) if len(have) <= len(new) else (new, have)

@@ -108,7 +108,9 @@ def reported(turn: Turn, done: dict[str, Any] | None) -> GenerationResult:
     if done is None:
         return result_from_turn(turn)
     decode_s = (float(done["total_ms"]) - float(done["ttft_ms"])) / 1000
-    rate = max(int(done["completion_tokens"]) - 1, 0) / decode_s if decode_s > 0 else 0
+    replayed = int(done.get("replayed_tokens") or 0)  # a replayed reply has no decode rate
+    rate = max(int(done["completion_tokens"]) - 1, 0) / decode_s \
+        if decode_s > 0 and not replayed else 0
     return replace(
         result_from_turn(turn, rate), hit_source=str(done["hit_source"]),
         disk_hit_tokens=int(done.get("disk_hit_tokens", 0)),
@@ -117,7 +119,7 @@ def reported(turn: Turn, done: dict[str, Any] | None) -> GenerationResult:
         miss_label=str(done.get("miss_label") or done.get("miss_reason") or ""),
         draft_tokens=int(done.get("draft_tokens") or 0),
         draft_accepted=int(done.get("draft_accepted") or 0),
-        replayed_tokens=int(done.get("replayed_tokens") or 0))
+        replayed_tokens=replayed)
 
 
 class ServerBackend(CacheViews):

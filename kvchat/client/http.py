@@ -34,13 +34,16 @@ GENERATE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "hit_source": _TEXT, "miss_reason": _TEXT, "miss_label": _TEXT,
     "diverged_at": ((int, type(None)), "a whole number or null"), "miss_detail": _TEXT,
     "finish_reason": _TEXT, "draft_tokens": _WHOLE, "draft_accepted": _WHOLE,
-    "replayed_tokens": _WHOLE,
     "ttft_ms": _NUMBER, "total_ms": _NUMBER}
+# Fields a reply has only from a kvchat that knows them (a server started by an earlier kvchat
+# lacks them): typed when present, read as 0 when not.
+GENERATE_LATER_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {"replayed_tokens": _WHOLE}
 
 
 def generate_reply(where: str, body: dict[str, Any]) -> dict[str, Any]:
     """A /generate reply whose every field has its type (booleans are not numbers)."""
-    for name, (types, kind) in GENERATE_FIELDS.items():
+    later = {k: v for k, v in GENERATE_LATER_FIELDS.items() if k in body}
+    for name, (types, kind) in {**GENERATE_FIELDS, **later}.items():
         value = body[name]
         if isinstance(value, bool) or not isinstance(value, types):
             shown = json.dumps(value)

@@ -35,9 +35,10 @@ log = logging.getLogger("kvchat.engine")
 def remember_reply(cache: PagedKVCache, seq: Sequence) -> None:
     """Keep a finished greedy reply with its prompt's exact entry, for repeats to replay (the
     caller's forward is batch-invariant)."""
-    if not seq.params.greedy or not seq.generated:
+    if not seq.params.greedy or not seq.generated or seq.prompt_logits is None:
         return
-    if not cache.exact.remember_reply(seq.prompt_ids, seq.request.namespace, seq.generated):
+    if not cache.exact.remember_reply(seq.prompt_ids, seq.request.namespace, seq.generated,
+                                      seq.prompt_logits):
         log.warning("Two greedy replies to one prompt differ although the forward is "
                     "batch-invariant; repeats of that prompt will decode again.")
 

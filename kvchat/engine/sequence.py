@@ -213,7 +213,9 @@ class Sequence:
             computed_tokens=n - self.matched,
             prefill_ms=(self.t_prefill - t0) * 1000 if self.t_prefill else 0.0,
             ttft_ms=(self.t_first - t0) * 1000 if self.t_first else 0.0,
-            decode_tokens_per_s=(len(self.generated) - 1) / decode_s if decode_s > 0 else 0.0,
+            # a replayed reply was not decoded: it has no rate
+            decode_tokens_per_s=(len(self.generated) - 1) / decode_s
+            if decode_s > 0 and not self.replayed else 0.0,
             total_ms=(t_end - t0) * 1000,
             finish_reason=self.finish_reason,
             stored_tokens=stored,

@@ -157,8 +157,9 @@ def hit_panel(turn: TurnView, mode: str = "full") -> RenderableType:
         f"{bar(t.hit_rate)} {t.source}",
         f"computed {t.computed_tokens:,} tok · prefill {ms(t.prefill_ms)}",
         f"TTFT {ms(t.ttft_ms)} · {_saved(t)}",
-        f"reply {t.completion_tokens:,} tok · {t.decode_tokens_per_s:,.0f} tok/s · "
-        f"{t.finish_reason}",
+        f"reply {t.completion_tokens:,} tok · "
+        + ("replayed" if t.replayed_tokens else f"{t.decode_tokens_per_s:,.0f} tok/s")
+        + f" · {t.finish_reason}",
     ]
     if t.replayed_tokens:  # an exact greedy repeat: the stored reply, no forward
         lines.insert(5, f"replayed {t.replayed_tokens:,} reply tok from the cache: no forward")
