@@ -2,8 +2,9 @@
 
 `Runtime.open` loads the model, sizes the pool, opens the disk tier (a BlockStore in
 <sessions>/cache/store, or --store) and rebuilds the cache's tree from its index when the
-fingerprint (model, config, tokenizer, dtype, block size) matches: blocks stay on disk until
-first hit. `save` writes the new blocks and the index; `close` flushes and stops the tier.
+fingerprint (model, config, tokenizer, dtype, block size, the weights' bytes and the code that
+computes with them) matches: blocks stay on disk until first hit. `save` writes the new blocks
+and the index; `close` flushes and stops the tier.
 """
 
 from __future__ import annotations
@@ -61,9 +62,50 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def fingerprint(engine: Engine, model_label: str) -> dict[str, Any]:
+def numerics() -> str:
+    """A digest of what decides the bits a forward computes, beside the model and its
+    precision: kvchat's model and engine code (Python and C), the native library's build (its
+    name holds the digest of its sources, compiler and flags) and the torch and transformers
+    versions. K/V and logits stored under other numerics would not be what this process
+    computes for the same prompt, so a hit on them could change an answer."""
+    import torch
+    import transformers
+
+    from kvchat.models import native
+
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted([*(root / "models").iterdir(), *(root / "engine").iterdir()]):
+        if path.suffix in (".py", ".c", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    lib = native.library()
+    built = Path(lib._name).name if lib is not None else "no native library"
+    digest.update(f"{built}|{torch.__version__}|{transformers.__version__}".encode())
+    return digest.hexdigest()[:16]
+
+
+def weights_digest(loaded: Any) -> str:
+    """A digest of the weights' bytes, as `gguf_sample` reads a file (its head and spaced
+    windows): the GGUF, or each weight file of a folder; a hub model's commit. The same name
+    and config with other weights (a re-quantized or fine-tuned file written over the old
+    one) must not hit the K/V the old weights made."""
+    from kvchat.models.gguf import gguf_sample
+
+    source = loaded.source
+    if source.is_gguf:
+        return gguf_sample(Path(source.location))
+    folder = loaded.folder
+    if folder is None:
+        return str(getattr(loaded.model.config, "_commit_hash", "") or "")
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file()
+                   and p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"))
+    return _digest([[p.name, gguf_sample(p)] for p in files])
+
+
+def fingerprint(engine: Engine, model_label: str, weights: str = "") -> dict[str, Any]:
     """What must be equal for stored K/V to be valid: same weights' architecture and config,
-    same tokenizer, same precision (int4 K/V differ from bfloat16 ones), same block size."""
+    same tokenizer, same precision (int4 K/V differ from bfloat16 ones), same block size, the
+    same weights (`weights_digest`) and the same numerics (`numerics`)."""
     model = engine.runner.model
     config = model.config.to_dict()
     for volatile in ("transformers_version", "_name_or_path", "_attn_implementation_autoset",
@@ -77,6 +119,8 @@ def fingerprint(engine: Engine, model_label: str) -> dict[str, Any]:
         "tokenizer": _digest([sorted(tok.get_vocab().items()), getattr(tok, "chat_template", "")]),
         "dtype": engine.runner.precision,
         "block_size": engine.cache.block_size,
+        "weights": weights,
+        "numerics": numerics(),
     }
 
 
@@ -111,7 +155,8 @@ def _no_stage(name: str, what: str) -> None:
 
 
 class Runtime:
-    def __init__(self, engine: Engine, options: RuntimeOptions, model_label: str) -> None:
+    def __init__(self, engine: Engine, options: RuntimeOptions, model_label: str,
+                 weights: str = "") -> None:
         self.engine = engine
         self.options = options
         self.model_label = model_label
@@ -120,7 +165,7 @@ class Runtime:
         self.restored_tokens = 0
         self.last_save: float | None = None
         # once per process: it digests the whole vocabulary
-        self._fingerprint = fingerprint(engine, model_label) if engine.cache else {}
+        self._fingerprint = fingerprint(engine, model_label, weights) if engine.cache else {}
         self.disk = self._open_disk_tier()
 
     @property
@@ -183,7 +228,7 @@ class Runtime:
             compile_decode(engine)
         if options.persist:
             on_stage("restore", "restoring the cache snapshot")
-        runtime = cls(engine, options, loaded.source.description)
+        runtime = cls(engine, options, loaded.source.description, weights_digest(loaded))
         runtime.restore()
         return runtime
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_runtime
+from conftest import cache_config, make_engine, make_runtime
 
 from kvchat.config import SamplingParams
 from kvchat.engine.sequence import Request
@@ -75,6 +75,67 @@ def test_fingerprint_mismatch_is_set_aside(tiny_model, tiny_tokenizer, tmp_path)
     aside = list((tmp_path / "cache" / "set-aside").iterdir())
     assert len(aside) == 1 and (aside[0] / "index.json").exists()  # kept, not deleted
     assert not (tmp_path / "cache" / "index.json").exists()
+
+
+def test_other_weights_or_numerics_set_the_snapshot_aside(tiny_model, tiny_tokenizer, tmp_path,
+                                                          monkeypatch):
+    """K/V and logits another file's weights, or other kernels, computed are not this
+    process's: a hit on them could change an answer, so the snapshot is set aside."""
+    from kvchat import runtime as runtime_module
+    from kvchat.runtime import Runtime, RuntimeOptions
+
+    def opened(weights: str) -> Runtime:
+        engine = make_engine(tiny_model, tiny_tokenizer, block_size=4, num_blocks=200)
+        options = RuntimeOptions(cache=cache_config(block_size=4, num_blocks=200),
+                                 sessions_dir=tmp_path)
+        rt = Runtime(engine, options, "tiny", weights)
+        rt.restore()
+        return rt
+
+    a = opened("weights-1")
+    fill(a)
+    a.save()
+    a.close()
+    same = opened("weights-1")
+    assert same.notice is None and same.cache.stats().tree_nodes > 0  # nothing changed: kept
+    same.close()
+    other = opened("weights-2")
+    assert other.notice is not None and "weights" in other.notice and "set aside" in other.notice
+    assert other.cache.stats().tree_nodes == 0
+    fill(other)
+    other.save()
+    other.close()
+    monkeypatch.setattr(runtime_module, "numerics", lambda: "other kernels")
+    later = opened("weights-2")
+    assert later.notice is not None and "numerics" in later.notice
+    assert later.cache.stats().tree_nodes == 0
+    later.close()
+
+
+def test_the_weights_digest_follows_the_bytes_of_each_weight_file(tmp_path):
+    from types import SimpleNamespace
+
+    from kvchat.models.loading import ModelSource
+    from kvchat.runtime import weights_digest
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"a" * 1000)
+    (folder / "config.json").write_text("{}")
+    loaded = SimpleNamespace(source=ModelSource("folder", str(folder), "local folder model"),
+                             folder=folder, model=None)
+    first = weights_digest(loaded)
+    (folder / "config.json").write_text('{"x": 1}')  # not a weight file: the same digest
+    assert weights_digest(loaded) == first
+    (folder / "model.safetensors").write_bytes(b"b" * 1000)  # the same size, other bytes
+    assert weights_digest(loaded) != first
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"g" * 500)
+    as_file = SimpleNamespace(source=ModelSource("gguf", str(gguf), "GGUF file m.gguf"),
+                              folder=folder, model=None)
+    before = weights_digest(as_file)
+    gguf.write_bytes(b"h" * 500)
+    assert weights_digest(as_file) != before
 
 
 @pytest.mark.parametrize("damage", ["truncate-index", "garbage-index", "old-format"])
