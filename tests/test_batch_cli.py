@@ -271,8 +271,9 @@ def test_a_file_run_again_later_gets_exact_hits(tiny_model_dir, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "first.out").read_text().splitlines()]
     assert [(r["hit_source"], r["cache_hit_tokens"] == r["prompt_tokens"]) for r in rows] == [
         ("exact", True), ("exact", True)]
-    # a reply is kept in memory only: this process had none to replay
-    assert "replies replayed" not in res.output
+    # their replies were saved with the exact entries: this process replays them
+    assert all(r["replayed_tokens"] == r["completion_tokens"] > 0 for r in rows)
+    assert "replies replayed" in res.output
     listed = json.loads(runner.invoke(app, ["inspect", "--json", "--sessions-dir",
                                             str(tmp_path / "s")]).output)["exact"]
     assert len(listed) == 3  # both files' prompts

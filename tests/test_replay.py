@@ -5,6 +5,8 @@ records its logits, or the forward is not batch-invariant, the repeat decodes as
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_engine
@@ -138,6 +140,44 @@ def test_repeats_submitted_together_wait_then_replay(tiny_model, tiny_tokenizer)
         assert streamed == cold.text and isinstance(events[i][-1], Finished)
     assert all(b.ref_count == 0 for b in engine.cache.manager.blocks)
     engine.cache.check_integrity()
+
+
+def test_a_reply_is_saved_with_its_entry_and_replays_after_a_restart(tiny_model, tiny_tokenizer,
+                                                                       tmp_path):
+    """The snapshot keeps each exact entry's reply beside its logits; the fingerprint pins the
+    weights and the numerics, so the restarted process would decode the same reply."""
+    from conftest import make_runtime
+
+    ids = prompt(308, 18)
+    first = make_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=200)
+    cold = first.engine.generate(Request(ids, _params(12)))
+    first.save()
+    first.close()
+    index = json.loads((tmp_path / "cache" / "index.json").read_text())
+    assert [e["reply"] for e in index["exact"]] == [cold.token_ids]
+    again = make_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=200)
+    assert again.notice is None
+    got = again.engine.generate(Request(ids, _params(12)))
+    assert got.hit_source == "exact" and got.replayed_tokens == 12 and got.decode_forwards == 0
+    assert got.token_ids == cold.token_ids
+    again.cache.check_integrity()
+    again.close()
+
+
+def test_a_reply_waits_with_its_entry_while_the_blocks_are_on_disk(tiny_model, tiny_tokenizer,
+                                                                    tmp_path):
+    from conftest import make_runtime
+
+    rt = make_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=200)
+    ids = prompt(309, 18)
+    cold = rt.engine.generate(Request(ids, _params(12)))
+    rt.cache.evict(rt.cache.manager.num_blocks)  # spilled to the disk tier, the entry parked
+    assert not rt.cache.exact.has(ids) and rt.cache.exact.saved_reply(ids) == tuple(cold.token_ids)
+    got = rt.engine.generate(Request(ids, _params(12)))
+    assert got.hit_source == "exact" and got.disk_hit_tokens > 0
+    assert got.replayed_tokens == 12 and got.token_ids == cold.token_ids
+    rt.cache.check_integrity()
+    rt.close()
 
 
 def test_two_replies_that_disagree_leave_none():

@@ -60,8 +60,8 @@ class ExactEntry:
     blocks: list[Block]  # covering positions [0, len(key))
     logits: Any = None  # the last position's logits row (a tensor), or None
     namespace: str = ""
-    # the greedy reply this process decoded after the prompt (each token the argmax after the
-    # ones before it), longest seen; kept in memory only (`remember_reply`)
+    # the greedy reply decoded after the prompt from `logits` (each token the argmax after the
+    # ones before it), longest seen (`remember_reply`); saved and parked with the logits
     reply: tuple[int, ...] = ()
 
 
@@ -82,6 +82,7 @@ class ExactIndex:
         self._by_block: dict[int, set[NamespacedKey]] = {}
         # (namespace, tokens) -> a loader of its logits (None when they cannot be read)
         self._saved: dict[NamespacedKey, Callable[[], Any]] = {}
+        self._replies: dict[NamespacedKey, tuple[int, ...]] = {}  # of saved entries, if any
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -137,12 +138,12 @@ class ExactIndex:
         """Forget every entry that reads this block; returns how many went."""
         return len(self.take_block(block))
 
-    def take_block(self, block: Block) -> list[tuple[str, Key, Any]]:
+    def take_block(self, block: Block) -> list[tuple[str, Key, Any, tuple[int, ...]]]:
         """Forget every entry that reads this block; returns them as (namespace, tokens,
-        logits), for a disk tier to keep until their blocks come back."""
+        logits, reply), for a disk tier to keep until their blocks come back."""
         keys = self._by_block.pop(block.block_id, set())
-        gone = [(key[0], tuple(key[1]), self._entries[key].logits) for key in keys
-                if key in self._entries]
+        gone = [(key[0], tuple(key[1]), self._entries[key].logits, self._entries[key].reply)
+                for key in keys if key in self._entries]
         for key in keys:
             self._discard(key)
         return gone
@@ -163,31 +164,49 @@ class ExactIndex:
         self._entries.clear()
         self._by_block.clear()
         self._saved.clear()
+        self._replies.clear()
 
     # ---- saved entries (their blocks out of the pool) --------------------------------------
 
-    def save(self, tokens: Sequence[int], namespace: str, loader: Callable[[], Any]) -> None:
-        """An entry an earlier process saved: `loader` reads its logits on first hit."""
-        self._saved[(namespace, tuple(tokens))] = loader
+    def save(self, tokens: Sequence[int], namespace: str, loader: Callable[[], Any],
+             reply: Sequence[int] = ()) -> None:
+        """An entry an earlier process saved: `loader` reads its logits on first hit; `reply`
+        the greedy reply saved with them."""
+        key = (namespace, tuple(tokens))
+        self._saved[key] = loader
+        self._keep_reply(key, reply)
 
-    def park(self, gone: Sequence[tuple[str, Key, Any]]) -> None:
+    def _keep_reply(self, key: NamespacedKey, reply: Sequence[int]) -> None:
+        if reply:
+            self._replies[key] = tuple(reply)
+        else:
+            self._replies.pop(key, None)
+
+    def park(self, gone: Sequence[tuple[str, Key, Any, tuple[int, ...]]]) -> None:
         """Entries whose block just spilled (`take_block`) wait with their logits in memory,
         so the prompt is still an exact hit once its path loads back; at most `max_entries`
         of them, the oldest dropped first."""
-        for namespace, tokens, logits in gone:
+        for namespace, tokens, logits, reply in gone:
             if logits is not None:
                 self._saved.pop((namespace, tokens), None)
                 self._saved[(namespace, tokens)] = HeldLogits(logits)
+                self._keep_reply((namespace, tokens), reply)
         held = [k for k, loader in self._saved.items() if isinstance(loader, HeldLogits)]
         for key in held[: max(len(held) - self.max_entries, 0)]:
             del self._saved[key]
+            self._replies.pop(key, None)
 
     def is_saved(self, tokens: Sequence[int], namespace: str = "") -> bool:
         return (namespace, tuple(tokens)) in self._saved
 
     def take_saved(self, tokens: Sequence[int], namespace: str = "") -> Callable[[], Any] | None:
         """The saved entry's loader, no longer saved (None if there is none)."""
+        self._replies.pop((namespace, tuple(tokens)), None)
         return self._saved.pop((namespace, tuple(tokens)), None)
+
+    def saved_reply(self, tokens: Sequence[int], namespace: str = "") -> tuple[int, ...]:
+        """The greedy reply saved with a saved entry's logits (() when none)."""
+        return self._replies.get((namespace, tuple(tokens)), ())
 
     def revive(self, tokens: Sequence[int], namespace: str, tree: RadixTree,
                load: Callable[[PrefixMatch], PrefixMatch]) -> tuple[ExactEntry | None, int]:
@@ -195,6 +214,7 @@ class ExactIndex:
         disk (`load`), its logits read. Returns the entry (None when its blocks or logits
         cannot all be had: the prompt is then a radix hit at most) and the tokens loaded from
         disk."""
+        reply = self.saved_reply(tokens, namespace)
         loader = self.take_saved(tokens, namespace)
         row = loader() if loader is not None else None
         if row is None:  # read first: a failed read leaves the path to the radix lookup
@@ -205,7 +225,10 @@ class ExactIndex:
         if match.matched < len(tokens):
             return None, max(len(match.blocks) * bs - resident, 0)
         self.put(tokens, match.blocks[: -(-len(tokens) // bs)], row, namespace)
-        return self.get(tokens, namespace), len(tokens) - resident
+        entry = self.get(tokens, namespace)
+        if entry is not None:
+            entry.reply = reply  # decoded from this very row
+        return entry, len(tokens) - resident
 
     def saved(self) -> list[tuple[str, Key]]:
         """(namespace, tokens) of the saved entries, oldest first."""

@@ -410,7 +410,8 @@ class PagedKVCache:
             for key, prev, tokens, when, policy in state.tombstones:
                 self.tombstones.record(key, prev, tokens, policy, when)
             for e in state.exact:
-                self.exact.save(e.tokens, e.namespace, functools.partial(logits, e.logits))
+                self.exact.save(e.tokens, e.namespace, functools.partial(logits, e.logits),
+                                e.reply)
             self.check_integrity()
         except SnapshotMismatch:
             self.reset()

@@ -4,7 +4,8 @@ kvchat's forward is batch-invariant where `ModelRunner.invariant` says so (the d
 a sequence's logits are bitwise the same whatever else is in the step. A greedy reply is then a
 function of its prompt alone, and the reply an earlier request decoded after the same prompt is
 the one this request would decode. The engine keeps each greedy reply with the prompt's exact
-entry (`ExactIndex.remember_reply`, in memory only). An exact repeat that decodes greedily takes
+entry (`ExactIndex.remember_reply`; saved, restored and parked on disk with it, under a
+fingerprint that pins the weights and the numerics). An exact repeat that decodes greedily takes
 that reply's tokens one by one through the same stops a sampled token meets (EOS, stop strings,
 max_tokens, the context), and ends without running the model, when the stored reply is long
 enough to reach one of those stops:
