@@ -2,9 +2,9 @@
 
 `Runtime.open` loads the model, sizes the pool, opens the disk tier (a BlockStore in
 <sessions>/cache/store, or --store) and rebuilds the cache's tree from its index when the
-fingerprint (model, config, tokenizer, dtype, block size, the weights' bytes and the code that
-computes with them) matches: blocks stay on disk until first hit. `save` writes the new blocks
-and the index; `close` flushes and stops the tier.
+fingerprint (model, config, tokenizer, dtype, block size, the weights' bytes, the code that
+computes with them and the forward) matches: blocks stay on disk until first hit. `save`
+writes the new blocks and the index; `close` flushes and stops the tier.
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def numerics() -> str:
     """A digest of what decides the bits a forward computes, beside the model and its
     precision: kvchat's model and engine code (Python and C), the native library's build (its
     name holds the digest of its sources, compiler and flags) and the torch and transformers
-    versions. K/V and logits stored under other numerics would not be what this process
-    computes for the same prompt, so a hit on them could change an answer."""
+    versions, and the CPU capability torch's own kernels dispatch on. K/V and logits stored
+    under other numerics would not be what this process computes for the same prompt, so a hit
+    on them could change an answer."""
     import torch
     import transformers
 
@@ -76,11 +77,14 @@ def numerics() -> str:
     root = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted([*(root / "models").iterdir(), *(root / "engine").iterdir()]):
-        if path.suffix in (".py", ".c", ".h"):
+        # sources only: not an editor's lock or backup file beside them
+        if path.suffix in (".py", ".c", ".h") and not path.name.startswith(".") \
+                and path.is_file():
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     lib = native.library()
     built = Path(lib._name).name if lib is not None else "no native library"
-    digest.update(f"{built}|{torch.__version__}|{transformers.__version__}".encode())
+    digest.update(f"{built}|{torch.__version__}|{transformers.__version__}|"
+                  f"{torch.backends.cpu.get_cpu_capability()}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -105,7 +109,9 @@ def weights_digest(loaded: Any) -> str:
 def fingerprint(engine: Engine, model_label: str, weights: str = "") -> dict[str, Any]:
     """What must be equal for stored K/V to be valid: same weights' architecture and config,
     same tokenizer, same precision (int4 K/V differ from bfloat16 ones), same block size, the
-    same weights (`weights_digest`) and the same numerics (`numerics`)."""
+    same weights (`weights_digest`), the same numerics (`numerics`) and the same forward (its
+    device, attention, residual stream and whether steps are compiled: K/V an H2O, compiled or
+    GPU forward wrote are not what a batch-invariant CPU forward computes)."""
     model = engine.runner.model
     config = model.config.to_dict()
     for volatile in ("transformers_version", "_name_or_path", "_attn_implementation_autoset",
@@ -121,7 +127,14 @@ def fingerprint(engine: Engine, model_label: str, weights: str = "") -> dict[str
         "block_size": engine.cache.block_size,
         "weights": weights,
         "numerics": numerics(),
+        "forward": _forward_of(engine),
     }
+
+
+def _forward_of(engine: Engine) -> str:
+    plan = engine.runner.plan
+    return (f"{plan.device}|{plan.family}|{plan.compute}|{plan.residual}|{plan.attention}|"
+            f"{'compiled' if plan.compiled else 'eager'}")
 
 
 def tokenizer_file(tokenizer: Any) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
 import time
 from pathlib import Path
@@ -109,7 +110,14 @@ def test_other_weights_or_numerics_set_the_snapshot_aside(tiny_model, tiny_token
     later = opened("weights-2")
     assert later.notice is not None and "numerics" in later.notice
     assert later.cache.stats().tree_nodes == 0
+    fill(later)
+    later.save()
     later.close()
+    # another forward (here: H2O's tracked attention) wrote other K/V: set aside too
+    h2o = make_runtime(tiny_model, tiny_tokenizer, tmp_path, block_size=4, num_blocks=200,
+                       policy="h2o")
+    assert h2o.notice is not None and "forward" in h2o.notice
+    h2o.close()
 
 
 def test_the_weights_digest_follows_the_bytes_of_each_weight_file(tmp_path):
@@ -127,14 +135,22 @@ def test_the_weights_digest_follows_the_bytes_of_each_weight_file(tmp_path):
     first = weights_digest(loaded)
     (folder / "config.json").write_text('{"x": 1}')  # not a weight file: the same digest
     assert weights_digest(loaded) == first
-    (folder / "model.safetensors").write_bytes(b"b" * 1000)  # the same size, other bytes
+
+    def rewrite(path: Path, data: bytes) -> None:
+        """The same size, other bytes; the digest is recomputed when the file's times move,
+        which a coarse clock may not show between two writes this close: move them."""
+        path.write_bytes(data)
+        stat = path.stat()
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+    rewrite(folder / "model.safetensors", b"b" * 1000)
     assert weights_digest(loaded) != first
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"g" * 500)
     as_file = SimpleNamespace(source=ModelSource("gguf", str(gguf), "GGUF file m.gguf"),
                               folder=folder, model=None)
     before = weights_digest(as_file)
-    gguf.write_bytes(b"h" * 500)
+    rewrite(gguf, b"h" * 500)
     assert weights_digest(as_file) != before
 
 

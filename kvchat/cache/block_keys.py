@@ -5,8 +5,9 @@
     key_i   = sha256(key_i-1 || n_i || tokens of block i)
 
 A block's key therefore names everything its K/V depends on: the model (its fingerprint: weights'
-config, tokenizer, dtype, block size), the namespace (a tenant's salt; "" by default) and every
-token up to the end of the block, since K/V at position p depends on tokens <= p. Every field is
+config, tokenizer, dtype, block size, the weights' bytes, the numerics and the forward), the
+namespace (a tenant's salt; "" by default) and every token up to the end of the block, since
+K/V at position p depends on tokens <= p. Every field is
 length-prefixed or fixed-width, so two different inputs never share an encoding: a collision
 would be a SHA-256 collision. A trailing partial block hashes its length like any other, so its
 key differs from the key of any full block and of any other partial length.
