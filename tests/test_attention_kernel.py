@@ -126,16 +126,22 @@ def _exp_cephes(x: float) -> float:
     return f(0.0) if small else f(out)
 
 
-def test_its_bits_are_the_documented_order_of_sums():
-    """One query against 37 float32 keys, computed here in numpy float32 in the order the
-    source's header states (16 lanes over d, the fixed tree, Cephes' exp, the sum in 16 lanes
-    by key, the weighted values in key order): the kernel's bits, on every instruction set.
-    A rewrite of the kernel that kept its tests' other checks but moved one sum fails here."""
+@pytest.mark.parametrize("dim,dtype", [(48, torch.float32), (64, torch.float32),
+                                       (64, torch.bfloat16), (96, torch.bfloat16),
+                                       (256, torch.bfloat16)])
+def test_its_bits_are_the_documented_order_of_sums(dim, dtype):
+    """One query against 37 keys, computed here in numpy float32 in the order the source's
+    header states (16 lanes over d, the fixed tree, Cephes' exp, the sum in 16 lanes by key,
+    the weighted values in key order): the kernel's bits, on every instruction set, alone, as
+    the last of two queries (bfloat16 tensors are then widened once per call) and with its
+    first keys in a shared head. Head dims 64, 96, 128 and 256 run the blocked form
+    (attention_blocked.c) on AVX-512 and AVX2, 48 and the baseline build the plain one. A
+    rewrite of the kernel that kept its tests' other checks but moved one sum fails here."""
     import numpy as np
 
     f = np.float32
-    q, k, v = _qkv(1, 1, 1, 1, 37, 48, torch.float32, seed=7)
-    qn, kn, vn = q[0, 0, 0].numpy(), k[0, 0].numpy(), v[0, 0].numpy()
+    q, k, v = _qkv(1, 1, 1, 2, 37, dim, dtype, seed=7)
+    qn, kn, vn = q[0, 0, 1].float().numpy(), k[0, 0].float().numpy(), v[0, 0].float().numpy()
     scale = f(0.125)
 
     def tree(lane):
@@ -147,7 +153,7 @@ def test_its_bits_are_the_documented_order_of_sums():
     scores = []
     for j in range(37):
         lane = [f(0.0)] * 16
-        for x in range(48):
+        for x in range(dim):
             lane[x % 16] = f(lane[x % 16] + f(qn[x] * kn[j, x]))
         scores.append(f(tree(lane) * scale))
     m = max(scores)
@@ -156,11 +162,15 @@ def test_its_bits_are_the_documented_order_of_sums():
     for j, ej in enumerate(e):
         lanes[j % 16] = f(lanes[j % 16] + ej)
     total = tree(lanes)
-    acc = np.zeros(48, np.float32)
+    acc = np.zeros(dim, np.float32)
     for j, ej in enumerate(e):
         acc = (acc + ej * vn[j]).astype(np.float32)
-    want = torch.from_numpy((acc / total).astype(np.float32))
-    best = native.attention_isa()
-    for isa in range(best + 1):
-        got = native.attention(q, k, v, None, 0.125, isa=isa)[0, 0, 0]
-        assert torch.equal(got, want), isa
+    want = torch.from_numpy((acc / total).astype(np.float32)).to(dtype)
+    head = (k[:, :, :10].contiguous(), v[:, :, :10].contiguous())
+    for isa in range(native.attention_isa() + 1):
+        alone = native.attention(q[:, :, 1:], k, v, None, 0.125, isa=isa)[0, 0, 0]
+        both = native.attention(q, k, v, None, 0.125, isa=isa)[0, 1, 0]
+        split = native.attention(q, k[:, :, 10:], v[:, :, 10:], None, 0.125, head=head,
+                                 isa=isa)[0, 1, 0]
+        assert torch.equal(alone, want) and torch.equal(both, want), isa
+        assert torch.equal(split, want), isa

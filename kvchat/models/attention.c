@@ -20,109 +20,14 @@
  * (GCC vector extensions, built for AVX-512, AVX2 and the baseline) gives the portable scalar
  * bits. A query that may see no key gets zeros. Each query is computed by one thread. */
 
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "native_sums.h"
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-typedef struct {
-    const void *q, *k, *v, *hk, *hv;
-    const uint8_t *mask;
-    void *out;
-    long b, h, kh, nq, n, p, d;
-    long qs[3], ks[3], vs[3], hks[2], hvs[2]; /* element strides: (b, h, i) and (b, h, n) */
-    float scale, softcap;
-    int bf16;
-} attn_t;
-
-/* 16 values from row[at..at+16) as floats */
-#define LOAD16(row, at, bf16) ((bf16) ? load16_bf16((const uint16_t *)(row) + (at)) \
-                                      : load16_f32((const float *)(row) + (at)))
-static inline v16 load16_bf16(const uint16_t *src)
-{
-    v16h h;
-    memcpy(&h, src, 32);
-    return (v16)(__builtin_convertvector(h, v16u) << 16);
-}
-
-static inline v16 load16_f32(const float *src)
-{
-    v16 out;
-    memcpy(&out, src, 64);
-    return out;
-}
-
-#define LOAD1(row, at, bf16) ((bf16) ? bf16_of(((const uint16_t *)(row))[at]) \
-                                     : ((const float *)(row))[at])
-static inline float bf16_of(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* exp(x) for x <= 0, 16 at a time: Cephes' expf (n = round(x log2 e), r = x - n ln 2 in two
- * parts, a degree-5 polynomial, times 2^n), zero below -87. Only additions, multiplications
- * and bit operations, so every build gives the same bits. */
-typedef int32_t v16i __attribute__((vector_size(64)));
-#define SPLAT(x) {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}
-#define INLINE static inline __attribute__((always_inline))
-INLINE v16 exp16(v16 x)
-{
-    const v16 lo = SPLAT(-87.0f), magic = SPLAT(12582912.0f), log2e = SPLAT(1.44269504f);
-    const v16 c1 = SPLAT(0.693359375f), c2 = SPLAT(-2.12194440e-4f), one = SPLAT(1.0f);
-    const v16 p0 = SPLAT(1.9875691500e-4f), p1 = SPLAT(1.3981999507e-3f);
-    const v16 p2 = SPLAT(8.3334519073e-3f), p3 = SPLAT(4.1665795894e-2f);
-    const v16 p4 = SPLAT(1.6666665459e-1f), p5 = SPLAT(5.0000001201e-1f);
-    const v16i bias = SPLAT(127);
-    v16i small = x < lo;
-    x = (v16)(((v16i)x & ~small) | ((v16i)lo & small));
-    v16 t = x * log2e + magic, n = t - magic;
-    v16 r = (x - n * c1) - n * c2;
-    v16 poly = ((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5;
-    v16 y = poly * r * r + r + one;
-    v16i pow2 = ((v16i)t - (v16i)magic + bias) << 23;
-    return (v16)((v16i)(y * (v16)pow2) & ~small);
-}
-
-/* tree16 on a vector: (l + l+8), + l+4, + l+2, + l+1, the same additions in the same order */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef float v2 __attribute__((vector_size(8)));
-INLINE float tree_v16(v16 v)
-{
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    v2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
-    return c[0] + c[1];
-}
-
-/* scratch of one thread: for each of the g query heads of a KV head, its scores (keys, a
- * multiple of 16), accumulators (vecs) and query */
-typedef struct {
-    float *scores, *qf;
-    v16 *acc, *qv;
-    int32_t *cols;
-    long keys;
-} scratch_t;
-
-#define MAX_VECS 32 /* head_dim up to 512 */
+#include "attention.h"
 
 /* The g query heads that share KV head `kv`, at query i of row bi: each computed exactly as it
  * would be alone (the heads share only the loads of each key and value). */
 INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf16)
 {
     const long d = a->d, whole = d / 16 * 16, vecs = d / 16, g = a->h / a->kh;
-    const long nq = a->nq, n = a->n, p = a->p, keys = w->keys, es = bf16 ? 2 : 4;
+    const long nq = a->nq, p = a->p, keys = w->keys, es = bf16 ? 2 : 4;
     const long kv = item % a->kh, i = (item / a->kh) % nq, bi = item / (a->kh * nq);
     const float scale = a->scale, softcap = a->softcap;
     float *const scores = w->scores, *const qf = w->qf;
@@ -133,12 +38,7 @@ INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf1
         for (long x = 0; x < d; x++) qf[hh * d + x] = LOAD1(a->q, at + x, bf16);
         for (long x = 0; x < vecs; x++) qv[hh * vecs + x] = load16_f32(qf + hh * d + x * 16);
     }
-    /* the visible keys in position order: the head's columns as -p..-1, then the row's own */
-    const uint8_t *mrow = a->mask ? a->mask + (bi * nq + i) * n : NULL;
-    long seen = 0, last = mrow ? n : n - nq + i + 1;
-    for (long c = -p; c < 0; c++) cols[seen++] = (int32_t)c;
-    for (long c = 0; c < last; c++)
-        if (!mrow || mrow[c]) cols[seen++] = (int32_t)c;
+    const long seen = visible_keys(a, bi, i, cols);
     const char *kbase = (const char *)a->k + (bi * a->ks[0] + kv * a->ks[1]) * es;
     const char *vbase = (const char *)a->v + (bi * a->vs[0] + kv * a->vs[1]) * es;
     const char *hkbase = p ? (const char *)a->hk + kv * a->hks[0] * es : NULL;
@@ -171,15 +71,7 @@ INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf1
     /* e[j] = exp(s[j] - m) in place, 16 keys at a time; their sum in 16 lanes (key j in lane
      * j % 16), then the tree */
     for (long hh = 0; hh < g; hh++) {
-        float *sc = scores + hh * keys;
-        v16 m = SPLAT(best[hh]), lanes = {0};
-        for (long j = seen; j < (seen + 15) / 16 * 16; j++) sc[j] = -INFINITY;
-        for (long j = 0; j < seen; j += 16) {
-            v16 e = exp16(load16_f32(sc + j) - m);
-            memcpy(sc + j, &e, 64);
-            lanes = lanes + e;
-        }
-        sum[hh] = tree_v16(lanes);
+        sum[hh] = exp_scores(scores + hh * keys, seen, best[hh]);
         for (long x = 0; x <= vecs; x++) acc[hh * (vecs + 1) + x] = (v16){0};
     }
     /* acc = e[0] v_0 + e[1] v_1 + ... per output dim (the dims past the last 16 in one more
@@ -204,14 +96,11 @@ INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf1
     }
     for (long hh = 0; hh < g; hh++) {
         long o = ((bi * nq + i) * a->h + kv * g + hh) * d;
-        const float *num = (const float *)(acc + hh * (vecs + 1));
-        for (long x = 0; x < d; x++) {
-            float val = seen ? num[x] / sum[hh] : 0.0f;
-            if (bf16) ((uint16_t *)a->out)[o + x] = float_bf16(val);
-            else ((float *)a->out)[o + x] = val;
-        }
+        write_out(a, o, (const float *)(acc + hh * (vecs + 1)), sum[hh], seen);
     }
 }
+
+
 
 static void attend_bf16(const attn_t *a, long item, const scratch_t *w) { attend(a, item, w, 1); }
 static void attend_f32(const attn_t *a, long item, const scratch_t *w) { attend(a, item, w, 0); }
@@ -236,6 +125,41 @@ AVX2 static void attend_f32_avx2(const attn_t *a, long item, const scratch_t *w)
 }
 #endif
 
+
+/* the entry for this dtype, head dim and instruction set: the blocked form where one is built,
+ * `attend` otherwise */
+static attend_fn pick(int isa, int bf16, long d)
+{
+    attend_fn fn = kvchat_attention_blocked(isa, bf16, d);
+    if (fn) return fn;
+#if defined(__x86_64__) || defined(__i386__)
+    if (isa == 2) return bf16 ? attend_bf16_avx512 : attend_f32_avx512;
+    if (isa == 1) return bf16 ? attend_bf16_avx2 : attend_f32_avx2;
+#endif
+    return bf16 ? attend_bf16 : attend_f32;
+}
+
+/* every (row, KV head, query) of the call, each by one thread on its slice of the scratch w0
+ * holds for thread 0 (`stride` floats or vectors apart: scratch_sizes) */
+typedef struct {
+    long scores, qf, vecs, cols;
+} sizes_t;
+
+static int run_items(const attn_t *a, attend_fn fn, int threads, const scratch_t *w0,
+                     const sizes_t *z)
+{
+    long items = a->b * a->kh * a->nq;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+    for (long item = 0; item < items; item++) {
+        long me = omp_get_thread_num();
+        scratch_t w = {w0->scores + me * z->scores, w0->qf + me * z->qf,
+                       w0->acc + me * z->vecs, w0->qv + me * z->vecs, w0->cols + me * z->cols,
+                       w0->keys, w0->rows + me * BLOCK_FLOATS};
+        fn(a, item, &w);
+    }
+    return 0;
+}
+
 /* 2: AVX-512, 1: AVX2, 0: baseline vector code (all three give the same bits) */
 int kvchat_attention_isa(void)
 {
@@ -245,6 +169,70 @@ int kvchat_attention_isa(void)
     if (__builtin_cpu_supports("avx2")) return 1;
 #endif
     return 0;
+}
+
+/* bfloat16 rows (n0, n1, n2, d) with element strides st, to be widened into float32 rows,
+ * contiguous, at dst */
+typedef struct {
+    const void *src;
+    long n0, n1, n2, st[3];
+    float *dst;
+} widen_t;
+
+/* the rows of every job in `jobs`, in one parallel loop; d a multiple of 16 */
+static void widen(const widen_t *jobs, int count, long d, int threads)
+{
+    long ends[8], rows = 0;
+    for (int j = 0; j < count; j++) ends[j] = rows += jobs[j].n0 * jobs[j].n1 * jobs[j].n2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        int j = 0;
+        while (r >= ends[j]) j++;
+        const widen_t *w = jobs + j;
+        long at = r - (ends[j] - w->n0 * w->n1 * w->n2), n12 = w->n1 * w->n2;
+        const uint16_t *row = (const uint16_t *)w->src + at / n12 * w->st[0]
+                              + at / w->n2 % w->n1 * w->st[1] + at % w->n2 * w->st[2];
+        for (long x = 0; x < d; x += 16) {
+            v16 v = load16_bf16(row + x);
+            memcpy(w->dst + at * d + x, &v, 64);
+        }
+    }
+}
+
+#define WIDEN_MAX_BYTES (64L << 20)
+
+/* The call with bfloat16 tensors read by more than one query each (a prefill, draft columns,
+ * a head the rows share): widened to float32 once, then attended by the blocked form for
+ * float32 with a bfloat16 output. The same bits (widening is exact), without widening every
+ * key again for each query. Returns 1 when it ran, 0 when the call is not one. */
+static int attend_widened(const attn_t *a, int isa, int threads, const scratch_t *w0,
+                          const sizes_t *z)
+{
+    const long b = a->b, h = a->h, kh = a->kh, nq = a->nq, n = a->n, p = a->p, d = a->d;
+    /* own keys read by nq queries each, a head by b * nq */
+    if (!a->bf16 || (nq < 2 && (p == 0 || b < 2)) || !kvchat_attention_blocked(isa, 0, d))
+        return 0;
+    long qe = b * h * nq * d, ke = b * kh * n * d, he = kh * p * d;
+    if ((qe + 2 * (ke + he)) * 4 > WIDEN_MAX_BYTES) return 0;
+    float *buf = aligned_alloc(64, (size_t)(qe + 2 * (ke + he) + 16) * 4);
+    if (!buf) return 0;
+    float *qf = buf, *kf = qf + qe, *vf = kf + ke, *hkf = vf + ke, *hvf = hkf + he;
+    widen_t jobs[5] = {
+        {a->q, b, h, nq, {a->qs[0], a->qs[1], a->qs[2]}, qf},
+        {a->k, b, kh, n, {a->ks[0], a->ks[1], a->ks[2]}, kf},
+        {a->v, b, kh, n, {a->vs[0], a->vs[1], a->vs[2]}, vf},
+        {a->hk, 1, kh, p, {0, a->hks[0], a->hks[1]}, hkf},
+        {a->hv, 1, kh, p, {0, a->hvs[0], a->hvs[1]}, hvf}};
+    widen(jobs, p ? 5 : 3, d, threads);
+    attn_t f = *a;
+    f.q = qf; f.k = kf; f.v = vf; f.hk = p ? hkf : NULL; f.hv = p ? hvf : NULL;
+    f.qs[0] = h * nq * d; f.qs[1] = nq * d; f.qs[2] = d;
+    f.ks[0] = f.vs[0] = kh * n * d; f.ks[1] = f.vs[1] = n * d; f.ks[2] = f.vs[2] = d;
+    f.hks[0] = f.hvs[0] = p * d; f.hks[1] = f.hvs[1] = d;
+    f.bf16 = 0;
+    run_items(&f, kvchat_attention_blocked(isa, 0, d), threads, w0, z);
+    free(buf);
+    return 1;
 }
 
 /* q (b, h, nq, d), k / v (b, kh, n, d), a head hk / hv (kh, p, d) or NULL with p = 0, strides
@@ -258,7 +246,7 @@ int kvchat_attention(const void *q, const void *k, const void *v, const void *hk
     attn_t a = {q, k, v, hk, hv, mask, out, shape[0], shape[1], shape[2], shape[3], shape[4],
                 shape[5], shape[6], {strides[0], strides[1], strides[2]},
                 {strides[3], strides[4], strides[5]}, {strides[6], strides[7], strides[8]},
-                {strides[9], strides[10]}, {strides[11], strides[12]}, scale, softcap, bf16};
+                {strides[9], strides[10]}, {strides[11], strides[12]}, scale, softcap, bf16, bf16};
     if (a.b < 0 || a.h <= 0 || a.kh <= 0 || a.h % a.kh || a.nq < 0 || a.n < 0 || a.p < 0
         || a.d <= 0 || (a.p && (hk == NULL || hv == NULL)))
         return -1;
@@ -270,38 +258,18 @@ int kvchat_attention(const void *q, const void *k, const void *v, const void *hk
     if (g > 64 || vecs > MAX_VECS) return -1;
     /* each thread's scratch, allocated before the threads start */
     size_t t = (size_t)threads;
-    float *scores = malloc(sizeof(float) * (size_t)(g * keys + 16) * t);
-    int32_t *cols = malloc(sizeof(int32_t) * (size_t)(keys + 1) * t);
-    v16 *acc = aligned_alloc(64, sizeof(v16) * (size_t)(g * vecs) * t);
-    v16 *qv = aligned_alloc(64, sizeof(v16) * (size_t)(g * vecs) * t);
-    float *qf = malloc(sizeof(float) * (size_t)(a.d * g) * t);
+    sizes_t z = {g * keys + 16, a.d * g, g * vecs, keys + 1};
+    scratch_t w0 = {malloc(sizeof(float) * (size_t)z.scores * t),
+                    malloc(sizeof(float) * (size_t)z.qf * t),
+                    aligned_alloc(64, sizeof(v16) * (size_t)z.vecs * t),
+                    aligned_alloc(64, sizeof(v16) * (size_t)z.vecs * t),
+                    malloc(sizeof(int32_t) * (size_t)z.cols * t), keys,
+                    aligned_alloc(64, sizeof(float) * BLOCK_FLOATS * t)};
     int rc = 0;
-    if (!scores || !cols || !acc || !qv || !qf) {
+    if (!w0.scores || !w0.qf || !w0.acc || !w0.qv || !w0.cols || !w0.rows)
         rc = -2;
-    } else {
-        long items = a.b * a.kh * a.nq;
-        #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
-        for (long item = 0; item < items; item++) {
-            long me = omp_get_thread_num();
-            scratch_t w = {scores + me * (g * keys + 16), qf + me * a.d * g,
-                           acc + me * g * vecs, qv + me * g * vecs, cols + me * (keys + 1),
-                           keys};
-#if defined(__x86_64__) || defined(__i386__)
-            if (isa == 2) {
-                if (bf16) attend_bf16_avx512(&a, item, &w);
-                else attend_f32_avx512(&a, item, &w);
-                continue;
-            }
-            if (isa == 1) {
-                if (bf16) attend_bf16_avx2(&a, item, &w);
-                else attend_f32_avx2(&a, item, &w);
-                continue;
-            }
-#endif
-            if (bf16) attend_bf16(&a, item, &w);
-            else attend_f32(&a, item, &w);
-        }
-    }
-    free(scores); free(cols); free(acc); free(qv); free(qf);
+    else if (!attend_widened(&a, isa, threads, &w0, &z))
+        rc = run_items(&a, pick(isa, bf16, a.d), threads, &w0, &z);
+    free(w0.scores); free(w0.qf); free(w0.acc); free(w0.qv); free(w0.cols); free(w0.rows);
     return rc;
 }

@@ -47,9 +47,10 @@ if TYPE_CHECKING:
 
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("int8_head.c", "int4_matmul.c", "attention.c", "int4_grid.c",
-                             "gguf_blocks.c", "block_head.c"))
-HEADERS = (Path(__file__).with_name("native_sums.h"),)  # included by both: part of the key
+                for name in ("int8_head.c", "int4_matmul.c", "attention.c", "attention_blocked.c",
+                             "int4_grid.c", "gguf_blocks.c", "block_head.c"))
+# included by the sources: part of the key
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_sums.h", "attention.h"))
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
 INT4_ISAS = ("portable C", "AVX2", "AVX-512 BF16")
