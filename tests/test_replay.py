@@ -164,6 +164,37 @@ def test_a_reply_is_saved_with_its_entry_and_replays_after_a_restart(tiny_model,
     again.close()
 
 
+def test_a_saved_reply_replays_only_beside_the_row_it_began_from(tiny_model, tiny_tokenizer,
+                                                                 tmp_path):
+    """The index names the digest of the logits row each reply began from; a logits file
+    holding other bits (written by an earlier save, before the entry's row changed) is still
+    an exact hit, but its reply is not replayed: the request decodes."""
+    from conftest import make_runtime
+    from safetensors.torch import load_file, save_file
+
+    from kvchat.cache.exact import row_digest
+
+    ids = prompt(310, 18)
+    first = make_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=200)
+    cold = first.engine.generate(Request(ids, _params(12)))
+    first.save()
+    first.close()
+    index = json.loads((tmp_path / "cache" / "index.json").read_text())
+    (entry,) = index["exact"]
+    path = next((tmp_path / "cache").rglob(f"{entry['logits']}.safetensors"))
+    row = load_file(str(path))["logits"]
+    assert entry["row"] == row_digest(row)
+    other = row.clone()
+    other[other.argmin()] -= 1.0  # other bits, the same greedy first token
+    save_file({"logits": other}, str(path))
+    again = make_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=200)
+    got = again.engine.generate(Request(ids, _params(12)))
+    assert got.hit_source == "exact" and got.replayed_tokens == 0 and got.decode_forwards > 0
+    assert got.token_ids[0] == cold.token_ids[0]
+    again.cache.check_integrity()
+    again.close()
+
+
 def test_a_reply_waits_with_its_entry_while_the_blocks_are_on_disk(tiny_model, tiny_tokenizer,
                                                                     tmp_path):
     from conftest import make_runtime
@@ -172,7 +203,8 @@ def test_a_reply_waits_with_its_entry_while_the_blocks_are_on_disk(tiny_model, t
     ids = prompt(309, 18)
     cold = rt.engine.generate(Request(ids, _params(12)))
     rt.cache.evict(rt.cache.manager.num_blocks)  # spilled to the disk tier, the entry parked
-    assert not rt.cache.exact.has(ids) and rt.cache.exact.saved_reply(ids) == tuple(cold.token_ids)
+    assert not rt.cache.exact.has(ids)
+    assert rt.cache.exact.saved_reply(ids)[0] == tuple(cold.token_ids)
     got = rt.engine.generate(Request(ids, _params(12)))
     assert got.hit_source == "exact" and got.disk_hit_tokens > 0
     assert got.replayed_tokens == 12 and got.token_ids == cold.token_ids

@@ -13,9 +13,10 @@ again when its prompt is looked up and its path loads back (`revive`).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,6 +64,22 @@ class ExactEntry:
     # the greedy reply decoded after the prompt from `logits` (each token the argmax after the
     # ones before it), longest seen (`remember_reply`); saved and parked with the logits
     reply: tuple[int, ...] = ()
+    digest: str = field(default="", repr=False)  # of `logits`, once a save asks (`row_of`)
+
+    def row_of(self) -> str:
+        """The digest of this entry's logits row (`row_digest`), computed once."""
+        if not self.digest and self.logits is not None:
+            self.digest = row_digest(self.logits)
+        return self.digest
+
+
+def row_digest(row: Any) -> str:
+    """A digest of a logits row's bits: what a saved reply names as the row it began from, so
+    that a restart pairs it with that row only."""
+    import torch
+
+    data = row.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:32]
 
 
 def _same_row(a: Any, b: Any) -> bool:
@@ -82,7 +99,9 @@ class ExactIndex:
         self._by_block: dict[int, set[NamespacedKey]] = {}
         # (namespace, tokens) -> a loader of its logits (None when they cannot be read)
         self._saved: dict[NamespacedKey, Callable[[], Any]] = {}
-        self._replies: dict[NamespacedKey, tuple[int, ...]] = {}  # of saved entries, if any
+        # of saved entries, if any: the reply and the digest of the row it began from ("" for
+        # a parked entry, whose row is the very one in memory)
+        self._replies: dict[NamespacedKey, tuple[tuple[int, ...], str]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -169,16 +188,16 @@ class ExactIndex:
     # ---- saved entries (their blocks out of the pool) --------------------------------------
 
     def save(self, tokens: Sequence[int], namespace: str, loader: Callable[[], Any],
-             reply: Sequence[int] = ()) -> None:
+             reply: Sequence[int] = (), row: str = "") -> None:
         """An entry an earlier process saved: `loader` reads its logits on first hit; `reply`
-        the greedy reply saved with them."""
+        the greedy reply saved with them, decoded from the row whose digest is `row`."""
         key = (namespace, tuple(tokens))
         self._saved[key] = loader
-        self._keep_reply(key, reply)
+        self._keep_reply(key, reply, row)
 
-    def _keep_reply(self, key: NamespacedKey, reply: Sequence[int]) -> None:
+    def _keep_reply(self, key: NamespacedKey, reply: Sequence[int], row: str = "") -> None:
         if reply:
-            self._replies[key] = tuple(reply)
+            self._replies[key] = (tuple(reply), row)
         else:
             self._replies.pop(key, None)
 
@@ -204,9 +223,17 @@ class ExactIndex:
         self._replies.pop((namespace, tuple(tokens)), None)
         return self._saved.pop((namespace, tuple(tokens)), None)
 
-    def saved_reply(self, tokens: Sequence[int], namespace: str = "") -> tuple[int, ...]:
-        """The greedy reply saved with a saved entry's logits (() when none)."""
-        return self._replies.get((namespace, tuple(tokens)), ())
+    def saved_reply(self, tokens: Sequence[int], namespace: str = "") -> tuple[tuple[int, ...],
+                                                                           str]:
+        """The greedy reply saved with a saved entry's logits (() when none) and the digest of
+        the row it began from (a parked entry's computed from its row in memory)."""
+        key = (namespace, tuple(tokens))
+        reply, row = self._replies.get(key, ((), ""))
+        loader = self._saved.get(key)
+        if reply and not row and isinstance(loader, HeldLogits):
+            row = row_digest(loader.row)
+            self._replies[key] = (reply, row)
+        return reply, row
 
     def revive(self, tokens: Sequence[int], namespace: str, tree: RadixTree,
                load: Callable[[PrefixMatch], PrefixMatch]) -> tuple[ExactEntry | None, int]:
@@ -214,11 +241,15 @@ class ExactIndex:
         disk (`load`), its logits read. Returns the entry (None when its blocks or logits
         cannot all be had: the prompt is then a radix hit at most) and the tokens loaded from
         disk."""
-        reply = self.saved_reply(tokens, namespace)
+        reply, digest = self._replies.get((namespace, tuple(tokens)), ((), ""))
         loader = self.take_saved(tokens, namespace)
         row = loader() if loader is not None else None
         if row is None:  # read first: a failed read leaves the path to the radix lookup
             return None, 0
+        # a parked entry's row is the one its reply came with; a saved one's must have the
+        # bits the reply began from, or the prompt decodes rather than replays
+        if reply and not isinstance(loader, HeldLogits) and row_digest(row) != digest:
+            reply = ()
         match = tree.find_prefix(tokens, namespace)
         resident = match.resident(bs := tree.block_size)
         match = load(match)

@@ -411,7 +411,7 @@ class PagedKVCache:
                 self.tombstones.record(key, prev, tokens, policy, when)
             for e in state.exact:
                 self.exact.save(e.tokens, e.namespace, functools.partial(logits, e.logits),
-                                e.reply)
+                                e.reply, e.row)
             self.check_integrity()
         except SnapshotMismatch:
             self.reset()

@@ -52,6 +52,7 @@ class SavedExact:
     blocks: int
     logits: str
     reply: tuple[int, ...] = ()  # the greedy reply decoded from those logits (`ExactEntry`)
+    row: str = ""  # with a reply: the digest of the logits row it began from (`row_digest`)
 
 
 @dataclass(frozen=True)
@@ -146,12 +147,12 @@ def exact_to_save(tree: RadixTree, exact: ExactIndex) -> tuple[SavedExact, ...]:
     ones, and those saved earlier that no prompt has hit since (their logits file stays as it
     is) while the tree still holds their tokens, so a file run again gets exact hits."""
     bs = tree.block_size
-    live = [(e.namespace, tokens, len(e.blocks), e.reply) for tokens, e in exact.items()
-            if e.logits is not None]
+    live = [(e.namespace, tokens, len(e.blocks), (e.reply, e.row_of() if e.reply else ""))
+            for tokens, e in exact.items() if e.logits is not None]
     saved = [(ns, tokens, -(-len(tokens) // bs), exact.saved_reply(tokens, ns))
              for ns, tokens in exact.saved()
              if not exact.has(tokens, ns)
              and tree.find_prefix(tokens, ns).matched == len(tokens)]
     kept = (saved + live)[-exact.max_entries:] if exact.max_entries else []
-    return tuple(SavedExact(ns, tuple(tokens), n_blocks, exact_name(tree, ns, tokens), reply)
+    return tuple(SavedExact(ns, tuple(tokens), n_blocks, exact_name(tree, ns, tokens), *reply)
                  for ns, tokens, n_blocks, reply in kept)

@@ -9,7 +9,7 @@ with `read_tree`, so the records are parsed in one place. No K/V: those live in 
      "policy": name, "policy_state": {...}, "counters": {...},
      "tree": [record, ...], "pins": [{"id", "namespace", "tokens", "label"}, ...],
      "tombstones": [[key, key before, tokens, when, policy], ...],
-     "exact": [{"tokens", "namespace", "blocks", "logits", "reply"}, ...],
+     "exact": [{"tokens", "namespace", "blocks", "logits", "reply", "row"}, ...],
      "resident_blocks": N, "disk_tokens": N, ... what the snapshot adds (fingerprint, ...)}
     record: {"start", "tokens", "keys", "owners", "children": [record, ...]}, plus
             "namespace" on the roots' children and "pinned": true on nodes holding a pin's block
@@ -133,7 +133,8 @@ def read_state(meta: Mapping[str, Any]) -> CacheState:
             exact=tuple(SavedExact(str(r.get("namespace", "")),
                                    tuple(int(t) for t in r["tokens"]),
                                    int(r.get("blocks", 0)), str(r["logits"]),
-                                   tuple(int(t) for t in r.get("reply", ())))
+                                   tuple(int(t) for t in r.get("reply", ())),
+                                   str(r.get("row", "")))
                         for r in meta.get("exact", [])),
             resident_blocks=int(meta.get("resident_blocks", 0)),
             disk_tokens=int(meta.get("disk_tokens", 0)),
@@ -197,7 +198,8 @@ def state_document(state: CacheState) -> dict[str, Any]:
         "resident_blocks": state.resident_blocks,
         "disk_tokens": state.disk_tokens,
         "exact": [{"tokens": list(e.tokens), "namespace": e.namespace, "blocks": e.blocks,
-                   "logits": e.logits, "reply": list(e.reply)} for e in state.exact],
+                   "logits": e.logits, "reply": list(e.reply), "row": e.row}
+                  for e in state.exact],
     }
 
 
