@@ -103,7 +103,25 @@ def weights_digest(loaded: Any) -> str:
         return str(getattr(loaded.model.config, "_commit_hash", "") or "")
     files = sorted(p for p in Path(folder).iterdir() if p.is_file()
                    and p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"))
-    return _digest([[p.name, gguf_sample(p)] for p in files])
+    return _digest([[p.name, gguf_sample(p, _head_of(p))] for p in files])
+
+
+def _head_of(path: Path) -> int:
+    """How many leading bytes of a weight file to hash whole: a safetensors file's header (its
+    tensor table), 1 MiB of a pickled one, the default (16 MiB) of a GGUF. A folder of 30
+    shards then reads a few MiB, not half a gigabyte."""
+    from kvchat.models.gguf import SAMPLE_HEAD
+
+    if path.suffix == ".gguf":
+        return SAMPLE_HEAD
+    if path.suffix == ".safetensors":
+        try:
+            with open(path, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+        except OSError:
+            return SAMPLE_HEAD
+        return min(8 + size, SAMPLE_HEAD)
+    return 1 << 20
 
 
 def fingerprint(engine: Engine, model_label: str, weights: str = "") -> dict[str, Any]:

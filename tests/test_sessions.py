@@ -154,6 +154,23 @@ def test_the_weights_digest_follows_the_bytes_of_each_weight_file(tmp_path):
     assert weights_digest(as_file) != before
 
 
+def test_a_safetensors_shard_is_sampled_after_its_header_not_its_first_16_mib(tmp_path):
+    """A folder's shards: the header (the tensor table) read whole, then the spaced windows;
+    a folder of many shards must not read 16 MiB of each."""
+    import struct
+
+    from safetensors.torch import save_file
+
+    from kvchat.runtime import _head_of
+
+    shard = tmp_path / "model-00001-of-00002.safetensors"
+    save_file({"w": torch.zeros(4 << 20, dtype=torch.uint8)}, str(shard))  # 4 MiB of weights
+    size = struct.unpack("<Q", shard.read_bytes()[:8])[0]
+    assert "w" in json.loads(shard.read_bytes()[8 : 8 + size])
+    assert _head_of(shard) == 8 + size < 4096
+    assert _head_of(tmp_path / "m.gguf") == 16 << 20
+
+
 @pytest.mark.parametrize("damage", ["truncate-index", "garbage-index", "old-format"])
 def test_damaged_index_is_set_aside(tiny_model, tiny_tokenizer, tmp_path, damage):
     a = runtime(tiny_model, tiny_tokenizer, tmp_path)

@@ -54,23 +54,24 @@ def cache_dir() -> Path:
 SAMPLE_HEAD, SAMPLE_WINDOWS, SAMPLE_BYTES = 16 << 20, 64, 4096
 
 
-def gguf_sample(path: Path) -> str:
+def gguf_sample(path: Path, head: int = SAMPLE_HEAD) -> str:
     """A digest of a GGUF's first `SAMPLE_HEAD` bytes (its whole header in every file tried:
     the metadata, the tokenizer's vocabulary among it, and the tensor table) and of
     `SAMPLE_WINDOWS` windows of `SAMPLE_BYTES` at evenly spaced offsets: 16 MiB read at most,
     where a whole 2 GB file would take seconds to hash. A same-size rewrite changes it unless
     it keeps the header and every sampled byte as they were. Computed once per version of the
-    file in a process (its ctime moves with any write, and with a set mtime)."""
+    file in a process (its ctime moves with any write, and with a set mtime). `head`: the
+    leading bytes read whole, for a file whose header is shorter (a safetensors shard's)."""
     stat = path.stat()
     return _sample(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
-                   stat.st_ino)
+                   stat.st_ino, head)
 
 
-@functools.lru_cache(maxsize=16)
-def _sample(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
+@functools.lru_cache(maxsize=64)
+def _sample(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int, head: int) -> str:
     digest = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as fh:
-        digest.update(fh.read(SAMPLE_HEAD))
+        digest.update(fh.read(head))
         for i in range(SAMPLE_WINDOWS):
             fh.seek(size * i // SAMPLE_WINDOWS)
             digest.update(fh.read(SAMPLE_BYTES))
