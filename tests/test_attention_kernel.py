@@ -133,15 +133,15 @@ def test_its_bits_are_the_documented_order_of_sums(dim, dtype):
     """One query against 37 keys, computed here in numpy float32 in the order the source's
     header states (16 lanes over d, the fixed tree, Cephes' exp, the sum in 16 lanes by key,
     the weighted values in key order): the kernel's bits, on every instruction set, alone, as
-    the last of two queries (bfloat16 tensors are then widened once per call) and with its
-    first keys in a shared head. Head dims 64, 96, 128 and 256 run the blocked form
+    the last of 16 queries (a prefill: bfloat16 tensors are then widened once per call) and
+    with its first keys in a shared head. Head dims 64, 96, 128 and 256 run the blocked form
     (attention_blocked.c) on AVX-512 and AVX2, 48 and the baseline build the plain one. A
     rewrite of the kernel that kept its tests' other checks but moved one sum fails here."""
     import numpy as np
 
     f = np.float32
-    q, k, v = _qkv(1, 1, 1, 2, 37, dim, dtype, seed=7)
-    qn, kn, vn = q[0, 0, 1].float().numpy(), k[0, 0].float().numpy(), v[0, 0].float().numpy()
+    q, k, v = _qkv(1, 1, 1, 16, 37, dim, dtype, seed=7)  # causal: the last query sees all 37
+    qn, kn, vn = q[0, 0, 15].float().numpy(), k[0, 0].float().numpy(), v[0, 0].float().numpy()
     scale = f(0.125)
 
     def tree(lane):
@@ -168,9 +168,9 @@ def test_its_bits_are_the_documented_order_of_sums(dim, dtype):
     want = torch.from_numpy((acc / total).astype(np.float32)).to(dtype)
     head = (k[:, :, :10].contiguous(), v[:, :, :10].contiguous())
     for isa in range(native.attention_isa() + 1):
-        alone = native.attention(q[:, :, 1:], k, v, None, 0.125, isa=isa)[0, 0, 0]
-        both = native.attention(q, k, v, None, 0.125, isa=isa)[0, 1, 0]
+        alone = native.attention(q[:, :, 15:], k, v, None, 0.125, isa=isa)[0, 0, 0]
+        both = native.attention(q, k, v, None, 0.125, isa=isa)[0, 15, 0]
         split = native.attention(q, k[:, :, 10:], v[:, :, 10:], None, 0.125, head=head,
-                                 isa=isa)[0, 1, 0]
+                                 isa=isa)[0, 15, 0]
         assert torch.equal(alone, want) and torch.equal(both, want), isa
         assert torch.equal(split, want), isa

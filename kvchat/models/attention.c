@@ -200,18 +200,19 @@ static void widen(const widen_t *jobs, int count, long d, int threads)
 }
 
 #define WIDEN_MAX_BYTES (64L << 20)
+#define WIDEN_MIN_QUERIES 16
 
-/* The call with bfloat16 tensors read by more than one query each (a prefill, draft columns,
- * a head the rows share): widened to float32 once, then attended by the blocked form for
- * float32 with a bfloat16 output. The same bits (widening is exact), without widening every
- * key again for each query. Returns 1 when it ran, 0 when the call is not one. */
+/* The call with bfloat16 keys read by many queries each (a prefill): widened to float32
+ * once, then attended by the blocked form for float32 with a bfloat16 output. The same bits
+ * (widening is exact), without widening every key again for each query. Returns 1 when it
+ * ran, 0 when the call is not one. */
 static int attend_widened(const attn_t *a, int isa, int threads, const scratch_t *w0,
                           const sizes_t *z)
 {
     const long b = a->b, h = a->h, kh = a->kh, nq = a->nq, n = a->n, p = a->p, d = a->d;
-    /* own keys read by nq queries each, a head by b * nq */
-    if (!a->bf16 || (nq < 2 && (p == 0 || b < 2)) || !kvchat_attention_blocked(isa, 0, d))
-        return 0;
+    /* a prefill's keys, read by its nq queries each, pay for a fresh buffer and one pass over
+     * them; a decode step's or a few drafts' do not (the head alone is not worth it either) */
+    if (!a->bf16 || nq < WIDEN_MIN_QUERIES || !kvchat_attention_blocked(isa, 0, d)) return 0;
     long qe = b * h * nq * d, ke = b * kh * n * d, he = kh * p * d;
     if ((qe + 2 * (ke + he)) * 4 > WIDEN_MAX_BYTES) return 0;
     float *buf = aligned_alloc(64, (size_t)(qe + 2 * (ke + he) + 16) * 4);
