@@ -139,12 +139,13 @@ static attend_fn pick(int isa, int bf16, long d)
     return bf16 ? attend_bf16 : attend_f32;
 }
 
-/* every (row, KV head, query) of the call, each by one thread on its slice of the scratch w0
- * holds for thread 0 (`stride` floats or vectors apart: scratch_sizes) */
+/* one thread's share of each scratch array (in its own elements): thread t's slice begins
+ * t of these past thread 0's, which scratch_t w0 points at */
 typedef struct {
     long scores, qf, vecs, cols;
 } sizes_t;
 
+/* every (row, KV head, query) of the call, each by one thread on its own slice of w0 */
 static int run_items(const attn_t *a, attend_fn fn, int threads, const scratch_t *w0,
                      const sizes_t *z)
 {
