@@ -142,6 +142,18 @@ def test_repeats_submitted_together_wait_then_replay(tiny_model, tiny_tokenizer)
     engine.cache.check_integrity()
 
 
+def _decoded_and_saved(model, tokenizer, tmp_path, ids):
+    """A greedy reply to `ids` in a runtime that then saves and closes: (the result, the
+    snapshot's index.json)."""
+    from conftest import make_runtime
+
+    first = make_runtime(model, tokenizer, tmp_path, num_blocks=200)
+    cold = first.engine.generate(Request(ids, _params(12)))
+    first.save()
+    first.close()
+    return cold, json.loads((tmp_path / "cache" / "index.json").read_text())
+
+
 def test_a_reply_is_saved_with_its_entry_and_replays_after_a_restart(tiny_model, tiny_tokenizer,
                                                                        tmp_path):
     """The snapshot keeps each exact entry's reply beside its logits; the fingerprint pins the
@@ -149,11 +161,7 @@ def test_a_reply_is_saved_with_its_entry_and_replays_after_a_restart(tiny_model,
     from conftest import make_runtime
 
     ids = prompt(308, 18)
-    first = make_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=200)
-    cold = first.engine.generate(Request(ids, _params(12)))
-    first.save()
-    first.close()
-    index = json.loads((tmp_path / "cache" / "index.json").read_text())
+    cold, index = _decoded_and_saved(tiny_model, tiny_tokenizer, tmp_path, ids)
     assert [e["reply"] for e in index["exact"]] == [cold.token_ids]
     again = make_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=200)
     assert again.notice is None
@@ -175,11 +183,7 @@ def test_a_saved_reply_replays_only_beside_the_row_it_began_from(tiny_model, tin
     from kvchat.cache.exact import row_digest
 
     ids = prompt(310, 18)
-    first = make_runtime(tiny_model, tiny_tokenizer, tmp_path, num_blocks=200)
-    cold = first.engine.generate(Request(ids, _params(12)))
-    first.save()
-    first.close()
-    index = json.loads((tmp_path / "cache" / "index.json").read_text())
+    cold, index = _decoded_and_saved(tiny_model, tiny_tokenizer, tmp_path, ids)
     (entry,) = index["exact"]
     path = next((tmp_path / "cache").rglob(f"{entry['logits']}.safetensors"))
     row = load_file(str(path))["logits"]

@@ -259,6 +259,7 @@ class ExactIndex:
         entry = self.get(tokens, namespace)
         if entry is not None:
             entry.reply = reply  # decoded from this very row
+            entry.digest = digest if reply else ""  # checked above: a save need not hash it
         return entry, len(tokens) - resident
 
     def saved(self) -> list[tuple[str, Key]]:
