@@ -71,7 +71,7 @@ def test_a_folder_estimate_is_the_bytes_its_loaded_tensors_hold(precision, tied,
 
 
 def test_the_pool_counts_at_its_configured_size_and_the_load_copy_is_not_added_to_it(tiny_gguf):
-    # the pool is made, and the tokenizer loaded, once the float32 copies are gone
+    # the pool is made once the float32 copies are gone; the tokenizer is loaded before them
     loaded = load_model(str(tiny_gguf), device="cpu")
     cache = CacheConfig(block_size=16, cache_mb=1)
     estimate = estimate_for(str(tiny_gguf), loaded, cache)
@@ -79,8 +79,9 @@ def test_the_pool_counts_at_its_configured_size_and_the_load_copy_is_not_added_t
     blocks = 2**20 // (TINY_KV_PER_TOKEN * 16)
     assert estimate.kv_pool == blocks * 16 * TINY_KV_PER_TOKEN
     assert estimate.resident == estimate.weights + estimate.kv_pool + estimate.runtime
+    assert 0 < estimate.tokenizer < estimate.runtime
     assert estimate.while_loading == (estimate.weights + footprint.IMPORTS_BYTES
-                                      + estimate.loading)
+                                      + estimate.tokenizer + estimate.loading)
     assert estimate.total == max(estimate.resident, estimate.while_loading)
 
 

@@ -408,6 +408,119 @@ def test_a_gguf_loads_from_the_file_with_its_config_and_tokenizer_written_once(
     assert ensure_converted(tiny_gguf, converter=must_not_run) == folder
 
 
+def _metadata_only_gguf(path: Path, arch: str) -> Path:
+    """A GGUF of `arch` with the tiny tokenizer and no tensors: what `convert_gguf` reads."""
+    import gguf as gguf_py
+    from conftest import SPECIAL_TOKENS, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokens = [t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    writer = gguf_py.GGUFWriter(str(path), arch)
+    writer.add_context_length(256)
+    writer.add_embedding_length(64)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf_py.TokenType.CONTROL if t in SPECIAL_TOKENS
+                            else gguf_py.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_converted_tokenizer_loads_as_its_file_with_what_its_own_class_gives(tmp_path):
+    """A Qwen2 GGUF's tokenizer is saved under Qwen2Tokenizer, a class that parses the whole
+    vocabulary in Python; kvchat reads the saved file in Rust instead, and every encoding,
+    decoding, special and added token and the chat template are the class's own."""
+    import json
+    import random
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    gguf.convert_gguf(_metadata_only_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2"), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "Qwen2Tokenizer"  # a class with its own __init__
+
+    own = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    read = gguf.load_tokenizer(folder)
+    assert type(own).__name__ == "Qwen2Tokenizer"
+    assert type(read) is PreTrainedTokenizerFast
+    rng = random.Random(0)
+    vocab = sorted(own.get_vocab())
+    texts = ["Hello there", " leading", "x\n\n y  z\t", "ünï 🙂 日本語", "",
+             "<|im_start|>user\nhi<|im_end|>\n"]
+    texts += ["".join(rng.choice(vocab) for _ in range(12)) for _ in range(40)]
+    for text in texts:
+        for special in (False, True):
+            ids = own(text, add_special_tokens=special)["input_ids"]
+            assert read(text, add_special_tokens=special)["input_ids"] == ids
+            for skip in (False, True):
+                assert read.decode(ids, skip_special_tokens=skip) == \
+                    own.decode(ids, skip_special_tokens=skip)
+    assert read.get_vocab() == own.get_vocab()
+    assert {i: repr(t) for i, t in read.added_tokens_decoder.items()} == \
+        {i: repr(t) for i, t in own.added_tokens_decoder.items()}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token", "all_special_ids",
+                 "chat_template", "padding_side"):
+        assert getattr(read, name) == getattr(own, name), name
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert read.apply_chat_template(conversation, tokenize=False) == \
+        own.apply_chat_template(conversation, tokenize=False)
+
+
+def test_added_tokens_come_from_the_files_head_or_not_at_all(tmp_path, monkeypatch):
+    """The list is read in growing steps until it parses; a file not laid out as `tokenizers`
+    writes one gives None, and the tokenizer then loads as transformers reads it alone."""
+    import json
+
+    monkeypatch.setattr(gguf, "_ADDED_TOKENS_FIRST_READ", 64)
+    entries = [{"id": i, "content": f"<extra_{i}>", "single_word": False, "lstrip": False,
+                "rstrip": False, "normalized": False, "special": True} for i in range(50)]
+    laid_out = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": entries,
+                "normalizer": None, "model": {"type": "BPE", "vocab": {"é": 0}}}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(laid_out, indent=2, ensure_ascii=False))
+    added = gguf._added_tokens(path)
+    assert added is not None and sorted(added) == list(range(50))
+    assert added[7] == {key: value for key, value in entries[7].items() if key != "id"}
+
+    reordered = {"added_tokens": entries, "version": "1.0", "truncation": None,
+                 "padding": None}
+    path.write_text(json.dumps(reordered))
+    assert gguf._added_tokens(path) is None
+    path.write_text(json.dumps({**laid_out, "added_tokens": [{"content": "<x>"}]}))
+    assert gguf._added_tokens(path) is None  # no id
+    path.write_text(json.dumps(laid_out)[:300])  # cut short inside the list
+    assert gguf._added_tokens(path) is None
+    assert gguf._added_tokens(tmp_path / "missing.json") is None
+
+
+def test_a_tokenizer_whose_head_is_not_read_still_loads_whole(tiny_gguf, monkeypatch):
+    folder = ensure_converted(tiny_gguf)
+    read = gguf.load_tokenizer(folder)
+    monkeypatch.setattr(gguf, "_added_tokens", lambda path: None)
+    whole = gguf.load_tokenizer(folder)
+    assert whole.added_tokens_decoder.keys() == read.added_tokens_decoder.keys()
+    assert whole("<|im_start|>hi")["input_ids"] == read("<|im_start|>hi")["input_ids"]
+
+
 def _config_and_vocab(path: Path) -> tuple[dict, int]:
     from transformers import AutoConfig, AutoTokenizer
 

@@ -45,10 +45,12 @@ if TYPE_CHECKING:
 # tokenizer, 130 / 65 MiB more (heap the load leaves behind, the model's classes).
 IMPORTS_BYTES = 340 * 2**20
 RUNTIME_BYTES = 470 * 2**20
-# A loaded tokenizer took 127 MiB for SmolLM2's 3.5 MB tokenizer.json and 323 MiB for Gemma 3's
-# 33 MB: about 104 MiB plus 6.6 bytes per byte of the file.
-TOKENIZER_BYTES = 104 * 2**20
-TOKENIZER_PER_FILE_BYTE = 6.6
+# A loaded tokenizer (`gguf.load_tokenizer`, the heap handed back after it) holds 18 MiB for
+# SmolLM2's 3.5 MB tokenizer.json and 109 MiB for Gemma 3's 33 MB: about 8 MiB plus 3.2 bytes
+# per byte of the file. It loads before the weights, and its passing peak (363 MiB for Gemma 3)
+# is over before they arrive.
+TOKENIZER_BYTES = 8 * 2**20
+TOKENIZER_PER_FILE_BYTE = 3.2
 # De-quantizing a GGUF's largest tensor and packing it peaked at 3.8x (SmolLM2's embedding) and
 # 4.3x (Gemma 3's, with 0.3x of the file's own pages) its float32 size: gguf-py's float32
 # intermediates, the result, the bfloat16 copy and the int8 head's temporaries.
@@ -80,6 +82,7 @@ class Footprint:
     kv_pool: int
     runtime: int  # the interpreter and libraries, the tokenizer
     loading: int  # float32 held on the side while the weights load
+    tokenizer: int = 0  # the tokenizer's share of `runtime`, resident before the weights load
 
     @property
     def resident(self) -> int:
@@ -87,8 +90,8 @@ class Footprint:
 
     @property
     def while_loading(self) -> int:
-        # the tokenizer loads, and the pool is made, after the weights
-        return self.weights + IMPORTS_BYTES + self.loading
+        # the tokenizer loads before the weights, the pool is made after them
+        return self.weights + IMPORTS_BYTES + self.tokenizer + self.loading
 
     @property
     def total(self) -> int:
@@ -143,14 +146,15 @@ def estimate(location: Path, is_gguf: bool, precision: str, tied: bool,
     pool = 0
     if cache is not None:
         pool = cache.blocks_for(kv_bytes_per_token) * cache.block_size * kv_bytes_per_token
-    return Footprint(weights.packed, pool, runtime_bytes(tokenizer_folder), weights.loading)
+    tokenizer = tokenizer_bytes(tokenizer_folder)
+    return Footprint(weights.packed, pool, RUNTIME_BYTES + tokenizer, weights.loading, tokenizer)
 
 
-def runtime_bytes(tokenizer_folder: Path | None) -> int:
-    """The fixed cost of a kvchat process with a model's tokenizer loaded."""
+def tokenizer_bytes(tokenizer_folder: Path | None) -> int:
+    """What a model's tokenizer holds once loaded."""
     path = tokenizer_folder / "tokenizer.json" if tokenizer_folder is not None else None
     size = path.stat().st_size if path is not None and path.is_file() else 0
-    return RUNTIME_BYTES + TOKENIZER_BYTES + int(size * TOKENIZER_PER_FILE_BYTE)
+    return TOKENIZER_BYTES + int(size * TOKENIZER_PER_FILE_BYTE)
 
 
 def _linear_bytes(n: int, k: int, precision: str, is_head: bool) -> int:

@@ -171,9 +171,16 @@ def _release_freed(freed: int) -> None:
     after every tensor. Nothing where there is no glibc."""
     global _FREED
     _FREED += freed
-    if _libc() is not None and _FREED >= _TRIM_EVERY:
-        _libc().malloc_trim(0)
+    if _FREED >= _TRIM_EVERY:
+        release_heap()
         _FREED = 0
+
+
+def release_heap() -> None:
+    """Hand every freed heap page back to the system now (glibc's malloc_trim; nothing where
+    there is no glibc): after a step whose transient allocations dwarf what it keeps."""
+    if _libc() is not None:
+        _libc().malloc_trim(0)
 
 
 _FREED = 0

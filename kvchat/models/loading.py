@@ -351,6 +351,8 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvchat.models.gguf import load_tokenizer
+    from kvchat.models.gguf_weights import release_heap
     from kvchat.models.gpu_weights import place
     from kvchat.models.quant import PRECISION_ATTRIBUTE, quantize_model, step_bytes
 
@@ -363,10 +365,14 @@ def load_model(
     if device_name == "cpu":  # on a GPU the weights and the pool live in its memory
         _refuse_if_too_large(source, location, config, precision, cache)
     if source.is_gguf:
+        # The tokenizer first: building a large vocabulary's (Gemma 3's 262,144 tokens and
+        # 514,906 merges) passes through several times its final size, handed back before the
+        # weights arrive, so that transient does not add to theirs at the peak.
+        with load_errors(source), quiet_transformers():
+            tokenizer = load_tokenizer(Path(location))
+        release_heap()
         model, facts = _load_gguf(source, Path(location), config, precision, dtype_obj,
                                   device_name)
-        with load_errors(source), quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
     else:
         placement: dict[str, Any] = {}  # quantized: packed on CPU, then placed (`place`)
         if device_name == "cuda" and not precision.quantized:
