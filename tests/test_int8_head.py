@@ -95,6 +95,30 @@ def test_q8_0_numbers_come_back_exactly():
     assert torch.equal(head.dequantized(), values.float())
 
 
+def test_q8_0_rows_are_read_as_the_files_q_and_d_without_de_quantizing():
+    """The loader reads a Q8_0 head's blocks straight into q and scales: the file's own, also in
+    a block whose steps stop short of 127 (where grouping again would pick another scale), and
+    the same as de-quantizing and grouping again everywhere else."""
+    from kvchat.models.gguf_weights import _q8_0_rows
+    from kvchat.models.native import int8_group_values
+
+    rng = np.random.default_rng(4)
+    weight = rng.standard_normal((64, 128)).astype(np.float32) * 0.05
+    blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+    raw = blocks.reshape(64, 4, 34)
+    raw[3, 1, 2:] = (raw[3, 1, 2:].view(np.int8) // 2).view(np.uint8)  # at most 64 steps
+    q, scales = _q8_0_rows(blocks, 128)
+    assert torch.equal(q, torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(64, 128)))
+    assert torch.equal(scales, torch.from_numpy(
+        raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)))
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0))
+    assert torch.equal(int8_group_values(q, scales, 32), values)
+    again_q, again_scales = quantize_int8_groups(values, 32)
+    differs = (again_scales != scales).nonzero().tolist()
+    assert differs == [[3, 1]]
+    assert torch.equal(again_q.view(64, 4, 32)[:, 0], q.view(64, 4, 32)[:, 0])
+
+
 def test_the_library_is_built_once_and_privately(tmp_path, monkeypatch):
     if native._compiler() is None:
         pytest.skip("no C compiler")

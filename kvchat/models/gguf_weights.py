@@ -260,8 +260,8 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
                keep_blocks: bool = False, head_blocks: bool = False
                ) -> tuple[list[str], int, int]:
     """Fill `target`'s weight (in `dtype`) and / or pack the int8 head from `tensor`'s rows, a
-    chunk at a time (a Q8_0 head comes back as the file holds it: its scales are each group's
-    amax / 127); `tie_plain`: the head's weight is the embedding's. A tied embedding whose
+    chunk at a time (a Q8_0 head is the file's q and d themselves, `_q8_0_rows`, read without
+    de-quantizing); `tie_plain`: the head's weight is the embedding's. A tied embedding whose
     rows the int8 head gives back exactly (Q8_0) is read from the head (`TiedInt8Embedding`)
     instead of held again in bfloat16; `keep_blocks`: one of Q4_K or Q6_K keeps the file's
     blocks instead (`BlockEmbedding`); `head_blocks`: the head is a Q6_K tensor's blocks as
@@ -304,22 +304,31 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
                 target, None if block_head else file_blocks, tensor.ggml_type, cols,
                 head=block_head))
         _drop_pages(buf, tensor.offset, int(data.nbytes))  # copied: the map's pages can go
-    floats = table is not None or q is not None  # else the blocks alone: nothing de-quantized
-    for start in range(0, rows if floats else 0, step):
-        chunk = _dequantize(data[start : start + step], kind)
-        value = torch.from_numpy(chunk if chunk.flags.writeable else chunk.copy()).float()
-        end = start + len(value)
-        if q is not None and scales is not None:
-            q[start:end], scales[start:end] = quantize_int8_groups(value, group)
-            if shares and table is None and not torch.equal(
-                    int8_group_values(q[start:end], scales[start:end], group), value):
-                # not exact: the embedding keeps its own table, the rows so far from the head
-                table = torch.empty(rows, cols, dtype=dtype)
-                table[:start] = int8_group_values(q[:start], scales[:start], group).to(dtype)
-        if table is not None:
+    # a Q8_0 head is the file's own int8 values and scales, read without a float in between
+    q8_0 = q is not None and kind == GGMLQuantizationType.Q8_0 and group == _Q8_0_BLOCK
+    floats = table is not None or (q is not None and not q8_0)  # else no row de-quantized
+    for start in range(0, rows if floats or q8_0 else 0, step):
+        end = min(rows, start + step)
+        value: torch.Tensor | None = None
+        if q8_0 and q is not None and scales is not None:
+            q[start:end], scales[start:end] = _q8_0_rows(data[start:end], cols)
+            if table is not None:
+                value = int8_group_values(q[start:end], scales[start:end], group)
+        else:
+            chunk = _dequantize(data[start:end], kind)
+            value = torch.from_numpy(chunk if chunk.flags.writeable else chunk.copy()).float()
+            _release_freed(int(chunk.nbytes))
+            del chunk
+            if q is not None and scales is not None:
+                q[start:end], scales[start:end] = quantize_int8_groups(value, group)
+                if shares and table is None and not torch.equal(
+                        int8_group_values(q[start:end], scales[start:end], group), value):
+                    # not exact: the embedding keeps its own table, the rows so far from the head
+                    table = torch.empty(rows, cols, dtype=dtype)
+                    table[:start] = int8_group_values(q[:start], scales[:start], group).to(dtype)
+        if table is not None and value is not None:
             table[start:end] = value.to(dtype)
-        _release_freed(int(chunk.nbytes))
-        del chunk, value
+        del value
         row_bytes = int(data[0:1].nbytes)
         _drop_pages(buf, tensor.offset + start * row_bytes, (end - start) * row_bytes)
     if target is not None and table is not None:
@@ -336,6 +345,22 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         if shares and table is None and target is not None:
             model.set_input_embeddings(TiedInt8Embedding(target, head))
     return packed, min(rows, step) * cols * 4 if floats else 0, rows * cols
+
+
+_Q8_0_BLOCK = 32  # a Q8_0 block's values: a float16 scale d, then 32 int8 q (value d * q)
+
+
+def _q8_0_rows(data: Any, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of Q8_0 blocks ((rows, cols / 32 * 34) bytes) as (q (rows, cols) int8, scales
+    (rows, cols / 32) float32): each block's q and float32(d), so that q * scale is, exactly,
+    what gguf-py de-quantizes (d and q as float32, multiplied)."""
+    import numpy as np
+
+    blocks = np.asarray(data).reshape(-1, 2 + _Q8_0_BLOCK)
+    rows = len(data)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    q = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
+    return torch.from_numpy(q), torch.from_numpy(d)
 
 
 def _dequantize(data: Any, ggml_type: int) -> Any:
