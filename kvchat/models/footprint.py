@@ -45,10 +45,11 @@ if TYPE_CHECKING:
 # tokenizer, 130 / 65 MiB more (heap the load leaves behind, the model's classes).
 IMPORTS_BYTES = 340 * 2**20
 RUNTIME_BYTES = 470 * 2**20
-# A loaded tokenizer (`gguf.load_tokenizer`, the heap handed back after it) holds 18 MiB for
-# SmolLM2's 3.5 MB tokenizer.json and 109 MiB for Gemma 3's 33 MB: about 8 MiB plus 3.2 bytes
-# per byte of the file. It loads before the weights, and its passing peak (363 MiB for Gemma 3)
-# is over before they arrive.
+# A GGUF's loaded tokenizer (`gguf.load_tokenizer`, the heap handed back after it) holds
+# 18 MiB for SmolLM2's 3.5 MB tokenizer.json and 109 MiB for Gemma 3's 33 MB: about 8 MiB plus
+# 3.2 bytes per byte of the file (a class transformers builds itself, Qwen2's, holds more).
+# It loads before the weights, and its passing peak (363 MiB for Gemma 3) is over before they
+# arrive.
 TOKENIZER_BYTES = 8 * 2**20
 TOKENIZER_PER_FILE_BYTE = 3.2
 # De-quantizing a GGUF's largest tensor and packing it peaked at 3.8x (SmolLM2's embedding) and

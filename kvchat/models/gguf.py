@@ -189,15 +189,19 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 def load_tokenizer(folder: Path) -> Any:
     """The tokenizer `convert_gguf` saved in `folder`, read as the file it is.
 
-    AutoTokenizer would build the class the config names (GemmaTokenizer, Qwen2Tokenizer), and
-    those parse the vocabulary and merges in Python, rebuild the backend from them and keep
-    both: Gemma 3's 262,144 tokens and 514,906 merges held 260 MiB more after the load, 460
-    MiB at its peak. The saved tokenizer.json is that backend's own serialization, so the
-    generic class reading it in Rust encodes and decodes the same; its added tokens are passed
-    in, read from the file's head (`_added_tokens`), so transformers does not parse the whole
-    file in Python to find them."""
-    from transformers import PreTrainedTokenizerFast
+    AutoTokenizer would build the class the config names (GemmaTokenizer), which parses the
+    vocabulary and merges in Python, rebuilds the backend from them and keeps both: Gemma 3's
+    262,144 tokens and 514,906 merges held 260 MiB more after the load, 460 MiB at its peak.
+    Where the saved tokenizer.json is that class's whole pipeline (`_READ_AS_SAVED`), the
+    generic class reading it in Rust encodes and decodes the same; other classes (Qwen2's adds
+    an NFC normalizer and its own split pattern) load as transformers builds them. The added
+    tokens are passed in, read from the file's head (`_added_tokens`), so transformers does not
+    parse the whole file in Python to find them."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if _named_class(folder) not in _READ_AS_SAVED:
+        # Qwen2Tokenizer rebuilds a normalizer (NFC) and split pattern the saved file lacks
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     added = _added_tokens(folder / "tokenizer.json")
     extra: dict[str, Any] = {} if added is None else {"added_tokens_decoder": added}
     side = _padding_side(folder)
@@ -206,13 +210,27 @@ def load_tokenizer(folder: Path) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True, **extra)
 
 
+# the classes whose own pipeline is the saved tokenizer.json's (compared on GGUFs of each)
+_READ_AS_SAVED = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast", "GemmaTokenizer",
+                            "GPT2Tokenizer"})
+
+
+def _named_class(folder: Path) -> str | None:
+    try:
+        name = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")) \
+            .get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 def _padding_side(folder: Path) -> str | None:
     """The padding side of the tokenizer class `folder`'s config names, if it sets one."""
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
     try:
-        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-        named = tokenizer_class_from_name(name) if isinstance(name, str) else None
+        name = _named_class(folder)
+        named = tokenizer_class_from_name(name) if name is not None else None
     except (OSError, ValueError, ImportError):
         return None
     side = getattr(named, "padding_side", None)
