@@ -133,6 +133,26 @@ def gguf_tensor(weight: Any, qtype: str) -> tuple[Any, Any]:
     return raw.reshape(rows, -1), kind
 
 
+def add_tiny_tokenizer(writer: Any, tokenizer: PreTrainedTokenizerFast) -> None:
+    """`tokenizer` as a GGUF's "gpt2" tokenizer metadata, with its chat template."""
+    import gguf
+
+    tokens = [t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
+    )
+    # No merges: transformers then rebuilds them from scores, which must be present.
+    writer.add_token_merges([])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+
+
 def write_tiny_gguf(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path,
     qtype: Any = lambda name: "F32",
@@ -162,20 +182,7 @@ def write_tiny_gguf(
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType[named])
 
-    tokens = [t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(
-        [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
-    )
-    # No merges: transformers then rebuilds them from scores, which must be present.
-    writer.add_token_merges([])
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
+    add_tiny_tokenizer(writer, tokenizer)
 
     def rope_permute(weight: Any, heads: int) -> Any:
         # llama.cpp interleaves the rotary halves of each head; transformers undoes it on load.

@@ -411,10 +411,9 @@ def test_a_gguf_loads_from_the_file_with_its_config_and_tokenizer_written_once(
 def _metadata_only_gguf(path: Path, arch: str) -> Path:
     """A GGUF of `arch` with the tiny tokenizer and no tensors: what `convert_gguf` reads."""
     import gguf as gguf_py
-    from conftest import SPECIAL_TOKENS, build_tiny_tokenizer
+    from conftest import add_tiny_tokenizer, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
-    tokens = [t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
     writer = gguf_py.GGUFWriter(str(path), arch)
     writer.add_context_length(256)
     writer.add_embedding_length(64)
@@ -424,18 +423,8 @@ def _metadata_only_gguf(path: Path, arch: str) -> Path:
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf_py.TokenType.CONTROL if t in SPECIAL_TOKENS
-                            else gguf_py.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([])
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
+    writer.add_vocab_size(len(tokenizer))
+    add_tiny_tokenizer(writer, tokenizer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

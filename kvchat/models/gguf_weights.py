@@ -37,6 +37,13 @@ from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED, head_kept_as_
 from kvchat.models.gguf_int4 import drop_pages as _drop_pages
 from kvchat.models.gguf_int4 import int4_rows, row_order
 from kvchat.models.gguf_int4 import tensor_data as _data
+from kvchat.models.heap import (
+    MMAP_THRESHOLD_AFTER,
+    MMAP_THRESHOLD_LOADING,
+    TRIM_EVERY,
+    heap_mmap_threshold,
+    release_freed,
+)
 from kvchat.models.precision import GGUFTensor, gguf_layout
 from kvchat.models.quant import Int4Linear, Int8HeadLinear, Int8Linear, QuantLinear
 from kvchat.models.quant_embeddings import BlockEmbedding
@@ -64,12 +71,12 @@ def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtyp
     """The causal LM of `config` with the weights of `gguf`: linear layers packed to `precision`
     ("int4": int4 groups, the output head int8; "int8": int8 rows) where the kernels take their
     shape, everything else in `dtype`; for any other precision every tensor in `dtype`."""
-    _heap_mmap_threshold(_MMAP_THRESHOLD_LOADING)
+    heap_mmap_threshold(MMAP_THRESHOLD_LOADING)
     try:
         with open(gguf, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _load(buf, gguf, config, precision, dtype, progress)
     finally:
-        _heap_mmap_threshold(_MMAP_THRESHOLD_AFTER)
+        heap_mmap_threshold(MMAP_THRESHOLD_AFTER)
 
 
 def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.dtype,
@@ -146,12 +153,12 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
                     else:
                         head.weight = param
             del value
-        _release_freed(int(weights.nbytes))
+        release_freed(int(weights.nbytes))
         del weights, result
         _drop_pages(buf, tensor.offset, int(_data(buf, tensor).nbytes))
         if progress is not None:
             progress(done, total)
-    _release_freed(_TRIM_EVERY)  # what the last tensors left
+    release_freed(TRIM_EVERY)  # what the last tensors left
     missing = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ModelError(f"{gguf.name} lacks tensors this {type(model).__name__} needs: "
@@ -161,59 +168,6 @@ def _load(buf: mmap.mmap, gguf: Path, config: Any, precision: str, dtype: torch.
 
 
 RowLoad = Callable[[mmap.mmap, torch.dtype], tuple[list[str], int, int]]
-
-
-def _release_freed(freed: int) -> None:
-    """Hand the heap's freed pages back to the system (glibc's malloc_trim) once every
-    `_TRIM_EVERY` bytes of float32 intermediates freed: glibc keeps freed heap memory mapped,
-    and the process would stay at the load's peak (a Qwen2 0.5B-shaped Q4_K_M: 2.3 GiB
-    resident after loading, 1.0 GiB trimmed). A trim walks the heap (tens of ms), hence not
-    after every tensor. Nothing where there is no glibc."""
-    global _FREED
-    _FREED += freed
-    if _FREED >= _TRIM_EVERY:
-        release_heap()
-        _FREED = 0
-
-
-def release_heap() -> None:
-    """Hand every freed heap page back to the system now (glibc's malloc_trim; nothing where
-    there is no glibc): after a step whose transient allocations dwarf what it keeps."""
-    if _libc() is not None:
-        _libc().malloc_trim(0)
-
-
-_FREED = 0
-_TRIM_EVERY = 256 << 20
-# glibc serves allocations above its mmap threshold with their own mappings, returned to the
-# system when freed; the threshold grows with each such block freed (up to 32 MiB), after which
-# a load's float32 tensors fragment the heap instead. Fixed low while loading (a Qwen2 0.5B-shaped
-# Q4_K_M peaked at 1.74 GiB, 1.29 GiB with it), at glibc's ceiling after.
-_MMAP_THRESHOLD_LOADING = 4 << 20
-_MMAP_THRESHOLD_AFTER = 32 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number
-
-
-def _heap_mmap_threshold(size: int) -> None:
-    if _libc() is not None:
-        _libc().mallopt(_M_MMAP_THRESHOLD, size)
-
-
-def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC = lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else False
-        except OSError:
-            _LIBC = False
-    return _LIBC or None
-
-
-_LIBC: Any = None
 
 
 def _by_rows(model: Any, names: dict[str, str], tensor: GGUFTensor, packs: bool,
@@ -317,7 +271,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         else:
             chunk = _dequantize(data[start:end], kind)
             value = torch.from_numpy(chunk if chunk.flags.writeable else chunk.copy()).float()
-            _release_freed(int(chunk.nbytes))
+            release_freed(int(chunk.nbytes))
             del chunk
             if q is not None and scales is not None:
                 q[start:end], scales[start:end] = quantize_int8_groups(value, group)

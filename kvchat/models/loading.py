@@ -352,8 +352,8 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvchat.models.gguf import load_tokenizer
-    from kvchat.models.gguf_weights import release_heap
     from kvchat.models.gpu_weights import place
+    from kvchat.models.heap import release_heap
     from kvchat.models.quant import PRECISION_ATTRIBUTE, quantize_model, step_bytes
 
     source = resolve_model(spec)
