@@ -73,10 +73,9 @@ def test_a_gguf_streams_into_the_model_bit_for_bit_as_a_float32_copy_gave(
     from transformers import AutoModelForCausalLM
 
     from kvchat.models.gguf_weights import load_gguf_weights
-    from kvchat.models.gpu_weights import unpack_int4_nibbles
     from kvchat.models.native import int4_native
     from kvchat.models.precision import torch_dtype
-    from kvchat.models.quant import Int4Linear, quantize_model
+    from kvchat.models.quant import Int4Linear, quantize_model, unpack_int4
 
     config = build_tiny_config(tiny_tokenizer, hidden_size=256, intermediate_size=256,
                                num_hidden_layers=2)
@@ -115,10 +114,10 @@ def test_a_gguf_streams_into_the_model_bit_for_bit_as_a_float32_copy_gave(
         kind = QUANTS[quant](f"blk.{index}.{file_names.get(leaf, leaf)}.weight")
         if isinstance(layer, Int4Linear) and kind == "Q4_K" and int4_native():
             as_they_are.add(name)
-            w = unpack_int4_nibbles(layer.qweight, layer.in_features).reshape(
-                layer.out_features, -1, 32) * layer.scales.float()[..., None] \
-                + layer.zeros.float()[..., None]
-            slack = 16 * 2.0**-11 * (layer.scales.float().abs() + layer.zeros.float().abs())
+            q, scales, zeros = unpack_int4(layer.qweight, layer.scales, layer.zeros)
+            w = q.reshape(layer.out_features, -1, 32) * scales.float()[..., None] \
+                + zeros.float()[..., None]
+            slack = 16 * 2.0**-11 * (scales.float().abs() + zeros.float().abs())
             error = (w - floats[name].reshape(w.shape)).abs()
             assert (error <= slack[..., None] + 2.0**-24).all(), name
     assert bool(as_they_are) == (quant == "Q4_K_M" and precision == "int4" and int4_native())

@@ -9,14 +9,18 @@ from torch import nn
 
 from kvchat.engine.forward_plan import choose_forward
 from kvchat.models import gpu_weights, precision
-from kvchat.models.quant import Int4Linear, pack_int4_nibbles, quantize_int4
+from kvchat.models.quant import Int4Linear, pack_int4, quantize_int4, unpack_int4
 
 
 @pytest.mark.parametrize("k", [64, 96, 576])  # an even and an odd number of 32-column groups
 def test_nibbles_unpack_to_the_grid(k: int) -> None:
     q = torch.randint(0, 16, (48, k), generator=torch.Generator().manual_seed(k),
                       dtype=torch.int32)
-    assert torch.equal(gpu_weights.unpack_int4_nibbles(pack_int4_nibbles(q), k), q)
+    scales = torch.randn(48, k // 32).to(torch.float16)
+    zeros = torch.randn(48, k // 32).to(torch.float16)
+    back = unpack_int4(*pack_int4(q, scales, zeros))
+    assert torch.equal(back[0].to(torch.int32), q)
+    assert torch.equal(back[1], scales) and torch.equal(back[2], zeros)
 
 
 def test_grid_of_a_layer_is_the_grid_it_multiplies_by() -> None:

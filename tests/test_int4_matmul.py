@@ -1,6 +1,7 @@
-"""The int4 layers' kernel (models/int4_matmul.c via models/native.py): the float definition's
-sum, one set of bits per output whatever the batch, the threads, the tiling or the instruction
-set, and `Int4Linear` on it where the CPU has AVX-512 BF16 or AVX2 with FMA and F16C."""
+"""The int4 layers' kernel (models/int4_matmul.c via models/native.py): its tile layout, the
+definition's bits on the portable path, one set of bits per output whatever the batch, the
+threads or the instruction set, and `Int4Linear` on it where the CPU has AVX-512 VNNI or AVX2
+with FMA and F16C."""
 
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ import torch
 from torch import nn
 
 from kvchat.models import native
-from kvchat.models.quant import GROUP, Int4Linear, pack_int4_nibbles, quantize_int4
+from kvchat.models.quant import GROUP, Int4Linear, pack_int4, quantize_int4, unpack_int4
 
 needs_library = pytest.mark.skipif(native.library() is None, reason=native.kernel_name())
 needs_native = pytest.mark.skipif(not native.int4_native(), reason=native.int4_kernel_name())
 
 
 def _weights(n: int, k: int, seed: int = 0):
+    """(q, scales, zeros) by rows, and the same packed as the kernel reads them."""
     gen = torch.Generator().manual_seed(seed)
     q, scales, zeros = quantize_int4(torch.randn(n, k, generator=gen))
-    return q, pack_int4_nibbles(q), scales, zeros
+    return (q, scales, zeros), pack_int4(q, scales, zeros)
 
 
 def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -26,40 +28,80 @@ def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """pack_int4_nibbles' inverse, written from the layout's description in int4_matmul.c."""
-    n = packed.shape[0]
-    groups = k // GROUP
+    """The nibbles by rows, written from the layout's description in int4_matmul.c: group g of
+    tile t at 256 (t * groups + g), byte 2 r + h of chunk s holding row r's column 2 s + h low
+    and 16 + 2 s + h high."""
+    n, groups = packed.shape[0], k // GROUP
+    flat = packed.reshape(-1).long()
     q = torch.empty(n, k, dtype=torch.int64)
-    p = packed.long()
-    for g in range(groups):
-        if g == groups - 1 and groups % 2:
-            b = p[:, 16 * g : 16 * g + 16]
-            q[:, 32 * g : 32 * g + 16], q[:, 32 * g + 16 : 32 * g + 32] = b & 15, b >> 4
-        elif g % 2 == 0:
-            b = p[:, 16 * g : 16 * g + 32]  # the pair's 32 bytes: columns 64p + i and + 32
-            q[:, 32 * g : 32 * g + 32], q[:, 32 * g + 32 : 32 * g + 64] = b & 15, b >> 4
+    for row in range(n):
+        t, r = divmod(row, 16)
+        for g in range(groups):
+            for c in range(16):
+                byte = flat[256 * (t * groups + g) + 32 * (c // 2) + 2 * r + c % 2]
+                q[row, 32 * g + c], q[row, 32 * g + 16 + c] = byte & 15, byte >> 4
     return q
+
+
+def _definition(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                ) -> torch.Tensor:
+    """int4_matmul.c's definition, in torch: each activation group as integers on its power-of-
+    two grid, exact integer sums, then the float32 chains over the groups in order."""
+    m, k = x.shape
+    n, groups = q.shape[0], k // GROUP
+    bits = x.view(torch.int16).long() & 0xFFFF
+    e, mant = (bits >> 7) & 0xFF, 128 | (bits & 0x7F)
+    eg = e.view(m, groups, GROUP)
+    top = eg.amax(-1).clamp_min(15)
+    bad = (eg == 0xFF).any(-1)
+    d = top[..., None] - eg
+    sh = (d - 7).clamp(1, 8)
+    down = mant.view(m, groups, GROUP) >> sh
+    rem, half = mant.view(m, groups, GROUP) & ((1 << sh) - 1), 1 << (sh - 1)
+    down = down + ((rem > half) | ((rem == half) & (down % 2 == 1))).long()
+    val = torch.where(d <= 7, mant.view(m, groups, GROUP) << (7 - d).clamp_min(0), down)
+    val = torch.where((d - 7 >= 9) | (eg == 0) | (eg == 0xFF), 0, val)
+    val = torch.where((bits.view(m, groups, GROUP) & 0x8000) != 0, -val, val)
+    unit = torch.pow(2.0, (top - 141).double())
+    unit = torch.where(bad, float("nan"), unit)
+    dot = torch.einsum("mgc,ngc->mng", val, q.long().view(n, groups, GROUP))  # exact
+    xs = (val.sum(-1).double() * unit).float()  # S * u, exact
+    a = torch.zeros(m, n, dtype=torch.float32)
+    b = torch.zeros(m, n, dtype=torch.float32)
+    for g in range(groups):  # fma in float32: the float64 sum is exact for these sizes
+        t = (dot[..., g].double() * unit[:, g, None]).float().double()
+        a = (t * scales[:, g].double() + a.double()).float()
+        b = (xs[:, g, None].double() * zeros[:, g].double() + b.double()).float()
+    return (a + b).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("k", [32, 64, 96, 576])
 def test_the_nibbles_hold_each_column_where_the_layout_says(k):
-    q, packed, _, _ = _weights(48, k)
+    (q, scales, zeros), (packed, s_tiles, z_tiles) = _weights(48, k)
     assert packed.shape == (48, k // 2) and packed.dtype == torch.uint8
     assert torch.equal(_unpack(packed, k), q.long())
+    assert s_tiles.shape == scales.shape
+    # tile t's group g: rows 16 t .. 16 t + 15's scales side by side
+    assert torch.equal(s_tiles.reshape(3, k // GROUP, 16)[1, -1], scales[16:32, -1])
+    back = unpack_int4(packed, s_tiles, z_tiles)
+    assert torch.equal(back[0], q.to(torch.uint8)) and torch.equal(back[2], zeros)
 
 
 @needs_library
 @pytest.mark.parametrize("k", [32, 96, 128])
 def test_every_path_computes_the_float_definition(k):
-    q, packed, scales, zeros = _weights(64, k)
+    (q, scales, zeros), packed = _weights(64, k)
     x = _x(5, k)
+    x[1, :GROUP] *= torch.tensor([2.0**-12] * 16 + [1.0] * 16).to(torch.bfloat16)  # 12 binades
     groups = k // GROUP
     w = (q.double().view(64, groups, GROUP) * scales.double()[..., None]
          + zeros.double()[..., None]).view(64, k)
     exact = x.double() @ w.t()
+    want = _definition(x, q, scales, zeros)
     for isa in range(native.int4_isa() + 1):
-        out = native.int4_mm(x, packed, scales, zeros, isa=isa)
+        out = native.int4_mm(x, *packed, isa=isa)
         assert out.dtype == torch.bfloat16 and out.shape == (5, 64)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), isa
         # one bfloat16 rounding of a float32 sum: within a few bfloat16 steps of the exact value
         assert torch.allclose(out.double(), exact, rtol=2**-7, atol=1e-3), isa
 
@@ -67,18 +109,18 @@ def test_every_path_computes_the_float_definition(k):
 @needs_native
 @pytest.mark.parametrize("k", [64, 96])
 def test_a_row_gets_the_same_bits_alone_in_any_batch_under_any_threads_and_isa(k):
-    # 4,200 rows of 96 columns cross the kernel's 192 KiB weight tiles
-    n = 4200 if k == 96 else 80
-    _, packed, scales, zeros = _weights(n, k)
-    x = _x(11, k)
-    alone = [native.int4_mm(x[i : i + 1], packed, scales, zeros, isa=0)[0] for i in range(11)]
+    # 263 tiles: split unevenly over 2 and 3 threads
+    n = 4208 if k == 96 else 80
+    _, packed = _weights(n, k)
+    x = _x(70, k)  # past one cached chunk of 64 activation rows
+    alone = [native.int4_mm(x[i : i + 1], *packed, isa=0)[0] for i in range(70)]
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 2, 3):
             torch.set_num_threads(n_threads)
             for isa in range(native.int4_isa() + 1):
-                for rows in (1, 2, 7, 8, 9, 11):
-                    got = native.int4_mm(x[:rows], packed, scales, zeros, isa=isa)
+                for rows in (1, 2, 7, 8, 9, 11, 70):
+                    got = native.int4_mm(x[:rows], *packed, isa=isa)
                     for i in range(rows):
                         assert torch.equal(got[i], alone[i]), (n_threads, isa, rows, i)
     finally:
@@ -88,29 +130,32 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_under_any_threads_and_isa(k
 @needs_native
 @pytest.mark.parametrize("k", [32, 96, 576])
 def test_tiny_and_odd_activations_give_every_path_the_same_bits(k):
-    """Denormal and near-denormal inputs (their pair sums can be denormal: flushed), zeros of
-    either sign, infinities, odd group counts: each path gives the portable definition's bits."""
-    _, packed, scales, zeros = _weights(40, k, seed=5)
+    """Denormal and tiny inputs, zeros of either sign, values 20 binades apart in one group,
+    infinities, odd group counts: each path gives the portable definition's bits."""
+    (q, scales, zeros), packed = _weights(48, k, seed=5)
     x = _x(6, k, seed=6)
     x[0, :8] = torch.tensor([1e-39, -1e-39, 0.0, -0.0, 2**-120, -(2**-120) * 1.5, 3e-38, -2e-38])
-    x[1] = x[1] * 2**-118  # every pair near the smallest normal: sums cancel into denormals
+    x[1] = x[1] * 2**-118
     x[2, 3] = float("inf")
-    x[3, ::2] = -x[3, 1::2]  # exact cancellation in each pair
-    portable = native.int4_mm(x, packed, scales, zeros, isa=0)
+    x[3, 1] = x[3, 1] * 2**20
+    portable = native.int4_mm(x, *packed, isa=0)
+    finite = [0, 1, 3, 4, 5]  # row 2's NaNs: the same, whatever their payload
+    assert torch.equal(portable[finite].view(torch.int16),
+                       _definition(x, q, scales, zeros)[finite].view(torch.int16))
     for isa in range(1, native.int4_isa() + 1):
-        got = native.int4_mm(x, packed, scales, zeros, isa=isa)
+        got = native.int4_mm(x, *packed, isa=isa)
         assert torch.equal(got.view(torch.int16), portable.view(torch.int16)), isa
-    # pairs that cancel into a denormal sum count as zero: with unit weights, unit scales and
-    # zero zeros, such a row's outputs are exactly 0 on every path
-    ones = pack_int4_nibbles(torch.ones(40, k, dtype=torch.uint8))
-    unit, none = torch.ones(40, k // GROUP, dtype=torch.float16), torch.zeros_like(scales)
-    a = 2.0**-120
-    pairs = torch.tensor([a * (1 + 2**-7), -a] * (k // 2)).to(torch.bfloat16)[None]
+    assert portable[2].isnan().all() and not portable[[0, 1, 3, 4, 5]].isnan().any()
+    # denormal activations count as zero: with unit weights and zero zeros, a row of them
+    # gives exactly 0 on every path
+    ones = pack_int4(torch.ones(48, k, dtype=torch.uint8), torch.ones(48, k // GROUP).half(),
+                     torch.zeros(48, k // GROUP).half())
+    tiny = torch.full((1, k), 1e-39).to(torch.bfloat16)
     for isa in range(native.int4_isa() + 1):
-        assert not native.int4_mm(pairs, ones, unit, none, isa=isa).any(), isa
-    # rows without tiny values (no flush needed) give the same bits alone as beside them
-    for row in (4, 5):
-        alone = native.int4_mm(x[row : row + 1], packed, scales, zeros)
+        assert not native.int4_mm(tiny, *ones, isa=isa).any(), isa
+    # a row gives the same bits alone as beside the others
+    for row in (3, 4, 5):
+        alone = native.int4_mm(x[row : row + 1], *packed)
         assert torch.equal(alone[0].view(torch.int16), portable[row].view(torch.int16))
 
 
@@ -123,7 +168,7 @@ def test_int4_linear_runs_on_the_kernel_with_its_bias():
     assert layer.native and set(dict(layer.named_buffers())) == {"qweight", "scales", "zeros"}
     x = _x(4, 96)
     q, scales, zeros = quantize_int4(linear.weight)
-    want = native.int4_mm(x, pack_int4_nibbles(q), scales, zeros) + layer.bias
+    want = native.int4_mm(x, *pack_int4(q, scales, zeros)) + layer.bias
     assert torch.equal(layer(x), want)
     assert torch.equal(layer(x[None])[0], want)  # any leading shape
     # the same bytes as torch's layout: 4 bits a weight, a 16-bit scale and zero per group
@@ -158,7 +203,7 @@ def test_kvchat_models_names_the_int4_kernel(tiny_model_dir):
     assert "a batch can round a logit differently" in row(f16.output, "Forward")
 
 
-def test_an_x86_cpu_with_avx2_or_avx512_bf16_runs_the_native_kernel():
+def test_an_x86_cpu_with_avx2_or_avx512_vnni_runs_the_native_kernel():
     """So that the tests above cannot skip where they should run: /proc/cpuinfo's flags decide."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
@@ -166,19 +211,19 @@ def test_an_x86_cpu_with_avx2_or_avx512_bf16_runs_the_native_kernel():
         pytest.skip("no /proc/cpuinfo flags")
     if native._compiler() is None or native.library() is None:
         pytest.skip(native.kernel_name())
-    bf16 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}.issubset(flags)
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"}.issubset(flags)
     avx2 = {"avx2", "fma", "f16c"}.issubset(flags)
-    assert native.int4_isa() == (2 if bf16 else 1 if avx2 else 0), native.int4_kernel_name()
-    assert native.int4_native() == (bf16 or avx2)
+    assert native.int4_isa() == (2 if vnni else 1 if avx2 else 0), native.int4_kernel_name()
+    assert native.int4_native() == (vnni or avx2)
 
 
 @needs_native
 @pytest.mark.parametrize(("n", "k", "m"), [(64, 32, 1), (192, 576, 1), (960, 576, 7)])
 def test_the_bound_matmul_gives_int4_mms_bits_and_checks_its_input(n, k, m):
-    _, packed, scales, zeros = _weights(n, k)
-    mm = native.int4_bound(packed, scales, zeros)
+    _, packed = _weights(n, k)
+    mm = native.int4_bound(*packed)
     x = _x(m, 2 * k)[:, ::2]  # not contiguous: copied first, as int4_mm does
-    assert torch.equal(mm(x), native.int4_mm(x.contiguous(), packed, scales, zeros))
+    assert torch.equal(mm(x), native.int4_mm(x.contiguous(), *packed))
     with pytest.raises(ValueError, match="bfloat16"):
         mm(x.float())
     with pytest.raises(ValueError, match=f"\\(M, {k}\\)"):  # a narrower row is refused

@@ -180,11 +180,11 @@ def test_q4_rows_read_as_they_are_hold_the_files_grid(qtype, groups):
     import gguf
     import numpy as np
 
-    from kvchat.models.gpu_weights import unpack_int4_nibbles
+    from kvchat.models.quant import unpack_int4
 
     kind = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[kind]
-    n, k = 24, groups * 32
+    n, k = 32, groups * 32  # two tiles of 16 rows
     rng = np.random.default_rng(11)
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     halves = (rng.standard_normal((n, k // block, 2)) * 0.01).astype(np.float16)
@@ -193,9 +193,9 @@ def test_q4_rows_read_as_they_are_hold_the_files_grid(qtype, groups):
     data = raw.reshape(n, k // block * size)
     found = native.int4_from_blocks(data, int(kind))
     assert found is not None
-    packed, scales, zeros = found
-    assert packed.shape == (n, k // 2) and scales.shape == zeros.shape == (n, groups)
-    q = unpack_int4_nibbles(packed, k).numpy()
+    assert found[0].shape == (n, k // 2) and found[1].shape == found[2].shape == (n, groups)
+    q_rows, scales, zeros = unpack_int4(*found)
+    q = q_rows.numpy()
     d = halves[..., 0].astype(np.float32)
     m = halves[..., 1].astype(np.float32)
     if qtype == "Q4_1":
@@ -220,3 +220,4 @@ def test_q4_rows_read_as_they_are_hold_the_files_grid(qtype, groups):
     if qtype == "Q4_1":  # its grid is the file's, exactly
         assert np.array_equal(values.astype(np.float32), file_values)
     assert native.int4_from_blocks(data, int(gguf.GGMLQuantizationType.Q6_K)) is None
+    assert native.int4_from_blocks(data[:24], int(kind)) is None  # rows not in whole tiles

@@ -17,10 +17,10 @@
  * float copy and no grid to search: each group already is one. Q4_1 (20 bytes per 32: d, m
  * float16, 16 bytes with value j low in byte j and 16 + j high) gives scale d and zero m, its
  * own bits. Q4_K gives scale float16(d * sc) and zero float16(-(dmin * m)) (nearest even; the
- * products are exact in float), and its nibbles are already int4_matmul.c's pairs of groups:
- * its 128 bytes are copied as they are. */
+ * products are exact in float). Each 16 rows are then written as one of int4_matmul.c's tiles. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "native_sums.h"
@@ -94,13 +94,13 @@ int kvchat_gguf_blocks(int type, const uint8_t *src, long blocks, float *out, in
     return 0;
 }
 
-/* one row of Q4_K blocks: k / 256 blocks in, k / 2 bytes and k / 32 scales and zeros out;
- * 0, or 1 where a scale or zero is not finite as a float16 */
+/* one row of Q4_K blocks: k / 256 blocks in, k values (one a byte) and k / 32 scales and zeros
+ * out; 0, or 1 where a scale or zero is not finite as a float16 */
 static int q4_k_row(const uint8_t *in, long k, uint8_t *q, uint16_t *scales, uint16_t *zeros)
 {
     int bad = 0;
     for (long b = 0; b < k / QK_K; b++) {
-        const uint8_t *blk = in + b * 144;
+        const uint8_t *blk = in + b * 144, *qs = blk + 16;
         float d = half_float(read_u16(blk)), dmin = half_float(read_u16(blk + 2));
         for (int sub = 0; sub < 8; sub++) {
             int sc, m;
@@ -109,8 +109,9 @@ static int q4_k_row(const uint8_t *in, long k, uint8_t *q, uint16_t *scales, uin
             bad |= (scale & 0x7c00u) == 0x7c00u || (zero & 0x7c00u) == 0x7c00u;
             scales[8 * b + sub] = scale;
             zeros[8 * b + sub] = zero;
+            for (int j = 0; j < 32; j++)
+                q[QK_K * b + 32 * sub + j] = (qs[32 * (sub / 2) + j] >> (4 * (sub % 2))) & 15;
         }
-        memcpy(q + 128 * b, blk + 16, 128);
     }
     return bad;
 }
@@ -118,35 +119,46 @@ static int q4_k_row(const uint8_t *in, long k, uint8_t *q, uint16_t *scales, uin
 /* one row of Q4_1 blocks (k / 32 of them) */
 static int q4_1_row(const uint8_t *in, long k, uint8_t *q, uint16_t *scales, uint16_t *zeros)
 {
-    long groups = k / 32;
     int bad = 0;
-    for (long g = 0; g < groups; g++) {
+    for (long g = 0; g < k / 32; g++) {
         const uint8_t *blk = in + 20 * g, *qs = blk + 4;
         scales[g] = read_u16(blk);
         zeros[g] = read_u16(blk + 2);
         bad |= (scales[g] & 0x7c00u) == 0x7c00u || (zeros[g] & 0x7c00u) == 0x7c00u;
-        if (g == groups - 1 && groups % 2) { /* an odd last group: i low, 16 + i high, as here */
-            memcpy(q + 32 * (g / 2), qs, 16);
-            continue;
-        }
-        uint8_t *pair = q + 32 * (g / 2);
-        for (int i = 0; i < 32; i++) {
-            uint8_t v = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
-            pair[i] = g % 2 ? (uint8_t)((pair[i] & 15) | (v << 4)) : v;
+        for (int i = 0; i < 16; i++) {
+            q[32 * g + i] = qs[i] & 15;
+            q[32 * g + 16 + i] = qs[i] >> 4;
         }
     }
     return bad;
 }
 
-/* `rows` rows of `k` values in GGML type `type` (Q4_1 or Q4_K) from `src` into q ((rows, k / 2)
- * bytes), scales and zeros ((rows, k / 32) float16). Returns 0; -1 for another type or a k
- * the type cannot hold; -2 where a scale or zero overflows float16 (the caller grids the
- * values instead). */
+/* 16 rows of values (one a byte), scales and zeros into int4_matmul.c's tile layout */
+static void tile_pack(const uint8_t *v, const uint16_t *sv, const uint16_t *zv, long k,
+                      uint8_t *q, uint16_t *scales, uint16_t *zeros)
+{
+    long groups = k / 32;
+    for (long g = 0; g < groups; g++)
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *row = v + r * k + 32 * g;
+            for (int c = 0; c < 16; c++)
+                q[256 * g + 32 * (c / 2) + 2 * r + c % 2] = (uint8_t)(row[c] | (row[16 + c] << 4));
+            scales[16 * g + r] = sv[r * groups + g];
+            zeros[16 * g + r] = zv[r * groups + g];
+        }
+}
+
+/* `rows` rows (a multiple of 16) of `k` values in GGML type `type` (Q4_1 or Q4_K) from `src`
+ * into q ((rows, k / 2) bytes), scales and zeros ((rows, k / 32) float16), in int4_matmul.c's
+ * tile layout. Returns 0; -1 for another type, a k the type cannot hold or rows not in whole
+ * tiles; -2 where a scale or zero overflows float16 (the caller grids the values instead), -3
+ * when out of memory. */
 int kvchat_int4_from_blocks(int type, const uint8_t *src, long rows, long k, uint8_t *q,
                             uint16_t *scales, uint16_t *zeros, int threads)
 {
-    long row_bytes;
+    long row_bytes, groups = k / 32;
     int (*row)(const uint8_t *, long, uint8_t *, uint16_t *, uint16_t *);
+    if (rows % 16) return -1;
     if (type == Q4_K && k % QK_K == 0) {
         row_bytes = k / QK_K * 144;
         row = q4_k_row;
@@ -157,10 +169,22 @@ int kvchat_int4_from_blocks(int type, const uint8_t *src, long rows, long k, uin
         return -1;
     }
     int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
-    reduction(| : bad)
-    for (long r = 0; r < rows; r++)
-        bad |= row(src + r * row_bytes, k, q + r * (k / 2), scales + r * (k / 32),
-                   zeros + r * (k / 32));
-    return bad ? -2 : 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : bad)
+    {
+        uint8_t *v = malloc((size_t)(16 * k));
+        uint16_t *sz = malloc(sizeof(uint16_t) * (size_t)(32 * groups));
+        if (v == NULL || sz == NULL) bad |= 4;
+#pragma omp for schedule(static)
+        for (long t = 0; t < rows / 16; t++) {
+            if (v == NULL || sz == NULL) continue;
+            for (int r = 0; r < 16; r++)
+                bad |= row(src + (16 * t + r) * row_bytes, k, v + r * k, sz + r * groups,
+                           sz + (16 + r) * groups);
+            tile_pack(v, sz, sz + 16 * groups, k, q + 16 * t * (k / 2), scales + 16 * t * groups,
+                      zeros + 16 * t * groups);
+        }
+        free(v);
+        free(sz);
+    }
+    return bad & 4 ? -3 : bad ? -2 : 0;
 }

@@ -1,11 +1,11 @@
 """A GGUF's 4-bit linear weights put into kvchat's int4 layers as the file holds them.
 
 A Q4_1 or Q4_K group of 32 weights already is an int4 grid (w = q * scale + zero, q in
-[0, 15]), and Q4_K's nibbles are already laid out as kvchat's int4 kernel reads them
-(int4_matmul.c), so such a tensor needs neither a float copy nor a grid search
-(`quant.quantize_int4`): `native.int4_from_blocks` reads its rows as they are, and transformers'
-tensor processor, asked what it does to the row numbers, says which order they go in (Llama's
-q and k rows, interleaved by llama.cpp for its rope, go back to Hugging Face's). A tensor
+[0, 15]), so such a tensor needs neither a float copy nor a grid search
+(`quant.quantize_int4`): `native.int4_from_blocks` reads its rows as they are into the int4
+kernel's tiles (int4_matmul.c), and transformers' tensor processor, asked what it does to the
+row numbers, says which order they go in first (Llama's q and k rows, interleaved by llama.cpp
+for its rope, go back to Hugging Face's). A tensor
 whose processor does more than reorder rows, and every other type, is read as before
 (`gguf_weights`).
 """
@@ -27,13 +27,13 @@ def int4_rows(data: Any, ggml_type: int, order: Any) -> tuple[torch.Tensor, ...]
     """The int4 layout (qweight, scales, zeros) of a Q4_1 / Q4_K tensor's rows of bytes `data`,
     its rows put in `order` (None: as they are); None for another type or where kvchat's int4
     kernel does not run."""
+    import numpy as np
+
     from kvchat.models.native import int4_from_blocks
 
-    blocks = int4_from_blocks(data, ggml_type)
-    if blocks is None or order is None:
-        return blocks
-    rows = torch.from_numpy(order)
-    return tuple(t.index_select(0, rows).contiguous() for t in blocks)
+    if order is not None:  # rows reordered before they are tiled: one tensor's bytes copied
+        data = np.ascontiguousarray(data[order])
+    return int4_from_blocks(data, ggml_type)
 
 
 def row_order(processor: Any, name: str, names: dict[str, str], config: Any, n: int

@@ -35,6 +35,7 @@ from kvchat.models.quant import (
     QuantLinear,
     quantize_int4,
     torch_int4_scales,
+    unpack_int4,
 )
 from kvchat.models.quant_embeddings import BlockEmbedding
 
@@ -52,25 +53,14 @@ def int4_on_gpu(device: str) -> bool:
     return capability >= _MIN_CAPABILITY and hasattr(torch.ops.aten, "_weight_int4pack_mm")
 
 
-def unpack_int4_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """`quant.pack_int4_nibbles`' inverse: (N, K) int32 values in [0, 15]."""
-    n = packed.shape[0]
-    pairs = k // GROUP // 2
-    body = packed[:, : pairs * GROUP].reshape(n, pairs, 1, GROUP)
-    parts = [torch.cat([body & 15, body >> 4], dim=2).reshape(n, pairs * 2 * GROUP)]
-    if (k // GROUP) % 2:
-        tail = packed[:, pairs * GROUP :]
-        parts.append(torch.cat([tail & 15, tail >> 4], dim=1))
-    return torch.cat(parts, dim=1).to(torch.int32)
-
-
 def grid_of(layer: Int4Linear) -> Int4Grid:
     """The 4-bit grid `layer` multiplies by. kvchat's layout holds it as it is; torch's CPU
     layout is opaque, so its dequantized weight is gridded again (the same values, up to the
     bfloat16 rounding that layout already applied to the scales and zeros)."""
     if layer.native:
-        q = unpack_int4_nibbles(layer.get_buffer("qweight"), layer.in_features)
-        return Int4Grid(q, layer.get_buffer("scales"), layer.get_buffer("zeros"))
+        q, scales, zeros = unpack_int4(layer.get_buffer("qweight"), layer.get_buffer("scales"),
+                                       layer.get_buffer("zeros"))
+        return Int4Grid(q.to(torch.int32), scales, zeros)
     return quantize_int4(layer.dequantized())
 
 

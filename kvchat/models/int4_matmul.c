@@ -1,29 +1,28 @@
 /* The int4 linear layers' matmul: 4-bit weights in groups of 32 columns sharing a float16
  * scale and zero (w = q * scale + zero, q in [0, 15]: GGUF's Q4_1 grids exactly, as its d and
  * m are float16, and Q4_K's to float16's 11 bits), bfloat16 activations in, bfloat16 outputs
- * out:
+ * out, each output's sums in one order that depends on neither the number of rows, nor the
+ * threads, nor the instruction set.
  *
- * out[m, r] = bf16( sum over groups g of  scale[r, g] * D(r, g, m)  +  zero[r, g] * S(g, m) )
+ * Each activation group (32 columns of one row) is first written as 16-bit integers on a
+ * power-of-two grid: with e the largest exponent field of its values (at least 15), the unit is
+ * u = 2^(e - 141) and x_int = x / u rounded to nearest even, so every value within 7 binades of
+ * the group's largest is held exactly, the rest to 2^-15 of it, and |x_int| <= 32,640.
+ * Denormal values count as zero; a group holding an infinity or NaN gets u = NaN. Then
  *
- * with D the group's dot product of q and x and S the group's sum of x, all in one fixed
- * order that depends on neither the number of rows, nor the threads, nor the instruction set:
- * - D in 16 lanes, lane l = float(p[2l] + p[2l+1]), p[c] = q[c] * x[c] (exact in float:
- *   4 bits times bfloat16's 8). This is what AVX-512 BF16's vdpbf16ps gives with a zero
- *   accumulator (its products are exact and their sum is rounded once); the AVX2 path gets it
- *   as fma(q[2l+1], x[2l+1], q[2l] * x[2l]) (the product inside is exact too), so all three
- *   paths agree bit for bit; denormal inputs and sums count as zero in each, as the
- *   instruction flushes them;
- * - the lanes accumulate by fma(D[l], scale, .), the even groups in one set of 16 lanes and the
- *   odd ones in another, each in group order (two chains, so one row is not bound by the fma
- *   latency);
- * - S per group: the same pair sums over x, then the tree below; the zero terms in 16 lanes,
- *   lane l taking the groups g with g % 16 == l by fma in group order;
- * - the three sets are added lane by lane ((even + odd) + zero) and the 16 lanes summed as a
- *   fixed tree (l + l+8, + l+4, + l+2, + l+1).
+ *   out[m, r] = bf16(a + b),  a = fma(D_g * u_g, scale[r, g], a)  for g in order from a = 0,
+ *                             b = fma(S_g * u_g, zero[r, g], b)   likewise,
  *
- * Layout of q (N, K / 2 bytes): each pair of groups (64 columns, 32 bytes) holds column i in
- * byte i's low nibble and column 32 + i in its high nibble; an odd last group (16 bytes) holds
- * column i low and 16 + i high.
+ * with D_g the group's sum of q[r, c] * x_int[m, c] and S_g its sum of x_int[m, c]: integer
+ * sums, exact in any order (|D_g| < 2^24, so the float D_g and D_g * u_g are exact too).
+ * Integer products let AVX-512 VNNI's vpdpwssd take 32 of them an instruction, and AVX2's
+ * vpmaddwd 16, with the same bits.
+ *
+ * Layout: output rows in tiles of 16 (n % 16 == 0). Tile t's group g is 256 bytes at
+ * (t * groups + g) * 256: 8 chunks s of 32 bytes, byte 2 r + h of chunk s holding row 16 t + r's
+ * column 2 s + h in its low nibble and 16 + 2 s + h in its high one. Its scales and zeros are
+ * float16 (n / 16, groups, 16): row 16 t + r's at (t * groups + g) * 16 + r. The weight stays
+ * (n, k / 2) bytes and the scales (n, k / 32), each tile's rows whole.
  *
  * Built by kvchat/models/native.py with -fopenmp; it needs only libc, libm and libgomp. */
 
@@ -40,475 +39,261 @@
 #include "native_sums.h"
 
 #define GROUP 32
-#define ROW_BLOCK 8 /* activation rows sharing one decode of a weight group */
-#define TILE_BYTES (192 * 1024) /* packed weight rows kept in cache across the row blocks */
-#define PREFETCH 2048 /* bytes of weights ahead of the one read */
-#define PAD8(g) (((g) + 7) / 8 * 8)
-#define SCALES_MAX 2048 /* groups per row the AVX-512 path takes (k up to 65,536) */
-/* floats of a thread's scratch row (AVX2): a weight row's scales and zeros, whole cache lines */
-#define SCRATCH(k) ((2 * PAD8((k) / GROUP) + 15) / 16 * 16)
+#define TILE 16       /* output rows a tile holds */
+#define TILE_BYTES 256 /* one group of a tile */
+#define ROW_BLOCK 4   /* activation rows sharing one decode of a weight tile */
+#define ROW_CHUNK 64  /* activation rows kept in cache while a thread's tiles pass over them */
+#define PREFETCH 1024 /* bytes of weights ahead of the one read */
+#define MIN_EXP 15    /* the smallest exponent field a unit is taken from: u >= 2^-126 */
 
 typedef struct {
     const uint8_t *q;
-    const uint16_t *scales, *zeros, *x;
-    const float *xsum; /* (m_rows, groups) */
-    const float *xf;   /* AVX2: (m_rows, groups, 32): each group's even columns, then its odd */
+    const uint16_t *scales, *zeros;
+    const int16_t *xi;  /* (m_rows, k): x_int */
+    const float *u, *s; /* (m_rows, groups): each group's unit and S_g * u_g */
     uint16_t *out;
-    long m_rows, n, k, lo, hi;
-    int x_tiny;     /* AVX2: split_x's answer */
-    float *scratch; /* AVX2: one row's scales and zeros as floats, a thread's own */
-    const float *xpad; /* AVX2: xsum, each row run on with zeros to PAD8(groups) */
+    long m_rows, n, k, lo, hi; /* tiles [lo, hi) */
 } job_t;
 
-static inline float bf16_float(uint16_t v)
+/* one activation row's groups as x_int, u and S * u (the definition above) */
+static void quantize_row(const uint16_t *x, long k, int16_t *xi, float *u, float *s)
 {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float flushed(float f) /* denormals to zero, as vdpbf16ps takes and gives them */
-{
-    return fabsf(f) < 1.17549435e-38f ? 0.0f * f : f;
-}
-
-/* q[c] for column c of a row (the layout above) */
-static inline int nibble(const uint8_t *row, long c, long groups)
-{
-    long g = c / GROUP, i = c % GROUP;
-    if (g == groups - 1 && groups % 2) {
-        uint8_t byte = row[g * 16 + (i % 16)];
-        return i < 16 ? byte & 15 : byte >> 4;
-    }
-    long pair = g / 2, j = (g % 2) * 32 + i; /* column within the pair's 64 */
-    uint8_t byte = row[pair * 32 + (j % 32)];
-    return j < 32 ? byte & 15 : byte >> 4;
-}
-
-static void group_sums(const uint16_t *x, float *xsum, long m_rows, long k)
-{
-    long groups = k / GROUP;
-    for (long m = 0; m < m_rows; m++)
-        for (long g = 0; g < groups; g++) {
-            const uint16_t *v = x + m * k + g * GROUP;
-            float lane[16];
-            for (int l = 0; l < 16; l++) lane[l] = bf16_float(v[2 * l]) + bf16_float(v[2 * l + 1]);
-            xsum[m * groups + g] = tree16(lane);
+    for (long g = 0; g < k / GROUP; g++) {
+        const uint16_t *v = x + g * GROUP;
+        int top = MIN_EXP, bad = 0;
+        for (int c = 0; c < GROUP; c++) {
+            int e = (v[c] >> 7) & 0xff;
+            bad |= e == 0xff;
+            top = e > top ? e : top;
         }
+        int32_t sum = 0;
+        for (int c = 0; c < GROUP; c++) {
+            int e = (v[c] >> 7) & 0xff, d = top - e;
+            int32_t mant = 128 | (v[c] & 0x7f), val;
+            if (e == 0 || e == 0xff) {
+                val = 0;
+            } else if (d <= 7) {
+                val = mant << (7 - d);
+            } else if (d - 7 >= 9) {
+                val = 0;
+            } else { /* mant / 2^sh to nearest even */
+                int sh = d - 7;
+                int32_t rem = mant & ((1 << sh) - 1), half = 1 << (sh - 1);
+                val = mant >> sh;
+                val += rem > half || (rem == half && (val & 1));
+            }
+            val = v[c] & 0x8000 ? -val : val;
+            xi[g * GROUP + c] = (int16_t)val;
+            sum += val;
+        }
+        float unit = bad ? NAN : ldexpf(1.0f, top - 141);
+        u[g] = unit;
+        s[g] = (float)sum * unit;
+    }
 }
 
-static void zero_lanes(const uint16_t *zeros, const float *xsum, long groups, float *lane)
+/* out[m, 16 t + r] from a tile's 16 lanes a + b */
+static void store_tile(const job_t *j, long m, long t, const float *a, const float *b)
 {
-    for (int l = 0; l < 16; l++) lane[l] = 0.0f;
-    for (long g = 0; g < groups; g++)
-        lane[g % 16] = fmaf(half_float(zeros[g]), xsum[g], lane[g % 16]);
+    uint16_t *o = j->out + m * j->n + TILE * t;
+    for (int r = 0; r < TILE; r++) o[r] = float_bf16(a[r] + b[r]);
+}
+
+static void tile_portable(const job_t *j, long t, long m)
+{
+    long groups = j->k / GROUP;
+    const int16_t *xi = j->xi + m * j->k;
+    float a[TILE] = {0}, b[TILE] = {0};
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *w = j->q + (t * groups + g) * TILE_BYTES;
+        const uint16_t *sc = j->scales + (t * groups + g) * TILE, *ze = j->zeros + (t * groups + g) * TILE;
+        float u = j->u[m * groups + g], s = j->s[m * groups + g];
+        for (int r = 0; r < TILE; r++) {
+            int32_t d = 0;
+            for (int c = 0; c < 16; c++) {
+                uint8_t byte = w[32 * (c / 2) + 2 * r + c % 2];
+                d += (byte & 15) * xi[g * GROUP + c] + (byte >> 4) * xi[g * GROUP + 16 + c];
+            }
+            a[r] = fmaf((float)d * u, half_float(sc[r]), a[r]);
+            b[r] = fmaf(s, half_float(ze[r]), b[r]);
+        }
+    }
+    store_tile(j, m, t, a, b);
 }
 
 static void rows_portable(const job_t *j)
 {
-    long groups = j->k / GROUP, k = j->k;
-    for (long m = 0; m < j->m_rows; m++) {
-        const uint16_t *x = j->x + m * k;
-        for (long r = j->lo; r < j->hi; r++) {
-            const uint8_t *row = j->q + r * (k / 2);
-            float acc[2][16] = {{0}}, lanes[16];
-            for (long g = 0; g < groups; g++) {
-                float scale = half_float(j->scales[r * groups + g]);
-                for (int l = 0; l < 16; l++) {
-                    long c = g * GROUP + 2 * l;
-                    float p0 = (float)nibble(row, c, groups) * flushed(bf16_float(x[c]));
-                    float p1 = (float)nibble(row, c + 1, groups) * flushed(bf16_float(x[c + 1]));
-                    acc[g % 2][l] = fmaf(flushed(p0 + p1), scale, acc[g % 2][l]);
-                }
-            }
-            float z[16];
-            zero_lanes(j->zeros + r * groups, j->xsum + m * groups, groups, z);
-            for (int l = 0; l < 16; l++) lanes[l] = (acc[0][l] + acc[1][l]) + z[l];
-            j->out[m * j->n + r] = float_bf16(tree16(lanes));
-        }
-    }
+    for (long t = j->lo; t < j->hi; t++)
+        for (long m = 0; m < j->m_rows; m++) tile_portable(j, t, m);
 }
 
 #ifdef KVCHAT_X86
-/* weight rows per tile: TILE_BYTES of packed rows, a multiple of 16, stay in cache while every
- * row block of activations passes over them */
-static long tile_rows(long k)
+static inline int32_t pair_at(const int16_t *xi)
 {
-    long tile = TILE_BYTES / (k / 2);
-    return tile < 16 ? 16 : tile / 16 * 16;
-}
-
-/* x as the AVX2 path reads it: per group its 16 even columns, then its 16 odd ones, as floats
- * with denormals flushed (what vdpbf16ps does with them). Returns 1 when some nonzero x is
- * below 2^-118: only then can a pair sum q0 x0 + q1 x1 be denormal (both products are
- * multiples of 2^(e - 7) for the smaller exponent e, so a nonzero sum is at least 2^-125). */
-static int split_x(const uint16_t *x, float *xf, long m_rows, long k)
-{
-    int tiny = 0;
-    for (long m = 0; m < m_rows; m++)
-        for (long c = 0; c < k; c += 2) {
-            float *out = xf + m * k + (c / GROUP) * GROUP + (c % GROUP) / 2;
-            out[0] = flushed(bf16_float(x[m * k + c]));
-            out[GROUP / 2] = flushed(bf16_float(x[m * k + c + 1]));
-            for (int i = 0; i < 2; i++) {
-                float a = fabsf(out[i * GROUP / 2]);
-                tiny |= a != 0.0f && a < 0x1p-118f;
-            }
-        }
-    return tiny;
+    int32_t v;
+    memcpy(&v, xi, 4);
+    return v;
 }
 
 #define AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
-#define AVX2_ROW_BLOCK 4
 
-/* n float16s as floats, then zeros up to a multiple of 8 (the AVX2 path reads whole vectors) */
-AVX2 static void halves_float(const uint16_t *h, long n, float *out)
+/* Half h (rows 8 h to 8 h + 7) of tile t against activation rows m0 .. m0 + mb - 1: lane r of
+ * a chunk's 16 words (its bytes 16 h to 16 h + 15) is row 8 h + r's pair of low nibbles, or,
+ * shifted, of high ones; vpmaddwd sums each pair's products into 32 bits. */
+AVX2 static void half_avx2(const job_t *j, long t, int h, long m0, int mb, __m256 *a, __m256 *b)
 {
-    long g = 0;
-    for (; g + 8 <= n; g += 8)
-        _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
-    if (g < n) {
-        uint16_t rest[8] = {0};
-        memcpy(rest, h + g, sizeof(uint16_t) * (size_t)(n - g));
-        _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rest)));
+    long groups = j->k / GROUP, k = j->k;
+    const __m256i low = _mm256_set1_epi16(15);
+#pragma GCC unroll 4
+    for (int m = 0; m < mb; m++) a[m] = b[m] = _mm256_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *w = j->q + (t * groups + g) * TILE_BYTES + 16 * h;
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+        __m256i d0[ROW_BLOCK], d1[ROW_BLOCK];
+#pragma GCC unroll 4
+        for (int m = 0; m < mb; m++) d0[m] = d1[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 32 * c)));
+            __m256i lo = _mm256_and_si256(words, low), hi = _mm256_srli_epi16(words, 4);
+#pragma GCC unroll 4
+            for (int m = 0; m < mb; m++) {
+                const int16_t *xg = j->xi + (m0 + m) * k + GROUP * g + 2 * c;
+                __m256i p = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo, _mm256_set1_epi32(pair_at(xg))),
+                    _mm256_madd_epi16(hi, _mm256_set1_epi32(pair_at(xg + 16))));
+                if (c % 2) d1[m] = _mm256_add_epi32(d1[m], p);
+                else d0[m] = _mm256_add_epi32(d0[m], p);
+            }
+        }
+        long at = (t * groups + g) * TILE + 8 * h;
+        __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(j->scales + at)));
+        __m256 ze = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(j->zeros + at)));
+#pragma GCC unroll 4
+        for (int m = 0; m < mb; m++) {
+            long ug = (m0 + m) * groups + g;
+            __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0[m], d1[m])),
+                                     _mm256_set1_ps(j->u[ug]));
+            a[m] = _mm256_fmadd_ps(d, sc, a[m]);
+            b[m] = _mm256_fmadd_ps(_mm256_set1_ps(j->s[ug]), ze, b[m]);
+        }
     }
 }
 
-/* zero_lanes in two sets of 8 lanes: groups g with g % 16 == l, by fma in group order; `zeros`
- * and `xsum` run on with zeros to a multiple of 8 groups, whose fma(0, 0, .) changes no lane
- * (a lane is never -0: it starts at +0, and x + (+0) and exact cancellations give +0) */
-AVX2 static void zero_lanes256(const float *zeros, const float *xsum, long groups,
-                               __m256 *lo, __m256 *hi)
+AVX2 static void tile_avx2(const job_t *j, long t, long m0, int mb)
 {
-    __m256 lane[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (long g = 0; g < groups; g += 8)
-        lane[(g / 8) % 2] = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + g), _mm256_loadu_ps(xsum + g),
-                                            lane[(g / 8) % 2]);
-    *lo = lane[0];
-    *hi = lane[1];
-}
-
-/* tree16 over lanes lo (0-7) and hi (8-15) */
-AVX2 static float sum256(__m256 lo, __m256 hi)
-{
-    __m256 a = _mm256_add_ps(lo, hi);
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
-
-/* the low 4 bits of each 32-bit lane of v >> shift, as floats */
-AVX2 static __m256 nibbles(__m256i v, int shift)
-{
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift),
-                                               _mm256_set1_epi32(15)));
-}
-
-/* block_bf16's work on AVX2: `mb` activation rows against weight rows [lo, hi). Lane l of a
- * half h (0: lanes 0-7, 1: 8-15) reads bytes 16h + 2l and 16h + 2l + 1 of a pair, as one
- * 32-bit word: their low nibbles are the even group's columns, their high ones the odd's. The
- * halves are independent lanes, so each runs alone over the row (half the accumulators live at
- * once). `flush`: a pair sum may be denormal (see split_x); else the test is skipped. */
-AVX2 static void block_avx2(const job_t *j, long m0, int mb, long lo, long hi, int flush)
-{
-    long groups = j->k / GROUP, k = j->k, pairs = groups / 2;
-    const __m256 tiny = _mm256_set1_ps(1.17549435e-38f);
-    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (long r = lo; r < hi; r++) {
-        const uint8_t *row = j->q + r * (k / 2);
-        float *s = j->scratch, *zf = j->scratch + PAD8(groups);
-        halves_float(j->scales + r * groups, groups, s);
-        halves_float(j->zeros + r * groups, groups, zf);
-        __m256 lanes[AVX2_ROW_BLOCK][2];
-        for (int h = 0; h < 2; h++) {
-            __m256 acc[AVX2_ROW_BLOCK], odd[AVX2_ROW_BLOCK];
-#pragma GCC unroll 4
-            for (int m = 0; m < mb; m++) acc[m] = odd[m] = _mm256_setzero_ps();
-            for (long p = 0; p < pairs; p++) {
-                if (h == 0) _mm_prefetch((const char *)(row + 32 * p + PREFETCH), _MM_HINT_T0);
-                __m256 s0 = _mm256_broadcast_ss(s + 2 * p);
-                __m256 s1 = _mm256_broadcast_ss(s + 2 * p + 1);
-                __m256i v = _mm256_cvtepu16_epi32(
-                    _mm_loadu_si128((const __m128i *)(row + 32 * p + 16 * h)));
-                __m256 ae = nibbles(v, 0), ao = nibbles(v, 8);
-                __m256 be = nibbles(v, 4), bo = nibbles(v, 12);
-#pragma GCC unroll 4
-                for (int m = 0; m < mb; m++) {
-                    const float *xa = j->xf + (m0 + m) * k + 64 * p + 8 * h, *xb = xa + GROUP;
-                    __m256 da = _mm256_fmadd_ps(ao, _mm256_loadu_ps(xa + 16),
-                                                _mm256_mul_ps(ae, _mm256_loadu_ps(xa)));
-                    __m256 db = _mm256_fmadd_ps(bo, _mm256_loadu_ps(xb + 16),
-                                                _mm256_mul_ps(be, _mm256_loadu_ps(xb)));
-                    if (flush) { /* denormal sums to zero, NaN kept, as the portable path */
-                        da = _mm256_and_ps(da, _mm256_cmp_ps(_mm256_and_ps(da, abs), tiny,
-                                                             _CMP_NLT_UQ));
-                        db = _mm256_and_ps(db, _mm256_cmp_ps(_mm256_and_ps(db, abs), tiny,
-                                                             _CMP_NLT_UQ));
-                    }
-                    acc[m] = _mm256_fmadd_ps(da, s0, acc[m]);
-                    odd[m] = _mm256_fmadd_ps(db, s1, odd[m]);
-                }
-            }
-            if (groups % 2) { /* an odd last group: lanes 0-7 low nibbles, 8-15 high ones */
-                long g = groups - 1;
-                __m256 sg = _mm256_broadcast_ss(s + g);
-                __m256i v = _mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                    (const __m128i *)(row + 16 * g))), 4 * h);
-                __m256 qe = nibbles(v, 0), qo = nibbles(v, 8);
-#pragma GCC unroll 4
-                for (int m = 0; m < mb; m++) {
-                    const float *xg = j->xf + (m0 + m) * k + GROUP * g + 8 * h;
-                    __m256 d = _mm256_fmadd_ps(qo, _mm256_loadu_ps(xg + 16),
-                                               _mm256_mul_ps(qe, _mm256_loadu_ps(xg)));
-                    if (flush)
-                        d = _mm256_and_ps(d, _mm256_cmp_ps(_mm256_and_ps(d, abs), tiny,
-                                                           _CMP_NLT_UQ));
-                    acc[m] = _mm256_fmadd_ps(d, sg, acc[m]);
-                }
-            }
-#pragma GCC unroll 4
-            for (int m = 0; m < mb; m++) lanes[m][h] = _mm256_add_ps(acc[m], odd[m]);
-        }
-#pragma GCC unroll 4
-        for (int m = 0; m < mb; m++) {
-            __m256 z0, z1;
-            zero_lanes256(zf, j->xpad + (m0 + m) * PAD8(groups), groups, &z0, &z1);
-            j->out[(m0 + m) * j->n + r] = float_bf16(
-                sum256(_mm256_add_ps(lanes[m][0], z0), _mm256_add_ps(lanes[m][1], z1)));
-        }
+    __m256 a[2][ROW_BLOCK], b[2][ROW_BLOCK];
+    half_avx2(j, t, 0, m0, mb, a[0], b[0]);
+    half_avx2(j, t, 1, m0, mb, a[1], b[1]);
+    for (int m = 0; m < mb; m++) {
+        float fa[TILE], fb[TILE];
+        _mm256_storeu_ps(fa, a[0][m]);
+        _mm256_storeu_ps(fa + 8, a[1][m]);
+        _mm256_storeu_ps(fb, b[0][m]);
+        _mm256_storeu_ps(fb + 8, b[1][m]);
+        store_tile(j, m0 + m, t, fa, fb);
     }
 }
 
 __attribute__((target("avx2,fma,f16c")))
 static void rows_avx2(const job_t *j)
 {
-    long tile = tile_rows(j->k);
-    for (long t = j->lo; t < j->hi; t += tile) {
-        long hi = t + tile < j->hi ? t + tile : j->hi;
-        for (long m0 = 0; m0 < j->m_rows; m0 += AVX2_ROW_BLOCK) {
-            long left = j->m_rows - m0;
-            int mb = left < AVX2_ROW_BLOCK ? (int)left : AVX2_ROW_BLOCK;
-            if (j->x_tiny) {
-                switch (mb) {
-                case 1: block_avx2(j, m0, 1, t, hi, 1); break;
-                case 2: block_avx2(j, m0, 2, t, hi, 1); break;
-                case 3: block_avx2(j, m0, 3, t, hi, 1); break;
-                default: block_avx2(j, m0, 4, t, hi, 1); break;
-                }
-            } else {
-                switch (mb) {
-                case 1: block_avx2(j, m0, 1, t, hi, 0); break;
-                case 2: block_avx2(j, m0, 2, t, hi, 0); break;
-                case 3: block_avx2(j, m0, 3, t, hi, 0); break;
-                default: block_avx2(j, m0, 4, t, hi, 0); break;
+    for (long c0 = 0; c0 < j->m_rows; c0 += ROW_CHUNK) {
+        long c1 = c0 + ROW_CHUNK < j->m_rows ? c0 + ROW_CHUNK : j->m_rows;
+        for (long t = j->lo; t < j->hi; t++)
+            for (long m0 = c0; m0 < c1; m0 += ROW_BLOCK) {
+                switch (c1 - m0 < ROW_BLOCK ? c1 - m0 : ROW_BLOCK) {
+                case 1: tile_avx2(j, t, m0, 1); break;
+                case 2: tile_avx2(j, t, m0, 2); break;
+                case 3: tile_avx2(j, t, m0, 3); break;
+                default: tile_avx2(j, t, m0, 4); break;
                 }
             }
-        }
     }
 }
 
-#define BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"), \
-                            always_inline)) inline
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline
 
-/* zero_lanes, 16 groups a step */
-BF16 static __m512 zero_lanes512(const uint16_t *zeros, const float *xsum, long groups)
+/* Tile t against activation rows m0 .. m0 + mb - 1: lane r of a chunk's 32 words is row r's
+ * pair of low nibbles, or, shifted, of high ones; vpdpwssd adds each pair's products to it.
+ * Each row's sums run in four chains (chunk parity, low or high), added at the group's end. */
+VNNI static void tile_vnni(const job_t *j, long t, long m0, int mb)
 {
-    __m512 lane = _mm512_setzero_ps();
-    for (long g = 0; g < groups; g += 16) {
-        __mmask16 live = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
-        __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, zeros + g));
-        lane = _mm512_mask3_fmadd_ps(z, _mm512_maskz_loadu_ps(live, xsum + g), lane, live);
-    }
-    return lane;
-}
-
-/* vdpbf16ps with a zero accumulator: a pair's sum of products, rounded once */
-BF16 static __m512 pair_sums(__m512i w, __m512i x)
-{
-    return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w, (__m512bh)x);
-}
-
-/* bfloat16 of q for q = 0..15, twice (vpermw reads 32 words) */
-BF16 static __m512i q_table(void)
-{
-    return _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
-}
-
-/* a row's scales as floats, read by broadcasts from memory: a load each, where a float16
- * broadcast and its conversion took two vector uops of the port the table lookups need */
-BF16 static void row_scales(const uint16_t *s, long groups, float *sf)
-{
-    for (long g = 0; g < groups; g += 16) {
-        __mmask16 live = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
-        _mm512_storeu_ps(sf + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s + g)));
-    }
-}
-
-/* pair p of a weight row as bfloat16: w0 its even group, w1 its odd one. A byte per word:
- * vpermw reads the low 5 bits, so the low nibble indexes the twice-written table as it is, and
- * the high one once shifted down. */
-BF16 static void pair_words(const uint8_t *row, long p, __m512i table, __m512i *w0, __m512i *w1)
-{
-    /* one stream per thread reaches about 16 GB/s from memory on its own, 25 with this
-     * prefetch (a 2-core EPYC, 17,920 x 1,536 weights out of cache) */
-    _mm_prefetch((const char *)(row + 32 * p + PREFETCH), _MM_HINT_T0);
-    __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 32 * p)));
-    *w0 = _mm512_permutexvar_epi16(words, table);
-    *w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
-}
-
-/* a cache line of scales and of zeros per 16 pairs, ahead */
-BF16 static void prefetch_scales(const job_t *j, long r, long p)
-{
-    long groups = j->k / GROUP;
-    if (p % 16 == 0) {
-        _mm_prefetch((const char *)(j->scales + r * groups + 2 * p + PREFETCH / 8), _MM_HINT_T0);
-        _mm_prefetch((const char *)(j->zeros + r * groups + 2 * p + PREFETCH / 8), _MM_HINT_T0);
-    }
-}
-
-/* an odd last group (16 bytes, columns i and 16 + i) as bfloat16 */
-BF16 static __m512i last_words(const uint8_t *row, long g, __m512i table)
-{
-    __m128i b = _mm_loadu_si128((const __m128i *)(row + 16 * g));
-    __m256i both = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_and_si128(b, _mm_set1_epi8(15))),
-        _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)), 1);
-    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), table);
-}
-
-/* output (m, r) from its even and odd lanes: ((even + odd) + zero terms), summed as tree16 */
-BF16 static void finish(const job_t *j, long m, long r, __m512 even, __m512 odd)
-{
-    long groups = j->k / GROUP;
-    __m512 z = zero_lanes512(j->zeros + r * groups, j->xsum + m * groups, groups);
-    j->out[m * j->n + r] = float_bf16(sum512(_mm512_add_ps(_mm512_add_ps(even, odd), z)));
-}
-
-/* One row block of `mb` activation rows against weight rows [lo, hi); mb is a constant where
- * this is inlined, so the accumulators stay in registers. */
-BF16 static void block_bf16(const job_t *j, long m0, int mb, long lo, long hi)
-{
-    long groups = j->k / GROUP, k = j->k, pairs = groups / 2;
-    const __m512i table = q_table();
-    const __m512 zero = _mm512_setzero_ps();
-    const uint16_t *x = j->x + m0 * k;
-    float sf[SCALES_MAX + 16];
-    for (long r = lo; r < hi; r++) {
-        const uint8_t *row = j->q + r * (k / 2);
-        row_scales(j->scales + r * groups, groups, sf);
-        __m512 acc[ROW_BLOCK], odd[ROW_BLOCK];
+    long groups = j->k / GROUP, k = j->k;
+    const __m512i low = _mm512_set1_epi16(15);
+    __m512 a[ROW_BLOCK], b[ROW_BLOCK];
+#pragma GCC unroll 4
+    for (int m = 0; m < mb; m++) a[m] = b[m] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *w = j->q + (t * groups + g) * TILE_BYTES;
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 192), _MM_HINT_T0);
+        __m512i d[ROW_BLOCK][4];
+#pragma GCC unroll 4
+        for (int m = 0; m < mb; m++)
+            d[m][0] = d[m][1] = d[m][2] = d[m][3] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-        for (int m = 0; m < mb; m++) acc[m] = odd[m] = zero;
-        for (long p = 0; p < pairs; p++) {
-            __m512i w0, w1;
-            prefetch_scales(j, r, p);
-            pair_words(row, p, table, &w0, &w1);
-            __m512 s0 = _mm512_set1_ps(sf[2 * p]), s1 = _mm512_set1_ps(sf[2 * p + 1]);
-#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * c)));
+            __m512i lo = _mm512_and_si512(words, low), hi = _mm512_srli_epi16(words, 4);
+#pragma GCC unroll 4
             for (int m = 0; m < mb; m++) {
-                const uint16_t *xm = x + m * k + 64 * p;
-                __m512 d0 = _mm512_dpbf16_ps(zero, (__m512bh)w0,
-                                             (__m512bh)_mm512_loadu_si512(xm));
-                acc[m] = _mm512_fmadd_ps(d0, s0, acc[m]);
-                __m512 d1 = _mm512_dpbf16_ps(zero, (__m512bh)w1,
-                                             (__m512bh)_mm512_loadu_si512(xm + 32));
-                odd[m] = _mm512_fmadd_ps(d1, s1, odd[m]);
+                const int16_t *xg = j->xi + (m0 + m) * k + GROUP * g + 2 * c;
+                d[m][2 * (c % 2)] = _mm512_dpwssd_epi32(d[m][2 * (c % 2)], lo,
+                                                         _mm512_set1_epi32(pair_at(xg)));
+                d[m][2 * (c % 2) + 1] = _mm512_dpwssd_epi32(d[m][2 * (c % 2) + 1], hi,
+                                                             _mm512_set1_epi32(pair_at(xg + 16)));
             }
         }
-        if (groups % 2) {
-            long g = groups - 1;
-            __m512i w = last_words(row, g, table);
-            __m512 sg = _mm512_set1_ps(sf[g]);
-#pragma GCC unroll 8
-            for (int m = 0; m < mb; m++) {
-                __m512 d = _mm512_dpbf16_ps(zero, (__m512bh)w,
-                                            (__m512bh)_mm512_loadu_si512(x + m * k + GROUP * g));
-                acc[m] = _mm512_fmadd_ps(d, sg, acc[m]);
-            }
+        long at = (t * groups + g) * TILE;
+        __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->scales + at)));
+        __m512 ze = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->zeros + at)));
+#pragma GCC unroll 4
+        for (int m = 0; m < mb; m++) {
+            long ug = (m0 + m) * groups + g;
+            __m512i sum = _mm512_add_epi32(_mm512_add_epi32(d[m][0], d[m][1]),
+                                           _mm512_add_epi32(d[m][2], d[m][3]));
+            __m512 dq = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(j->u[ug]));
+            a[m] = _mm512_fmadd_ps(dq, sc, a[m]);
+            b[m] = _mm512_fmadd_ps(_mm512_set1_ps(j->s[ug]), ze, b[m]);
         }
-#pragma GCC unroll 8
-        for (int m = 0; m < mb; m++) finish(j, m0 + m, r, acc[m], odd[m]);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < mb; m++) {
+        float fa[TILE], fb[TILE];
+        _mm512_storeu_ps(fa, a[m]);
+        _mm512_storeu_ps(fb, b[m]);
+        store_tile(j, m0 + m, t, fa, fb);
     }
 }
 
-/* block_bf16 for one activation row, two weight rows at a time: each output's sums in the same
- * order, but four independent fma chains in flight instead of two, so a decode step is not
- * bound by the fma latency (one row's chains wait 4 cycles a pair) */
-BF16 static void block_bf16_one(const job_t *j, long m0, long lo, long hi)
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void rows_vnni(const job_t *j)
 {
-    long groups = j->k / GROUP, k = j->k, pairs = groups / 2, r = lo;
-    const __m512i table = q_table();
-    const __m512 zero = _mm512_setzero_ps();
-    const uint16_t *x = j->x + m0 * k;
-    float sa[SCALES_MAX + 16], sb[SCALES_MAX + 16];
-    for (; r + 1 < hi; r += 2) {
-        const uint8_t *ra = j->q + r * (k / 2), *rb = ra + k / 2;
-        row_scales(j->scales + r * groups, groups, sa);
-        row_scales(j->scales + (r + 1) * groups, groups, sb);
-        __m512 acc_a = zero, odd_a = zero, acc_b = zero, odd_b = zero;
-        for (long p = 0; p < pairs; p++) {
-            __m512i a0, a1, b0, b1;
-            prefetch_scales(j, r, p);
-            prefetch_scales(j, r + 1, p);
-            pair_words(ra, p, table, &a0, &a1);
-            pair_words(rb, p, table, &b0, &b1);
-            __m512i x0 = _mm512_loadu_si512(x + 64 * p), x1 = _mm512_loadu_si512(x + 64 * p + 32);
-            acc_a = _mm512_fmadd_ps(pair_sums(a0, x0), _mm512_set1_ps(sa[2 * p]), acc_a);
-            acc_b = _mm512_fmadd_ps(pair_sums(b0, x0), _mm512_set1_ps(sb[2 * p]), acc_b);
-            odd_a = _mm512_fmadd_ps(pair_sums(a1, x1), _mm512_set1_ps(sa[2 * p + 1]), odd_a);
-            odd_b = _mm512_fmadd_ps(pair_sums(b1, x1), _mm512_set1_ps(sb[2 * p + 1]), odd_b);
-        }
-        if (groups % 2) {
-            long g = groups - 1;
-            __m512bh xg = (__m512bh)_mm512_loadu_si512(x + GROUP * g);
-            acc_a = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, (__m512bh)last_words(ra, g, table), xg),
-                                    _mm512_set1_ps(sa[g]), acc_a);
-            acc_b = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, (__m512bh)last_words(rb, g, table), xg),
-                                    _mm512_set1_ps(sb[g]), acc_b);
-        }
-        finish(j, m0, r, acc_a, odd_a);
-        finish(j, m0, r + 1, acc_b, odd_b);
-    }
-    if (r < hi) block_bf16(j, m0, 1, r, hi);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-static void rows_bf16(const job_t *j)
-{
-    long tile = tile_rows(j->k);
-    for (long t = j->lo; t < j->hi; t += tile) {
-        long hi = t + tile < j->hi ? t + tile : j->hi;
-        for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK) {
-            long left = j->m_rows - m0;
-            switch (left < ROW_BLOCK ? left : ROW_BLOCK) {
-            case 1: block_bf16_one(j, m0, t, hi); break;
-            case 2: block_bf16(j, m0, 2, t, hi); break;
-            case 3: block_bf16(j, m0, 3, t, hi); break;
-            case 4: block_bf16(j, m0, 4, t, hi); break;
-            case 5: block_bf16(j, m0, 5, t, hi); break;
-            case 6: block_bf16(j, m0, 6, t, hi); break;
-            case 7: block_bf16(j, m0, 7, t, hi); break;
-            default: block_bf16(j, m0, 8, t, hi); break;
+    for (long c0 = 0; c0 < j->m_rows; c0 += ROW_CHUNK) {
+        long c1 = c0 + ROW_CHUNK < j->m_rows ? c0 + ROW_CHUNK : j->m_rows;
+        for (long t = j->lo; t < j->hi; t++)
+            for (long m0 = c0; m0 < c1; m0 += ROW_BLOCK) {
+                switch (c1 - m0 < ROW_BLOCK ? c1 - m0 : ROW_BLOCK) {
+                case 1: tile_vnni(j, t, m0, 1); break;
+                case 2: tile_vnni(j, t, m0, 2); break;
+                case 3: tile_vnni(j, t, m0, 3); break;
+                default: tile_vnni(j, t, m0, 4); break;
+                }
             }
-        }
     }
 }
 #endif
 
-/* 2: AVX-512 with BF16 dot products, 1: AVX2 with FMA and F16C, 0: portable C */
+/* 2: AVX-512 with VNNI, 1: AVX2 with FMA and F16C, 0: portable C */
 int kvchat_int4_isa(void)
 {
 #ifdef KVCHAT_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
-        && __builtin_cpu_supports("avx512bf16"))
+        && __builtin_cpu_supports("avx512vnni"))
         return 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
         && __builtin_cpu_supports("f16c"))
@@ -519,59 +304,42 @@ int kvchat_int4_isa(void)
 
 static int best_isa = -1;
 
-/* q: (n, k / 2) bytes, the layout above; scales, zeros: (n, k / 32) float16; x: (m_rows, k)
- * bfloat16; out: (m_rows, n) bfloat16. k must be a multiple of 32. Returns 0, -1 when the
- * arguments are not that, -2 when out of memory. */
+/* q: (n, k / 2) bytes, scales, zeros: (n, k / 32) float16, in the layout above; x: (m_rows, k)
+ * bfloat16; out: (m_rows, n) bfloat16. k must be a multiple of 32 and n of 16. Returns 0, -1
+ * when the arguments are not that, -2 when out of memory. */
 int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
                    const uint16_t *x, uint16_t *out, long m_rows, long n, long k,
                    int threads, int force_isa)
 {
-    if (k <= 0 || k % GROUP || n <= 0 || m_rows < 0) return -1;
+    if (k <= 0 || k % GROUP || n <= 0 || n % TILE || m_rows < 0) return -1;
     if (m_rows == 0) return 0;
-    float *xsum = malloc(sizeof(float) * (size_t)(m_rows * (k / GROUP)));
-    if (xsum == NULL) return -2;
+    long groups = k / GROUP;
+    /* x_int, then the units and S * u: one allocation, whole cache lines */
+    size_t xi_bytes = ((size_t)(m_rows * k) * sizeof(int16_t) + 63) / 64 * 64;
+    size_t f_bytes = ((size_t)(m_rows * groups) * sizeof(float) + 63) / 64 * 64;
+    char *scratch = aligned_alloc(64, xi_bytes + 2 * f_bytes);
+    if (scratch == NULL) return -2;
+    int16_t *xi = (int16_t *)scratch;
+    float *u = (float *)(scratch + xi_bytes), *s = (float *)(scratch + xi_bytes + f_bytes);
     if (best_isa < 0) best_isa = kvchat_int4_isa();
     int isa = force_isa >= 0 && force_isa < best_isa ? force_isa : best_isa;
     if (threads < 1) threads = 1;
-    float *xf = NULL;
-    int x_tiny = 0;
-    long pad = (m_rows * PAD8(k / GROUP) + 15) / 16 * 16; /* floats of the padded group sums */
-    if (isa == 1) {
-        /* the split activations, the padded group sums, then each chunk's scratch row, whole
-         * cache lines apart (threads writing one line would take it from each other) */
-        size_t floats = (size_t)(m_rows * k + pad + (n + 15) / 16 * SCRATCH(k)); /* k % 32 == 0 */
-        xf = aligned_alloc(64, sizeof(float) * floats);
-        if (xf == NULL) {
-            free(xsum);
-            return -2;
-        }
-        x_tiny = split_x(x, xf, m_rows, k);
-    }
-    group_sums(x, xsum, m_rows, k);
-    if (xf) { /* the AVX2 path's copy of xsum, padded */
-        long groups = k / GROUP;
-        float *xpad = xf + m_rows * k;
-        memset(xpad, 0, sizeof(float) * (size_t)(m_rows * PAD8(groups)));
-        for (long m = 0; m < m_rows; m++)
-            memcpy(xpad + m * PAD8(groups), xsum + m * groups, sizeof(float) * (size_t)groups);
-    }
-    long per = (n + threads - 1) / threads;
-    per = (per + 15) / 16 * 16;
-    long chunks = (n + per - 1) / per;
+    #pragma omp parallel for num_threads(m_rows < 16 ? 1 : threads) schedule(static)
+    for (long m = 0; m < m_rows; m++)
+        quantize_row(x + m * k, k, xi + m * k, u + m * groups, s + m * groups);
+    long tiles = n / TILE, per = (tiles + threads - 1) / threads;
+    long chunks = (tiles + per - 1) / per;
     #pragma omp parallel for num_threads(chunks < threads ? (int)chunks : threads) \
         schedule(static, 1)
     for (long c = 0; c < chunks; c++) {
-        job_t job = {q, scales, zeros, x, xsum, xf, out, m_rows, n, k, c * per,
-                     c * per + per < n ? c * per + per : n, x_tiny,
-                     xf ? xf + m_rows * k + pad + c * SCRATCH(k) : NULL,
-                     xf ? xf + m_rows * k : NULL};
+        job_t job = {q, scales, zeros, xi, u, s, out, m_rows, n, k, c * per,
+                     c * per + per < tiles ? c * per + per : tiles};
 #ifdef KVCHAT_X86
-        if (isa == 2 && k / GROUP <= SCALES_MAX) { rows_bf16(&job); continue; }
+        if (isa == 2) { rows_vnni(&job); continue; }
         if (isa == 1) { rows_avx2(&job); continue; }
 #endif
         rows_portable(&job);
     }
-    free(xsum);
-    free(xf);
+    free(scratch);
     return 0;
 }

@@ -11,12 +11,12 @@ definition). Where no compiler is found, or KVCHAT_NATIVE=0, `int8_head_mm` comp
 sum in torch (float32, one row at a time, a fixed chunk of weight rows at a time): slower, and
 its bits are its own.
 
-The int4 kernel runs on x86 CPUs with AVX-512 BF16 dot products (AMD Zen 4 and later, Intel
-Sapphire Rapids and later) or with AVX2, FMA and F16C (Intel Haswell and AMD Zen and later): it
-reads the 4-bit groups once per step and gives each output one order of sums whatever the rows,
-the threads or the instruction set, as its source says, so the same weights and inputs give the
-same bits on either kind of machine. Elsewhere the int4 layers keep torch's own kernel and
-layout (`int4_native`).
+The int4 kernel runs on x86 CPUs with AVX-512 VNNI (AMD Zen 4 and later, Intel Cascade Lake and
+later) or with AVX2, FMA and F16C (Intel Haswell and AMD Zen and later): it multiplies the 4-bit
+groups by 16-bit integer activations on a power-of-two grid per group, exact integer sums, then
+one order of float sums per output whatever the rows, the threads or the instruction set, as its
+source says, so the same weights and inputs give the same bits on either kind of machine.
+Elsewhere the int4 layers keep torch's own kernel and layout (`int4_native`).
 
 When a model is packed, gguf_blocks.c reads a GGUF's Q4_1 and Q4_K rows straight into the int4
 layout (their groups already are grids), de-quantizes its Q6_K blocks and the Q4_K ones bound
@@ -53,7 +53,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_sums.h", "attention.h"))
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
 ISAS = ("portable C", "AVX2", "AVX-512")
-INT4_ISAS = ("portable C", "AVX2", "AVX-512 BF16")
+INT4_ISAS = ("portable C", "AVX2", "AVX-512 VNNI")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fopenmp"]
 _FALLBACK_ROWS = 16384  # weight rows de-quantized at a time by the torch path
 
@@ -165,13 +165,14 @@ def int4_kernel_name() -> str:
         return kernel_name()  # why there is no native library
     if int4_native():
         return f"native {INT4_ISAS[int4_isa()]}"
-    return "torch (this CPU has neither AVX-512 BF16 nor AVX2 with FMA and F16C)"
+    return "torch (this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C)"
 
 
 def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             isa: int = -1) -> torch.Tensor:
     """(M, K) bfloat16 activations times the int4 weight `q` ((N, K / 2) bytes, int4_matmul.c's
-    layout) whose groups of 32 columns have float16 `scales` and `zeros` ((N, K / 32)):
+    tiles, `quant.pack_int4`) whose groups of 32 columns have float16 `scales` and `zeros`
+    ((N, K / 32), tiled alike):
     (M, N) bfloat16. `isa` caps the instruction set (tests: 0 is the portable path)."""
     import torch
 
@@ -188,7 +189,8 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch
     rc = lib.kvchat_int4_mm(q.data_ptr(), scales.data_ptr(), zeros.data_ptr(), x.data_ptr(),
                             out.data_ptr(), m, n, k, torch.get_num_threads(), isa)
     if rc != 0:
-        raise ValueError(f"int4 matmul: no kernel for K={k}" if rc == -1 else "out of memory")
+        raise ValueError(f"int4 matmul: no kernel for K={k}, N={n}" if rc == -1
+                         else "out of memory")
     return out
 
 
@@ -276,9 +278,9 @@ def gguf_blocks(data: Any, ggml_type: int) -> Any:
 def int4_from_blocks(data: Any, ggml_type: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A GGUF tensor's Q4_1 or Q4_K rows (`data`: its rows of bytes, gguf-py's shape) as the int4
-    layers' own layout, read as they are (gguf_blocks.c): (q (N, K / 2) bytes, int4_matmul.c's
-    layout; scales, zeros (N, K / 32) float16). None for another type, where the layers do not
-    run on kvchat's kernel, or where a scale overflows float16."""
+    layers' own layout, read as they are (gguf_blocks.c): (q (N, K / 2) bytes, scales, zeros
+    (N, K / 32) float16, int4_matmul.c's tiles). None for another type, rows not in whole tiles
+    of 16, where the layers do not run on kvchat's kernel, or where a scale overflows float16."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -288,7 +290,7 @@ def int4_from_blocks(data: Any, ggml_type: int
     if lib is None or not int4_native() or ggml_type not in kinds or data.ndim != 2:
         return None
     values, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    if data.shape[-1] % size:
+    if data.shape[-1] % size or data.shape[0] % 16:
         return None
     src = np.ascontiguousarray(data)
     n, k = src.shape[0], src.shape[1] // size * values

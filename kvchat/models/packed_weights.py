@@ -221,7 +221,7 @@ def _layout() -> str:
     from kvchat.models.native import int4_native
 
     if int4_native():
-        return "native"
+        return "native_tiles"
     return f"torch_{platform.machine()}_{torch.backends.cpu.get_cpu_capability()}".lower()
 
 

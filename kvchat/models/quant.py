@@ -11,8 +11,9 @@ draft verification all see the same numbers.
 - int4: groups of 32 input columns share a float16 scale and zero, w = q * scale + zero with q
   in [0, 15] (GGUF's Q4_1 and Q4_K are such grids; a Q4_1 group's d and m are float16, so its
   weights come back exactly, those of the float32 model a GGUF loads as), computed by kvchat's
-  kernel where the CPU has AVX-512 BF16 or AVX2 with FMA and F16C (int4_matmul.c: each output
-  in one fixed order of sums, the same bits on either), else packed by
+  kernel where the CPU has AVX-512 VNNI or AVX2 with FMA and F16C (int4_matmul.c: exact
+  integer sums per group, then one fixed order of float sums per output, the same bits on
+  either), else packed by
   `_convert_weight_to_int4pack_for_cpu` for torch's, whose bfloat16 scales and zeros round
   them (w = (q - 8) * scale + zero there).
 - int8: one scale per output row, w = q * scale, q in [-127, 127].
@@ -182,22 +183,47 @@ class QuantLinear(nn.Module):
                f"bits={self.bits}"
 
 
-def pack_int4_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) values in [0, 15] as int4_matmul.c's (N, K / 2) bytes: in each pair of groups
-    (64 columns) byte i holds column i low and 32 + i high; an odd last group, i and 16 + i."""
+TILE = 16  # output rows of one int4_matmul.c tile
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) values in [0, 15] and their (N, K / 32) float16 scales and zeros as int4_matmul.c's
+    tiles of 16 rows: (N, K / 2) bytes, group g of tile t at 256 (t * groups + g), byte 2 r + h of
+    its chunk s holding row r's column 2 s + h low and 16 + 2 s + h high; scales and zeros
+    (N / 16, groups, 16), held as (N, K / 32)."""
     n, k = q.shape
-    pairs = k // GROUP // 2
-    body = q[:, : pairs * 2 * GROUP].reshape(n, pairs, 2, GROUP).to(torch.uint8)
-    parts = [(body[:, :, 0] | (body[:, :, 1] << 4)).reshape(n, pairs * GROUP)]
-    if (k // GROUP) % 2:
-        tail = q[:, pairs * 2 * GROUP :].reshape(n, 2, GROUP // 2).to(torch.uint8)
-        parts.append(tail[:, 0] | (tail[:, 1] << 4))
-    return torch.cat(parts, dim=1).contiguous()
+    groups = k // GROUP
+    cols = q.to(torch.uint8).reshape(n // TILE, TILE, groups, 2, 8, 2)  # t, r, g, half, s, h
+    cols = cols.permute(0, 2, 4, 1, 5, 3)  # t, g, s, r, h, half
+    packed = (cols[..., 0] | (cols[..., 1] << 4)).reshape(n, k // 2).contiguous()
+    return packed, _tiled(scales), _tiled(zeros)
+
+
+def _tiled(values: torch.Tensor) -> torch.Tensor:
+    n, groups = values.shape
+    return values.reshape(n // TILE, TILE, groups).transpose(1, 2).reshape(n, groups).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_int4`'s inverse: (N, K) uint8 values, (N, K / 32) scales and zeros by rows."""
+    n, half_k = packed.shape
+    groups = half_k // 16
+    b = packed.reshape(n // TILE, groups, 8, TILE, 2)  # t, g, s, r, h
+    cols = torch.stack([b & 15, b >> 4], dim=-1)  # t, g, s, r, h, half
+    q = cols.permute(0, 3, 1, 5, 2, 4).reshape(n, 2 * half_k).contiguous()
+
+    def rows(values: torch.Tensor) -> torch.Tensor:
+        return values.reshape(n // TILE, groups, TILE).transpose(1, 2).reshape(n, groups)
+
+    return q, rows(scales).contiguous(), rows(zeros).contiguous()
 
 
 class Int4Linear(QuantLinear):
     """4-bit groups of 32 columns. Where kvchat's kernel runs (`native.int4_native`) the layer
-    holds its layout: `qweight` (N, K / 2) bytes, `scales` and `zeros` (N, K / 32) float16;
+    holds its tile layout (`pack_int4`): `qweight` (N, K / 2) bytes, `scales` and `zeros`
+    (N, K / 32) float16;
     elsewhere torch's packed weight and (K / 32, N, 2) bfloat16 scales and zeros."""
 
     bits = 4
@@ -216,9 +242,9 @@ class Int4Linear(QuantLinear):
         grid = quantize_int4(linear.weight, group)
         self.native = group == GROUP and linear.weight.device.type == "cpu" and int4_native()
         if self.native:
-            self.register_buffer("qweight", pack_int4_nibbles(grid.q))
-            self.register_buffer("scales", grid.scales)
-            self.register_buffer("zeros", grid.zeros)
+            for name, tensor in zip(("qweight", "scales", "zeros"),
+                                    pack_int4(grid.q, grid.scales, grid.zeros), strict=True):
+                self.register_buffer(name, tensor)
             return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(grid.q, 1)  # (N, K / 2) uint8
         self.register_buffer("packed", packed)
