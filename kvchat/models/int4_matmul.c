@@ -43,7 +43,7 @@
 #define TILE_BYTES 256 /* one group of a tile */
 #define ROW_BLOCK 4   /* activation rows sharing one decode of a weight tile */
 #define ROW_CHUNK 64  /* activation rows kept in cache while a thread's tiles pass over them */
-#define PREFETCH 1024 /* bytes of weights ahead of the one read */
+#define PREFETCH 2048 /* bytes of weights ahead of the one read */
 #define MIN_EXP 15    /* the smallest exponent field a unit is taken from: u >= 2^-126 */
 
 typedef struct {
