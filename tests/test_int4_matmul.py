@@ -228,3 +228,22 @@ def test_the_bound_matmul_gives_int4_mms_bits_and_checks_its_input(n, k, m):
         mm(x.float())
     with pytest.raises(ValueError, match=f"\\(M, {k}\\)"):  # a narrower row is refused
         mm(_x(m, k - 16))
+
+
+@needs_native
+def test_a_weight_the_kernel_would_misread_is_refused_before_it_runs():
+    """The kernel reads every byte by N and K: rows not in whole tiles of 16, scales of another
+    shape, a transposed view or a narrower input are refused with what was expected."""
+    _, (q, scales, zeros) = _weights(64, 64)
+    x = _x(3, 64)
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        native.int4_mm(x, q[:24], scales[:24], zeros[:24])
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        native.int4_bound(q[:40], scales[:40], zeros[:40])
+    with pytest.raises(ValueError, match=r"\(N, K / 32\) float16 scales"):
+        native.int4_mm(x, q, scales[:, :1].contiguous(), zeros)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.int4_bound(q, scales.t().contiguous().t(), zeros)
+    with pytest.raises(ValueError, match=r"\(M, 64\)"):
+        native.int4_mm(_x(3, 32), q, scales, zeros)
+    assert torch.equal(native.int4_mm(x, q, scales, zeros), native.int4_bound(q, scales, zeros)(x))

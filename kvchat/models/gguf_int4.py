@@ -17,23 +17,10 @@ import mmap
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
+from kvchat.models.native import int4_from_blocks
 from kvchat.models.precision import GGUFTensor, gguf_layout
-
-
-def int4_rows(data: Any, ggml_type: int, order: Any) -> tuple[torch.Tensor, ...] | None:
-    """The int4 layout (qweight, scales, zeros) of a Q4_1 / Q4_K tensor's rows of bytes `data`,
-    its rows put in `order` (None: as they are); None for another type or where kvchat's int4
-    kernel does not run."""
-    import numpy as np
-
-    from kvchat.models.native import int4_from_blocks
-
-    if order is not None:  # rows reordered before they are tiled: one tensor's bytes copied
-        data = np.ascontiguousarray(data[order])
-    return int4_from_blocks(data, ggml_type)
 
 
 def row_order(processor: Any, name: str, names: dict[str, str], config: Any, n: int
@@ -86,8 +73,8 @@ def read_back(model: nn.Module, layers: dict[str, str], gguf: Path, config: Any)
                 raise ValueError(f"{gguf.name} has no 2-D tensor {name}")
             k, n = tensor.dims
             found = _permutation(processor, name, config, n)
-            blocks = None if found is None else int4_rows(tensor_data(buf, tensor),
-                                                          tensor.ggml_type, found[0])
+            blocks = None if found is None else int4_from_blocks(tensor_data(buf, tensor),
+                                                                 tensor.ggml_type, found[0])
             if blocks is None or (getattr(layer, "in_features", 0),
                                   getattr(layer, "out_features", 0)) != (k, n):
                 raise ValueError(f"{name} is no longer read as it is")

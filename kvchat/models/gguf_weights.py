@@ -35,7 +35,7 @@ from kvchat.errors import ModelError
 from kvchat.models.block_head import BlockHeadLinear
 from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED, head_kept_as_blocks
 from kvchat.models.gguf_int4 import drop_pages as _drop_pages
-from kvchat.models.gguf_int4 import int4_rows, row_order
+from kvchat.models.gguf_int4 import row_order
 from kvchat.models.gguf_int4 import tensor_data as _data
 from kvchat.models.heap import (
     MMAP_THRESHOLD_AFTER,
@@ -44,6 +44,7 @@ from kvchat.models.heap import (
     heap_mmap_threshold,
     release_freed,
 )
+from kvchat.models.native import int4_from_blocks
 from kvchat.models.precision import GGUFTensor, gguf_layout
 from kvchat.models.quant import Int4Linear, Int8HeadLinear, Int8Linear, QuantLinear
 from kvchat.models.quant_embeddings import BlockEmbedding
@@ -377,7 +378,7 @@ def _read_int4(buf: mmap.mmap, tensor: GGUFTensor, model: Any, names: dict[str, 
             or parent is model.get_output_embeddings() \
             or (parent.out_features, parent.in_features) != (n, k) or not Int4Linear.fits(parent):
         return 0
-    blocks = int4_rows(_data(buf, tensor), tensor.ggml_type, order)
+    blocks = int4_from_blocks(_data(buf, tensor), tensor.ggml_type, order)
     if blocks is None:
         return 0
     q, scales, zeros = blocks

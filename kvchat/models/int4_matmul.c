@@ -7,14 +7,16 @@
  * Each activation group (32 columns of one row) is first written as 16-bit integers on a
  * power-of-two grid: with e the largest exponent field of its values (at least 15), the unit is
  * u = 2^(e - 141) and x_int = x / u rounded to nearest even, so every value within 7 binades of
- * the group's largest is held exactly, the rest to 2^-15 of it, and |x_int| <= 32,640.
+ * the group's largest is held exactly, the rest to 2^-15 of it, and |x_int| <= 32,640 (in a
+ * group whose largest value is below 2^-112 the floor on e makes the unit coarser than that).
  * Denormal values count as zero; a group holding an infinity or NaN gets u = NaN. Then
  *
  *   out[m, r] = bf16(a + b),  a = fma(D_g * u_g, scale[r, g], a)  for g in order from a = 0,
  *                             b = fma(S_g * u_g, zero[r, g], b)   likewise,
  *
  * with D_g the group's sum of q[r, c] * x_int[m, c] and S_g its sum of x_int[m, c]: integer
- * sums, exact in any order (|D_g| < 2^24, so the float D_g and D_g * u_g are exact too).
+ * sums, exact in any order (|D_g| < 2^24, so the float D_g and D_g * u_g are exact too, short
+ * of overflow: values beyond about 2^118 take D_g * u_g to infinity, on every path alike).
  * Integer products let AVX-512 VNNI's vpdpwssd take 32 of them an instruction, and AVX2's
  * vpmaddwd 16, with the same bits.
  *
@@ -135,6 +137,26 @@ static inline int32_t pair_at(const int16_t *xi)
     return v;
 }
 
+/* A thread's tiles [lo, hi) against every activation row: ROW_CHUNK rows at a time stay in
+ * cache while the tiles pass over them, ROW_BLOCK rows sharing each decode of a tile (the
+ * tile function inlined for each block size, under the instruction set's target). */
+#define ROWS(name, target_isa, tile)                                                   \
+    __attribute__((target(target_isa))) static void name(const job_t *j)               \
+    {                                                                                  \
+        for (long c0 = 0; c0 < j->m_rows; c0 += ROW_CHUNK) {                           \
+            long c1 = c0 + ROW_CHUNK < j->m_rows ? c0 + ROW_CHUNK : j->m_rows;         \
+            for (long t = j->lo; t < j->hi; t++)                                       \
+                for (long m0 = c0; m0 < c1; m0 += ROW_BLOCK) {                         \
+                    switch (c1 - m0 < ROW_BLOCK ? c1 - m0 : ROW_BLOCK) {               \
+                    case 1: tile(j, t, m0, 1); break;                                  \
+                    case 2: tile(j, t, m0, 2); break;                                  \
+                    case 3: tile(j, t, m0, 3); break;                                  \
+                    default: tile(j, t, m0, 4); break;                                 \
+                    }                                                                  \
+                }                                                                      \
+        }                                                                              \
+    }
+
 #define AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
 /* Half h (rows 8 h to 8 h + 7) of tile t against activation rows m0 .. m0 + mb - 1: lane r of
@@ -195,22 +217,7 @@ AVX2 static void tile_avx2(const job_t *j, long t, long m0, int mb)
     }
 }
 
-__attribute__((target("avx2,fma,f16c")))
-static void rows_avx2(const job_t *j)
-{
-    for (long c0 = 0; c0 < j->m_rows; c0 += ROW_CHUNK) {
-        long c1 = c0 + ROW_CHUNK < j->m_rows ? c0 + ROW_CHUNK : j->m_rows;
-        for (long t = j->lo; t < j->hi; t++)
-            for (long m0 = c0; m0 < c1; m0 += ROW_BLOCK) {
-                switch (c1 - m0 < ROW_BLOCK ? c1 - m0 : ROW_BLOCK) {
-                case 1: tile_avx2(j, t, m0, 1); break;
-                case 2: tile_avx2(j, t, m0, 2); break;
-                case 3: tile_avx2(j, t, m0, 3); break;
-                default: tile_avx2(j, t, m0, 4); break;
-                }
-            }
-    }
-}
+ROWS(rows_avx2, "avx2,fma,f16c", tile_avx2)
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline
 
@@ -269,22 +276,7 @@ VNNI static void tile_vnni(const job_t *j, long t, long m0, int mb)
     }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void rows_vnni(const job_t *j)
-{
-    for (long c0 = 0; c0 < j->m_rows; c0 += ROW_CHUNK) {
-        long c1 = c0 + ROW_CHUNK < j->m_rows ? c0 + ROW_CHUNK : j->m_rows;
-        for (long t = j->lo; t < j->hi; t++)
-            for (long m0 = c0; m0 < c1; m0 += ROW_BLOCK) {
-                switch (c1 - m0 < ROW_BLOCK ? c1 - m0 : ROW_BLOCK) {
-                case 1: tile_vnni(j, t, m0, 1); break;
-                case 2: tile_vnni(j, t, m0, 2); break;
-                case 3: tile_vnni(j, t, m0, 3); break;
-                default: tile_vnni(j, t, m0, 4); break;
-                }
-            }
-    }
-}
+ROWS(rows_vnni, "avx512f,avx512bw,avx512vnni", tile_vnni)
 #endif
 
 /* 2: AVX-512 with VNNI, 1: AVX2 with FMA and F16C, 0: portable C */

@@ -11,8 +11,8 @@ definition). Where no compiler is found, or KVCHAT_NATIVE=0, `int8_head_mm` comp
 sum in torch (float32, one row at a time, a fixed chunk of weight rows at a time): slower, and
 its bits are its own.
 
-The int4 kernel runs on x86 CPUs with AVX-512 VNNI (AMD Zen 4 and later, Intel Cascade Lake and
-later) or with AVX2, FMA and F16C (Intel Haswell and AMD Zen and later): it multiplies the 4-bit
+The int4 kernel runs on x86 CPUs with AVX-512 VNNI (AMD Zen 4, Intel Xeons from Cascade Lake) or
+with AVX2, FMA and F16C (Intel Haswell and AMD Zen and later): it multiplies the 4-bit
 groups by 16-bit integer activations on a power-of-two grid per group, exact integer sums, then
 one order of float sums per output whatever the rows, the threads or the instruction set, as its
 source says, so the same weights and inputs give the same bits on either kind of machine.
@@ -108,31 +108,17 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError, KvchatError):
         return None
-    lib.kvchat_int8_head_mm.restype = ctypes.c_int
-    lib.kvchat_int8_head_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + \
-        [ctypes.c_int, ctypes.c_int]
-    lib.kvchat_int8_head_isa.restype = ctypes.c_int
-    lib.kvchat_q6k_head_mm.restype = ctypes.c_int
-    lib.kvchat_q6k_head_mm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + \
-        [ctypes.c_int, ctypes.c_int]
-    lib.kvchat_int4_mm.restype = ctypes.c_int
-    lib.kvchat_int4_mm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + \
-        [ctypes.c_int, ctypes.c_int]
-    lib.kvchat_int4_isa.restype = ctypes.c_int
-    lib.kvchat_attention.restype = ctypes.c_int
-    lib.kvchat_attention_isa.restype = ctypes.c_int
-    lib.kvchat_attention.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_float] * 2 + \
-        [ctypes.c_int] * 3
-    lib.kvchat_gguf_blocks.restype = ctypes.c_int
-    lib.kvchat_gguf_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
-                                       ctypes.c_void_p, ctypes.c_int]
-    lib.kvchat_int4_from_blocks.restype = ctypes.c_int
-    lib.kvchat_int4_from_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
-                                            ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                                            ctypes.c_void_p, ctypes.c_int]
-    lib.kvchat_int4_grid.restype = ctypes.c_long
-    lib.kvchat_int4_grid.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    for name, args in (("int8_head_mm", [p] * 4 + [n] * 4 + [i] * 2),
+                       ("q6k_head_mm", [p] * 3 + [n] * 3 + [i] * 2),
+                       ("int4_mm", [p] * 5 + [n] * 3 + [i] * 2),
+                       ("attention", [p] * 9 + [ctypes.c_float] * 2 + [i] * 3),
+                       ("gguf_blocks", [i, p, n, p, i]),
+                       ("int4_from_blocks", [i, p, n, n, p, p, p, i]),
+                       ("int4_grid", [p, n, p, p, p, i]),
+                       ("int8_head_isa", []), ("int4_isa", []), ("attention_isa", [])):
+        function = getattr(lib, "kvchat_" + name)
+        function.restype, function.argtypes = n if name == "int4_grid" else i, args
     return lib
 
 
@@ -179,19 +165,35 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch
     lib = library()
     if lib is None or x.device.type != "cpu":
         raise KvchatError("the native int4 kernel runs on CPU tensors, where it is built")
-    bf16, f16 = torch.bfloat16, torch.float16
-    if x.dtype != bf16 or scales.dtype != f16 or zeros.dtype != f16:
-        raise ValueError(f"int4 matmul takes bfloat16 inputs and float16 scales, got {x.dtype}")
+    n, k = _int4_weight(q, scales, zeros)
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"int4 matmul takes (M, {k}) bfloat16 inputs, got {tuple(x.shape)} "
+                         f"{x.dtype}")
     x = x.contiguous()  # rows read k apart
-    m, k = x.shape
-    n = q.shape[0]
-    out = torch.empty(m, n, dtype=bf16)
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
     rc = lib.kvchat_int4_mm(q.data_ptr(), scales.data_ptr(), zeros.data_ptr(), x.data_ptr(),
                             out.data_ptr(), m, n, k, torch.get_num_threads(), isa)
     if rc != 0:
-        raise ValueError(f"int4 matmul: no kernel for K={k}, N={n}" if rc == -1
-                         else "out of memory")
+        raise ValueError("int4 matmul: out of memory")
     return out
+
+
+def _int4_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of an int4 weight in int4_matmul.c's layout, checked, as the kernel reads by them."""
+    import torch
+
+    n, k = int(q.shape[0]), int(q.shape[-1]) * 2
+    f16, parts = torch.float16, (q, scales, zeros)
+    if q.dtype != torch.uint8 or q.dim() != 2 or scales.dtype != f16 or zeros.dtype != f16 \
+            or scales.shape != (n, k // 32) or zeros.shape != (n, k // 32) \
+            or not all(t.is_contiguous() for t in parts):
+        raise ValueError("int4 matmul takes a contiguous (N, K / 2) uint8 weight and (N, K / 32) "
+                         "float16 scales and zeros")
+    if n == 0 or n % 16 or k % 32:
+        raise ValueError(f"int4 matmul needs N % 16 == 0 (rows in tiles of 16) and K % 32 == 0, "
+                         f"got N={n}, K={k}")
+    return n, k
 
 
 def int4_bound(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
@@ -205,12 +207,9 @@ def int4_bound(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     lib = library()
     if lib is None or q.device.type != "cpu":
         raise KvchatError("the native int4 kernel runs on CPU tensors, where it is built")
-    if scales.dtype != torch.float16 or zeros.dtype != torch.float16 \
-            or not all(t.is_contiguous() for t in (q, scales, zeros)):
-        raise ValueError("int4 matmul takes contiguous float16 scales and zeros")
+    n, k = _int4_weight(q, scales, zeros)
     kernel, bf16, threads = lib.kvchat_int4_mm, torch.bfloat16, torch.get_num_threads
     pointers = (q.data_ptr(), scales.data_ptr(), zeros.data_ptr())
-    n, k = int(q.shape[0]), int(q.shape[1]) * 2
 
     def mm(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != bf16 or x.device.type != "cpu":
@@ -223,7 +222,7 @@ def int4_bound(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
         out = torch.empty(m, n, dtype=bf16)
         rc = kernel(*pointers, x.data_ptr(), out.data_ptr(), m, n, k, threads(), -1)
         if rc != 0:
-            raise ValueError(f"int4 matmul: no kernel for K={k}" if rc == -1 else "out of memory")
+            raise ValueError("int4 matmul: out of memory")
         return out
 
     mm.weights = (q, scales, zeros)  # type: ignore[attr-defined]  # alive while mm is
@@ -275,12 +274,14 @@ def gguf_blocks(data: Any, ggml_type: int) -> Any:
     return out
 
 
-def int4_from_blocks(data: Any, ggml_type: int
+def int4_from_blocks(data: Any, ggml_type: int, order: Any = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """A GGUF tensor's Q4_1 or Q4_K rows (`data`: its rows of bytes, gguf-py's shape) as the int4
-    layers' own layout, read as they are (gguf_blocks.c): (q (N, K / 2) bytes, scales, zeros
-    (N, K / 32) float16, int4_matmul.c's tiles). None for another type, rows not in whole tiles
-    of 16, where the layers do not run on kvchat's kernel, or where a scale overflows float16."""
+    """A GGUF tensor's Q4_1 or Q4_K rows (`data`: its rows of bytes, gguf-py's shape), put in
+    `order` (None: as they are), as the int4 layers' own layout, read as they are
+    (gguf_blocks.c): (q (N, K / 2) bytes, scales, zeros (N, K / 32) float16, int4_matmul.c's
+    tiles). None for another type, rows not in whole tiles of 16, where the layers do not run on
+    kvchat's kernel, or where a scale overflows float16; each checked before any bytes are
+    copied."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -292,7 +293,7 @@ def int4_from_blocks(data: Any, ggml_type: int
     values, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     if data.shape[-1] % size or data.shape[0] % 16:
         return None
-    src = np.ascontiguousarray(data)
+    src = np.ascontiguousarray(data if order is None else data[order])
     n, k = src.shape[0], src.shape[1] // size * values
     q = torch.empty(n, k // 2, dtype=torch.uint8)
     scales = torch.empty(n, k // 32, dtype=torch.float16)

@@ -188,10 +188,9 @@ TILE = 16  # output rows of one int4_matmul.c tile
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) values in [0, 15] and their (N, K / 32) float16 scales and zeros as int4_matmul.c's
-    tiles of 16 rows: (N, K / 2) bytes, group g of tile t at 256 (t * groups + g), byte 2 r + h of
-    its chunk s holding row r's column 2 s + h low and 16 + 2 s + h high; scales and zeros
-    (N / 16, groups, 16), held as (N, K / 32)."""
+    """(N, K) values in [0, 15] and their (N, K / 32) float16 scales and zeros in int4_matmul.c's
+    tiles of 16 rows, which its header describes (gguf_blocks.c's tile_pack writes the same, and
+    tests hold both to `unpack_int4`): (N, K / 2) bytes, scales and zeros held as (N, K / 32)."""
     n, k = q.shape
     groups = k // GROUP
     cols = q.to(torch.uint8).reshape(n // TILE, TILE, groups, 2, 8, 2)  # t, r, g, half, s, h
