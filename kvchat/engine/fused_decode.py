@@ -47,17 +47,15 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from kvchat.engine.decode_attention import NAME, SMALL_Q, head_attention, small_q_attention
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
-from kvchat.models.native import int4_bound
+from kvchat.models.layer_ops import NormWeight, is_native, norm_weight
+from kvchat.models.layer_ops import rms_norm as native_rms_norm
+from kvchat.models.layer_ops import rotary as native_rotary
+from kvchat.models.native import int4_bound, library
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
 
 _LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
                             "Qwen3DecoderLayer", "Phi3DecoderLayer", "Gemma2DecoderLayer",
                             "Gemma3DecoderLayer"})
-# RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) cast back, and Gemma's, computing
-# (x * rsqrt(...)) * (1 + weight) in float32 and then casting
-_LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
-                          "Phi3RMSNorm"})
-_GEMMA_NORMS = frozenset({"Gemma2RMSNorm", "Gemma3RMSNorm"})
 # `_convert_weight_to_int4pack_for_cpu` lays rows out in blocks of 64 output rows (a shorter
 # tail block when N is not a multiple): packed layers stack by row only when each is whole blocks
 _INT4_BLOCK_N = 64
@@ -66,6 +64,7 @@ _ATTRIBUTE = "_kvchat_fused_decoder"  # where a model keeps its FusedDecoder (or
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 _FULL, _SLIDING = "full_attention", "sliding_attention"
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # (rows, K) bfloat16 -> (rows, N) bfloat16
 
 
@@ -74,6 +73,7 @@ class _Norm(NamedTuple):
     shape: tuple[int]
     eps: float
     gemma: bool
+    native: NormWeight | None  # the modules run kvchat's native norm (`layer_ops`): its weight
 
 
 class _Layer(NamedTuple):
@@ -188,17 +188,18 @@ def _stack_int8(layers: Sequence[Int8Linear]) -> Matmul:
 
 def _norm(*modules: Any) -> _Norm | None:
     """One norm of `modules` (all of one class and eps), their weights stacked as rows when
-    several (q and k norms: one row per head), or None for a norm this forward does not know."""
-    kinds = {type(m).__name__ for m in modules}
-    eps = {float(getattr(m, "variance_epsilon", getattr(m, "eps", 0.0))) for m in modules}
-    if len(kinds) != 1 or len(eps) != 1 or not kinds <= _LLAMA_NORMS | _GEMMA_NORMS:
+    several (q and k norms: one row per head), or None for a norm this forward does not know.
+    Modules running kvchat's native norm are run by it here too (all of them or none)."""
+    found = norm_weight(*modules)
+    native = {is_native(m) for m in modules}
+    if found is None or len(native) != 1:
         return None
-    gemma = kinds <= _GEMMA_NORMS
     weights = [m.weight for m in modules]
     weight = weights[0] if len(weights) == 1 else torch.stack(weights)
-    if gemma:
+    if found.gemma:
         weight = 1.0 + weight.float()  # what Gemma3RMSNorm multiplies by, computed once
-    return _Norm(weight, (int(weight.shape[-1]),), eps.pop(), gemma)
+    return _Norm(weight, (int(weight.shape[-1]),), found.eps, found.gemma,
+                 found if native.pop() else None)
 
 
 def _qk_norm(attn: Any, heads: int, kv_heads: int) -> _Norm | None | bool:
@@ -274,10 +275,19 @@ def _layer(layer: Any, config: Any, index: int) -> _Layer | None:
                   width, float(attn.scaling), getattr(attn, "attn_logit_softcapping", None))
 
 
-def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, norm: _Norm, to_bf16: bool = False, heads: int | None = None
+              ) -> torch.Tensor:
     """The family's RMSNorm: float32 x * rsqrt(mean(x^2) + eps) (`torch.rms_norm` runs the same
     arithmetic in one call), then Llama's cast back and times the weight, or Gemma's times
-    (1 + weight) in float32 and cast back."""
+    (1 + weight) in float32 and cast back; or kvchat's native norm where the model's modules run
+    it. `to_bf16`: the result as the weight kernels' bfloat16 input (the same bits as casting
+    it after). `heads`: x is (rows, heads * d), normed per head (q / k norms), out
+    (rows, heads, d)."""
+    if norm.native is not None and x.dtype in _NATIVE_DTYPES:
+        out_dtype = x.dtype if norm.gemma else torch.promote_types(norm.weight.dtype, x.dtype)
+        return native_rms_norm(x, norm.native, torch.bfloat16 if to_bf16 else out_dtype, heads)
+    if heads is not None:
+        x = x.reshape(x.shape[0], heads, -1)
     if norm.gemma:
         return (torch.rms_norm(x.float(), norm.shape, eps=norm.eps) * norm.weight).to(x.dtype)
     return norm.weight * torch.rms_norm(x.float(), norm.shape, eps=norm.eps).to(x.dtype)
@@ -307,6 +317,7 @@ class FusedDecoder:
         self.head = model.get_output_embeddings()
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.kinds = sorted({layer.kind for layer in layers})
+        self.rotary_native = library() is not None
         rotary = self.decoder.rotary_emb
         self._rotary_per_kind = "layer_type" in inspect.signature(rotary.forward).parameters
         # a shared head's columns carry no window: only models without sliding layers take one
@@ -373,13 +384,13 @@ class FusedDecoder:
                 cos, sin = decoder.rotary_emb(hidden, position_ids, kind)
             elif not tables:
                 cos, sin = decoder.rotary_emb(hidden, position_ids=position_ids)
-            tables[kind] = (cos.unsqueeze(1), sin.unsqueeze(1))
+            tables[kind] = (cos, sin)
         cache_layers = past.layers
         hidden = hidden.view(b * q, -1)  # the layers work on (rows, hidden)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.kind]
             hidden = self._layer(layer, hidden, cache_layers[i], masks[layer.kind], cos, sin,
-                                 b, q)
+                                 b, q, self.rotary_native)
         hidden = _rms_norm(hidden, self.norm).view(b, q, -1)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
             else logits_to_keep
@@ -390,14 +401,18 @@ class FusedDecoder:
 
     @staticmethod
     def _layer(layer: _Layer, hidden: torch.Tensor, cache: Any, mask: Any, cos: torch.Tensor,
-               sin: torch.Tensor, b: int, q: int) -> torch.Tensor:
-        """One decoder layer over hidden (b * q, width)."""
+               sin: torch.Tensor, b: int, q: int, rotary_native: bool) -> torch.Tensor:
+        """One decoder layer over hidden (b * q, width); cos / sin (b or 1, q, rotary dims)."""
         d, heads, qk_width = layer.head_dim, layer.heads, layer.qk_width
-        qkv = layer.qkv(_rms_norm(hidden, layer.norm1))
-        qk = qkv[:, :qk_width].view(b, q, -1, d)
+        qkv = layer.qkv(_rms_norm(hidden, layer.norm1, to_bf16=True))
+        qk = qkv[:, :qk_width]
         if layer.qk_norm is not None:
-            qk = _rms_norm(qk, layer.qk_norm)
-        qk = _rotate(qk.transpose(1, 2), cos, sin)
+            qk = _rms_norm(qk, layer.qk_norm, heads=heads + layer.kv_heads)
+        qk = qk.view(b, q, -1, d)
+        if rotary_native and qk.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16:
+            qk = native_rotary(qk, cos, sin)  # the same arithmetic, one call
+        else:
+            qk = _rotate(qk.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
         value = qkv[:, qk_width:].view(b, q, layer.kv_heads, d).transpose(1, 2)
         key, value = cache.update(qk[:, heads:], value)
         head = shared_head(cache)
@@ -410,7 +425,7 @@ class FusedDecoder:
         if layer.post_attn is not None:
             attended = _rms_norm(attended, layer.post_attn)
         hidden = hidden + attended
-        gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2))
+        gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2, to_bf16=True))
         n = layer.intermediate
         mlp = layer.down(layer.act(gate_up[:, :n]) * gate_up[:, n:])
         if layer.post_mlp is not None:

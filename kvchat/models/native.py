@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("int8_head.c", "int4_matmul.c", "attention.c", "attention_blocked.c",
-                             "int4_grid.c", "gguf_blocks.c", "block_head.c"))
+                             "int4_grid.c", "gguf_blocks.c", "block_head.c", "layer_ops.c"))
 # included by the sources: part of the key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_sums.h", "attention.h"))
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
@@ -116,6 +116,8 @@ def library() -> ctypes.CDLL | None:
                        ("gguf_blocks", [i, p, n, p, i]),
                        ("int4_from_blocks", [i, p, n, n, p, p, p, i]),
                        ("int4_grid", [p, n, p, p, p, i]),
+                       ("rms_norm", [p, i, n, n, p, n, n, n, ctypes.c_float, i, p, i, i]),
+                       ("rotary", [p, p, p, p, p, n, n, n, n, n, p]),
                        ("int8_head_isa", []), ("int4_isa", []), ("attention_isa", [])):
         function = getattr(lib, "kvchat_" + name)
         function.restype, function.argtypes = n if name == "int4_grid" else i, args

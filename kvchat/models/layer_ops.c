@@ -1,0 +1,108 @@
+/* The small per-layer operations of a decoder between its weight kernels, one call each where
+ * torch runs several: a decode step on CPU spends as long in those calls as in the weights.
+ *
+ * RMSNorm, kvchat's own definition (the model's norm modules and the fused decode forward both
+ * run it, `kvchat.models.norms`, so both forwards keep giving the same bits): for each row x of
+ * n values (float32, or bfloat16 read exactly),
+ *
+ *   ss  = the sum of x[c]^2 in double, in 8 lanes (lane c % 8, c ascending), then
+ *         ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))    (each square exact in double)
+ *   r   = 1 / sqrtf((float)(ss / n) + eps)                      (float32, each op rounded once)
+ *   y   = x[c] * r                                              (float32)
+ *   t   = y, or bfloat16(y) when `round_y` (Llama's cast back to a bfloat16 input's dtype)
+ *   out = w[c] * t, float32, then bfloat16 when `out_bf16`
+ *
+ * with w the norm's weight as float32 (Llama's weight; Gemma's 1 + weight). Nothing depends on
+ * the other rows, the threads or the instruction set: the loops are plain C, built with
+ * -ffp-contract=off.
+ *
+ * Rotary embedding, torch's arithmetic exactly (`apply_rotary_pos_emb` on bfloat16 tensors,
+ * which computes each elementwise op in float32 and rounds it to bfloat16): over the first R
+ * dims of each head, with h = R / 2 and rot[e] = -x[e + h] for e < h, x[e - h] otherwise,
+ *
+ *   out[e] = bf16(bf16(x[e] * cos[e]) + bf16(rot[e] * sin[e])),   out[e] = x[e] for e >= R.
+ *
+ * Built by kvchat/models/native.py with the other kernels. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "native_sums.h"
+
+static inline float bf16_float(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
+
+static inline float load(const void *x, long i, int bf16)
+{
+    return bf16 ? bf16_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static void norm_row(const void *x, long at, int x_bf16, const float *w, long n, float eps,
+                     int round_y, void *out, long to, int out_bf16)
+{
+    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (long c = 0; c < n; c++) {
+        double v = load(x, at + c, x_bf16);
+        lanes[c % 8] += v * v;
+    }
+    double ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+                + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (long c = 0; c < n; c++) {
+        float y = load(x, at + c, x_bf16) * r;
+        float o = w[c] * (round_y ? round_bf16(y) : y);
+        if (out_bf16) ((uint16_t *)out)[to + c] = float_bf16(o);
+        else ((float *)out)[to + c] = o;
+    }
+}
+
+/* out: (rows, n) contiguous, float32 or bfloat16 (out_bf16); x likewise (x_bf16), row r at
+ * element (r / per) * outer + (r % per) * n (per = 1, outer = n: contiguous; per = heads: a row
+ * of heads read in place); w: (w_rows, n) float32, row r taking weight row r % w_rows (a q / k
+ * norm's per-head weights). Returns 0, or -1 on bad shapes. */
+int kvchat_rms_norm(const void *x, int x_bf16, long outer, long per, const float *w,
+                    long w_rows, long rows, long n, float eps, int round_y, void *out,
+                    int out_bf16, int threads)
+{
+    if (rows < 0 || n <= 0 || w_rows <= 0 || per <= 0 || outer < per * n) return -1;
+    #pragma omp parallel for num_threads(threads > 1 && rows * n >= 65536 ? threads : 1) \
+        schedule(static)
+    for (long r = 0; r < rows; r++) {
+        long at = (r / per) * outer + (r % per) * n;
+        norm_row(x, at, x_bf16, w + (r % w_rows) * n, n, eps, round_y, out, r * n, out_bf16);
+    }
+    return 0;
+}
+
+/* x: bfloat16 (b, q, heads, d) at element strides xs (b, q, head; d contiguous); cos / sin:
+ * bfloat16 (b or 1, q, r) at strides cs (b, q; r contiguous), both read with them; out:
+ * bfloat16 (b, heads, q, d), contiguous. Returns 0, or -1 on bad shapes. */
+int kvchat_rotary(const uint16_t *x, const long *xs, const uint16_t *cos, const uint16_t *sin,
+                  const long *cs, long b, long q, long heads, long d, long r, uint16_t *out)
+{
+    if (b < 0 || q < 0 || heads < 0 || r <= 0 || r % 2 || r > d) return -1;
+    long h = r / 2;
+    for (long bi = 0; bi < b; bi++)
+        for (long hh = 0; hh < heads; hh++)
+            for (long i = 0; i < q; i++) {
+                const uint16_t *v = x + bi * xs[0] + i * xs[1] + hh * xs[2];
+                const uint16_t *c = cos + bi * cs[0] + i * cs[1], *s = sin + bi * cs[0] + i * cs[1];
+                uint16_t *o = out + ((bi * heads + hh) * q + i) * d;
+                for (long e = 0; e < r; e++) {
+                    float rot = e < h ? -bf16_float(v[e + h]) : bf16_float(v[e - h]);
+                    float a = round_bf16(bf16_float(v[e]) * bf16_float(c[e]));
+                    float bb = round_bf16(rot * bf16_float(s[e]));
+                    o[e] = float_bf16(a + bb);
+                }
+                for (long e = r; e < d; e++) o[e] = v[e];
+            }
+    return 0;
+}

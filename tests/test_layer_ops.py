@@ -1,0 +1,127 @@
+"""layer_ops.c: the rotary embedding is transformers' own arithmetic bit for bit; RMSNorm follows
+its written definition, keeps each family's formula and dtypes once installed on a model's norm
+modules, and is what both the model's forward and the fused decode forward run (whose logits
+tests/test_fused_decode.py and test_fused_families.py hold bitwise to the model's own)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import struct
+
+import pytest
+import torch
+from conftest import build_tiny_config, build_tiny_model
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from kvchat.engine.fused_decode import FusedDecoder, _rotate
+from kvchat.engine.model_runner import ModelRunner
+from kvchat.models import layer_ops, native
+from kvchat.models.quant import quantize_model
+
+needs_native = pytest.mark.skipif(native.library() is None, reason=native.kernel_name())
+
+
+def _f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _definition(row: list[float], weight: list[float], eps: float, round_y: bool) -> list[float]:
+    """layer_ops.c's RMSNorm of one row, op for op in Python (doubles; float32 where it rounds)."""
+    lanes = [0.0] * 8
+    for c, v in enumerate(row):
+        lanes[c % 8] += v * v
+    ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5])
+                                                           + (lanes[6] + lanes[7]))
+    r = _f32(1.0 / _f32(math.sqrt(_f32(_f32(ss / len(row)) + eps))))
+    out = []
+    for v, w in zip(row, weight, strict=True):
+        y = _f32(v * r)
+        if round_y:
+            y = torch.tensor(y).bfloat16().item()
+        out.append(_f32(w * y))
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize(("rows", "n", "x_dtype", "round_y"),
+                         [(3, 64, torch.float32, False), (2, 72, torch.bfloat16, True),
+                          (1, 8, torch.float32, True)])
+def test_rms_norm_computes_its_definition(rows, n, x_dtype, round_y):
+    g = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=g) * torch.logspace(-3, 3, n)).to(x_dtype)
+    weight = torch.randn(1, n, generator=g)
+    norm = layer_ops.NormWeight(weight, 1e-5, gemma=not round_y)
+    out = layer_ops.rms_norm(x, norm, torch.float32)
+    for r in range(rows):
+        expected = _definition(x[r].float().tolist(), weight[0].tolist(), 1e-5,
+                               round_y and x_dtype == torch.bfloat16)
+        assert out[r].tolist() == expected
+    assert torch.equal(layer_ops.rms_norm(x, norm, torch.bfloat16), out.bfloat16())
+    assert torch.equal(layer_ops.rms_norm(x[1:], norm, torch.float32), out[1:])  # rows alone
+
+
+@needs_native
+def test_per_head_norms_read_a_slice_of_wider_rows_in_place():
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(5, 6 * 16 + 40, generator=g).bfloat16()  # q | k heads, then v columns
+    norm = layer_ops.NormWeight(torch.randn(6, 16, generator=g), 1e-6, gemma=False)
+    out = layer_ops.rms_norm(wide[:, : 6 * 16], norm, torch.bfloat16, heads=6)
+    assert out.shape == (5, 6, 16)
+    for h in range(6):
+        head = layer_ops.NormWeight(norm.weight[h : h + 1], 1e-6, gemma=False)
+        alone = layer_ops.rms_norm(wide[:, 16 * h : 16 * (h + 1)].contiguous(), head,
+                                   torch.bfloat16)
+        assert torch.equal(out[:, h], alone)
+
+
+@needs_native
+@pytest.mark.parametrize(("b", "q", "heads", "d", "r", "cos_rows"),
+                         [(1, 1, 12, 64, 64, 1), (3, 5, 6, 32, 32, 3), (2, 4, 4, 96, 48, 1)])
+def test_rotary_is_transformers_arithmetic_bit_for_bit(b, q, heads, d, r, cos_rows):
+    g = torch.Generator().manual_seed(b * q * heads)
+    wide = (torch.randn(b * q, heads * d + 24, generator=g) * 5).bfloat16()
+    x = wide[:, : heads * d].view(b, q, heads, d)  # a strided slice, as the fused forward has
+    cos = torch.randn(cos_rows, q, r, generator=g).bfloat16()
+    sin = torch.randn(cos_rows, q, r, generator=g).bfloat16()
+    out = layer_ops.rotary(x, cos, sin)
+    if r == d:
+        expected, _ = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
+    else:  # partial rotary (Phi-3): the fused forward's own elementwise form
+        expected = _rotate(x.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
+    assert out.is_contiguous() and torch.equal(out, expected)
+
+
+@needs_native
+@pytest.mark.parametrize("module", [LlamaRMSNorm, Gemma3RMSNorm])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_an_installed_norm_keeps_its_formula_and_dtypes(module, x_dtype):
+    norm = module(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(4, 3, 96) * 7).to(x_dtype)
+    before = norm(x)
+    assert layer_ops.native_norms(norm) == 1 and layer_ops.native_norms(norm) == 0
+    after = norm(x)
+    assert after.dtype == before.dtype and after.shape == before.shape
+    assert torch.allclose(after.float(), before.float(), rtol=1e-2, atol=1e-5)
+    copied = copy.deepcopy(norm)  # a copy runs on its own weight
+    with torch.no_grad():
+        copied.weight.mul_(2)  # and a changed weight is read again
+    assert not torch.equal(copied(x), after) and torch.equal(norm(x), after)
+
+
+@needs_native
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_a_quantized_models_forward_and_the_fused_one_both_run_the_native_norm(
+        tiny_tokenizer, precision):
+    model = build_tiny_model(build_tiny_config(tiny_tokenizer))
+    quantize_model(model, precision)
+    decoder = model.get_decoder()
+    assert layer_ops.is_native(decoder.norm) and layer_ops.is_native(
+        decoder.layers[0].input_layernorm)
+    fused = ModelRunner(model).fused
+    assert isinstance(fused, FusedDecoder) and fused.norm.native is not None
+    assert all(layer.norm1.native is not None for layer in fused.layers)
