@@ -44,7 +44,13 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from kvchat.engine.decode_attention import NAME, SMALL_Q, head_attention, small_q_attention
+from kvchat.engine.decode_attention import (
+    NAME,
+    SMALL_Q,
+    fixed_attention,
+    head_attention,
+    small_q_attention,
+)
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
 from kvchat.models.layer_ops import NormWeight, is_native, norm_weight
@@ -416,9 +422,11 @@ class FusedDecoder:
         value = qkv[:, qk_width:].view(b, q, layer.kv_heads, d).transpose(1, 2)
         key, value = cache.update(qk[:, heads:], value)
         head = shared_head(cache)
-        if head is None:
-            out, _ = small_q_attention(layer.attn, qk[:, :heads], key, value, mask,
-                                       scaling=layer.scaling, softcap=layer.softcap)
+        if head is None:  # the fixed-order kernel straight away where it runs
+            out = fixed_attention(qk[:, :heads], key, value, mask, layer.scaling, layer.softcap)
+            if out is None:
+                out, _ = small_q_attention(layer.attn, qk[:, :heads], key, value, mask,
+                                           scaling=layer.scaling, softcap=layer.softcap)
         else:  # every row starts with the same K/V, held once
             out = head_attention(qk[:, :heads], head, key, value, mask, layer.scaling)
         attended = layer.o(out.reshape(b * q, -1).contiguous())

@@ -56,6 +56,7 @@ ISAS = ("portable C", "AVX2", "AVX-512")
 INT4_ISAS = ("portable C", "AVX2", "AVX-512 VNNI")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fopenmp"]
 _FALLBACK_ROWS = 16384  # weight rows de-quantized at a time by the torch path
+_LONG7, _LONG13 = ctypes.c_long * 7, ctypes.c_long * 13  # attention's shape and strides
 
 
 @cache
@@ -333,24 +334,25 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise KvchatError("the native attention kernel is not built here")
     b, heads, n_queries, dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
-    parts = [query, key, value, *(head or ())]
-    if any(t.stride(-1) != 1 or t.dtype != query.dtype for t in parts):
-        raise ValueError("attention: tensors of one dtype with a contiguous last dim")
+    dtype, qs, ks, vs = query.dtype, query.stride(), key.stride(), value.stride()
     hk, hv = head if head is not None else (key, value)
+    hks, hvs = (hk.stride(), hv.stride()) if head is not None else (ks, vs)
+    if key.dtype != dtype or value.dtype != dtype or hk.dtype != dtype or hv.dtype != dtype \
+            or qs[3] != 1 or ks[3] != 1 or vs[3] != 1 or hks[3] != 1 or hvs[3] != 1:
+        raise ValueError("attention: tensors of one dtype with a contiguous last dim")
     mask_bytes = None
     if mask is not None:
         mask_bytes = mask.expand(b, n_queries, n_keys).contiguous().view(torch.uint8)
-    out = torch.empty(b, n_queries, heads, dim, dtype=query.dtype)
-    shape = (ctypes.c_long * 7)(b, heads, kv_heads, n_queries, n_keys,
-                                hk.shape[2] if head is not None else 0, dim)
-    strides = (ctypes.c_long * 13)(*query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
-                                   *hk.stride()[1:3], *hv.stride()[1:3])
+    out = torch.empty(b, n_queries, heads, dim, dtype=dtype)
+    shape = _LONG7(b, heads, kv_heads, n_queries, n_keys, hk.shape[2] if head is not None else 0,
+                   dim)
+    strides = _LONG13(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], hks[1],
+                      hks[2], hvs[1], hvs[2])
     rc = lib.kvchat_attention(
         query.data_ptr(), key.data_ptr(), value.data_ptr(),
         hk.data_ptr() if head is not None else None, hv.data_ptr() if head is not None else None,
         None if mask_bytes is None else mask_bytes.data_ptr(), out.data_ptr(), shape, strides,
-        scaling, softcap or 0.0, int(query.dtype == torch.bfloat16), torch.get_num_threads(),
-        isa)
+        scaling, softcap or 0.0, int(dtype == torch.bfloat16), torch.get_num_threads(), isa)
     if rc != 0:
         raise ValueError("attention: bad shapes" if rc == -1 else "out of memory")
     return out
