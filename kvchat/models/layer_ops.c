@@ -40,27 +40,49 @@ static inline float bf16_float(uint16_t b)
 
 static inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
 
-static inline float load(const void *x, long i, int bf16)
-{
-    return bf16 ? bf16_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
+/* the sum of squares of n values, lane c % 8, c ascending, then the fixed tree (the header) */
+#define SQUARES(read)                                                                      \
+    do {                                                                                   \
+        long c = 0;                                                                        \
+        for (; c + 8 <= n; c += 8) {                                                       \
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                         \
+                double v = read(c + i);                                                    \
+                lanes[i] += v * v;                                                         \
+            }                                                                              \
+        }                                                                                  \
+        for (; c < n; c++) {                                                               \
+            double v = read(c);                                                            \
+            lanes[c % 8] += v * v;                                                         \
+        }                                                                                  \
+    } while (0)
 
 static void norm_row(const void *x, long at, int x_bf16, const float *w, long n, float eps,
                      int round_y, void *out, long to, int out_bf16)
 {
+    const uint16_t *xb = (const uint16_t *)x + at;
+    const float *xf = (const float *)x + at;
     double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (long c = 0; c < n; c++) {
-        double v = load(x, at + c, x_bf16);
-        lanes[c % 8] += v * v;
-    }
+#define READ_BF16(c) (double)bf16_float(xb[c])
+#define READ_F32(c) (double)xf[c]
+    if (x_bf16) SQUARES(READ_BF16);
+    else SQUARES(READ_F32);
     double ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
                 + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
     float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
-    for (long c = 0; c < n; c++) {
-        float y = load(x, at + c, x_bf16) * r;
-        float o = w[c] * (round_y ? round_bf16(y) : y);
-        if (out_bf16) ((uint16_t *)out)[to + c] = float_bf16(o);
-        else ((float *)out)[to + c] = o;
+    float *of = (float *)out + to;
+    uint16_t *ob = (uint16_t *)out + to;
+    if (!x_bf16 && !out_bf16) {
+        for (long c = 0; c < n; c++) of[c] = w[c] * (xf[c] * r);
+    } else if (!x_bf16) {
+        for (long c = 0; c < n; c++) ob[c] = float_bf16(w[c] * (xf[c] * r));
+    } else if (round_y && out_bf16) { /* the loops apart, so that each vectorizes */
+        for (long c = 0; c < n; c++) ob[c] = float_bf16(w[c] * round_bf16(bf16_float(xb[c]) * r));
+    } else if (round_y) {
+        for (long c = 0; c < n; c++) of[c] = w[c] * round_bf16(bf16_float(xb[c]) * r);
+    } else if (out_bf16) {
+        for (long c = 0; c < n; c++) ob[c] = float_bf16(w[c] * (bf16_float(xb[c]) * r));
+    } else {
+        for (long c = 0; c < n; c++) of[c] = w[c] * (bf16_float(xb[c]) * r);
     }
 }
 
