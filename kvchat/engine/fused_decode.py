@@ -15,8 +15,10 @@ same arithmetic with less around it:
   the same dtypes as transformers' modules, called directly, without module dispatch, keyword
   plumbing or casts that change nothing. What differs between the families is read from the
   modules once: the norm's formula (Llama's `w * norm(x)` or Gemma's `norm(x) * (1 + w)` in
-  float32), q / k norms (Qwen3, Gemma 3: one call over q and k together, each head's weight
-  broadcast), Gemma's sandwich norms around attention and MLP, the activation (SiLU, or the
+  float32; kvchat's native norm where the modules run it, `layer_ops`, the matmul's bfloat16
+  input written by the same call), q / k norms (Qwen3, Gemma 3: one call over q and k together,
+  read in place from the qkv output, each head's weight its own), the rotary embedding in one
+  native call (torch's arithmetic bit for bit), Gemma's sandwich norms around attention and MLP, the activation (SiLU, or the
   model's own module), partial rotary (Phi-3), a rotary table per layer kind (Gemma 3's local
   and global layers), a sliding window per layer kind (the model's own mask functions), Gemma
   2's attention logit soft-cap (the attention function applies it) and the final logit
