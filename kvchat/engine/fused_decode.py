@@ -18,11 +18,11 @@ same arithmetic with less around it:
   float32; kvchat's native norm where the modules run it, `layer_ops`, the matmul's bfloat16
   input written by the same call), q / k norms (Qwen3, Gemma 3: one call over q and k together,
   read in place from the qkv output, each head's weight its own), the rotary embedding in one
-  native call (torch's arithmetic bit for bit), Gemma's sandwich norms around attention and MLP, the activation (SiLU, or the
-  model's own module), partial rotary (Phi-3), a rotary table per layer kind (Gemma 3's local
-  and global layers), a sliding window per layer kind (the model's own mask functions), Gemma
-  2's attention logit soft-cap (the attention function applies it) and the final logit
-  soft-cap.
+  native call (torch's arithmetic bit for bit), Gemma's sandwich norms around attention and
+  MLP, the activation (SiLU, or the model's own module), partial rotary (Phi-3), a rotary
+  table per layer kind (Gemma 3's local and global layers), a sliding window per layer kind
+  (the model's own mask functions), Gemma 2's attention logit soft-cap (the attention function
+  applies it) and the final logit soft-cap.
 The embedding (Gemma's scaled one included), the attention masks and the rotary tables come
 from the model's own modules, once per forward. So the logits equal the model's own forward
 bitwise (tests check it per family, layer kind and hit kind), and transformers' `generate` over

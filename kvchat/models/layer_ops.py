@@ -70,6 +70,15 @@ def native_norms(model: Any) -> int:
     return count
 
 
+def between_kernels(model: Any) -> None:
+    """What a quantized model runs between its weight kernels: the float32 residual stream
+    (`residual.float32_residual`), then the native norms."""
+    from kvchat.models.residual import float32_residual
+
+    float32_residual(model)
+    native_norms(model)
+
+
 def _native_forward(module: Any, x: torch.Tensor) -> torch.Tensor:
     """The module's forward on layer_ops.c: its dtypes, its formula, kvchat's reduction."""
     gemma = type(module).__name__ in GEMMA_NORMS

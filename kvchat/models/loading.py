@@ -435,11 +435,9 @@ def _load_gguf(source: ModelSource, folder: Path, config: PretrainedConfig,
         model, n_params, _ = load_gguf_packed(Path(source.location), folder, config,
                                               precision.name, dtype, label)
     if precision.quantized:
-        from kvchat.models.layer_ops import native_norms
-        from kvchat.models.residual import float32_residual
+        from kvchat.models.layer_ops import between_kernels
 
-        float32_residual(model)
-        native_norms(model)
+        between_kernels(model)
     place(model, precision.quantized, device)
     return model, replace(model_facts(config, count=False), n_params=n_params)
 

@@ -389,11 +389,9 @@ def quantize_model(model: Any, precision: str) -> Quantized:
     for param in model.parameters():
         if param.is_floating_point():
             param.data = param.data.to(_BF16)
-    from kvchat.models.layer_ops import native_norms
-    from kvchat.models.residual import float32_residual
+    from kvchat.models.layer_ops import between_kernels
 
-    float32_residual(model)
-    native_norms(model)
+    between_kernels(model)
     return Quantized(counts["int4"], counts["int8"], counts["dense"], step_bytes(model))
 
 
