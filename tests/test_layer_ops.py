@@ -6,6 +6,7 @@ tests/test_fused_decode.py and test_fused_families.py hold bitwise to the model'
 from __future__ import annotations
 
 import copy
+import io
 import math
 import struct
 
@@ -51,11 +52,12 @@ def _definition(row: list[float], weight: list[float], eps: float, round_y: bool
 def test_rms_norm_computes_its_definition(rows, n, x_dtype, round_y):
     g = torch.Generator().manual_seed(rows * n)
     x = (torch.randn(rows, n, generator=g) * torch.logspace(-3, 3, n)).to(x_dtype)
-    weight = torch.randn(1, n, generator=g)
-    norm = layer_ops.NormWeight(weight, 1e-5, gemma=not round_y)
+    weight = torch.randn(n, generator=g)
+    norm = layer_ops.NormWeight(weight, 1e-5, gemma=not round_y)  # Gemma's: times 1 + weight
     out = layer_ops.rms_norm(x, norm, torch.float32)
+    multiplier = (weight if round_y else 1.0 + weight).tolist()
     for r in range(rows):
-        expected = _definition(x[r].float().tolist(), weight[0].tolist(), 1e-5,
+        expected = _definition(x[r].float().tolist(), multiplier, 1e-5,
                                round_y and x_dtype == torch.bfloat16)
         assert out[r].tolist() == expected
     assert torch.equal(layer_ops.rms_norm(x, norm, torch.bfloat16), out.bfloat16())
@@ -66,14 +68,40 @@ def test_rms_norm_computes_its_definition(rows, n, x_dtype, round_y):
 def test_per_head_norms_read_a_slice_of_wider_rows_in_place():
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(5, 6 * 16 + 40, generator=g).bfloat16()  # q | k heads, then v columns
-    norm = layer_ops.NormWeight(torch.randn(6, 16, generator=g), 1e-6, gemma=False)
+    q_weight, k_weight = torch.randn(2, 16, generator=g).bfloat16()  # 4 q heads, then 2 k
+    norm = layer_ops.NormWeight(q_weight, 1e-6, gemma=False, other=k_weight, split=4)
     out = layer_ops.rms_norm(wide[:, : 6 * 16], norm, torch.bfloat16, heads=6)
     assert out.shape == (5, 6, 16)
     for h in range(6):
-        head = layer_ops.NormWeight(norm.weight[h : h + 1], 1e-6, gemma=False)
+        head = layer_ops.NormWeight(q_weight if h < 4 else k_weight, 1e-6, gemma=False)
         alone = layer_ops.rms_norm(wide[:, 16 * h : 16 * (h + 1)].contiguous(), head,
                                    torch.bfloat16)
         assert torch.equal(out[:, h], alone)
+    torch_rows = norm.torch_weight(6)  # what the torch path multiplies by, row per head
+    assert torch.equal(torch_rows, torch.stack([q_weight] * 4 + [k_weight] * 2))
+
+
+@needs_native
+@pytest.mark.parametrize(("shape", "dtype", "heads"),
+                         [((3, 15), torch.bfloat16, None), ((3, 16), torch.float16, None),
+                          ((3, 16 * 5), torch.float32, 6), ((3, 16 * 6), torch.float32, 6)])
+def test_rms_norm_refuses_what_it_would_misread(shape, dtype, heads):
+    norm = layer_ops.NormWeight(torch.ones(16), 1e-6, gemma=False)  # 6 heads: one weight for 1
+    with pytest.raises(ValueError, match="rms_norm"):
+        layer_ops.rms_norm(torch.ones(shape, dtype=dtype), norm, torch.float32, heads=heads)
+
+
+@needs_native
+@pytest.mark.parametrize(("x", "cos"), [((1, 2, 3, 8), (1, 3, 8)), ((1, 2, 3, 8), (2, 2, 8)),
+                                        ((1, 2, 3, 8), (1, 2, 16)), ((1, 2, 3, 8), (1, 2, 6, 1)),
+                                        ((2, 3, 8), (1, 2, 8))])
+def test_rotary_refuses_what_it_would_misread(x, cos):
+    with pytest.raises(ValueError, match="rotary"):
+        layer_ops.rotary(torch.ones(x).bfloat16(), torch.ones(cos).bfloat16(),
+                         torch.ones(cos).bfloat16())
+    with pytest.raises(ValueError, match="rotary"):  # float16 for bfloat16
+        layer_ops.rotary(torch.ones(1, 2, 3, 8).half(), torch.ones(1, 2, 8).bfloat16(),
+                         torch.ones(1, 2, 8).bfloat16())
 
 
 @needs_native
@@ -111,6 +139,23 @@ def test_an_installed_norm_keeps_its_formula_and_dtypes(module, x_dtype):
     with torch.no_grad():
         copied.weight.mul_(2)  # and a changed weight is read again
     assert not torch.equal(copied(x), after) and torch.equal(norm(x), after)
+    copied.weight.data.copy_(norm.weight.data)  # through `.data` too
+    assert torch.equal(copied(x), after)
+    saved = io.BytesIO()  # a model holding it still saves and loads whole
+    torch.save(copied, saved)
+    loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
+    assert layer_ops.is_native(loaded) and torch.equal(loaded(x), after)
+
+
+@needs_native
+def test_an_installed_norm_runs_on_a_weight_made_under_inference_mode():
+    with torch.inference_mode():
+        norm = LlamaRMSNorm(32, eps=1e-6)
+        x = torch.randn(2, 32).bfloat16()
+        before = norm(x)
+        assert layer_ops.native_norms(norm) == 1
+        after = norm(x)  # a weight with no version counter
+        assert after.dtype == before.dtype and torch.allclose(after, before, rtol=1e-2)
 
 
 @needs_native

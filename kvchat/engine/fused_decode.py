@@ -77,11 +77,9 @@ Matmul = Callable[[torch.Tensor], torch.Tensor]  # (rows, K) bfloat16 -> (rows, 
 
 
 class _Norm(NamedTuple):
-    weight: torch.Tensor  # Llama's: the weight; Gemma's: 1 + weight, in float32
-    shape: tuple[int]
-    eps: float
-    gemma: bool
-    native: NormWeight | None  # the modules run kvchat's native norm (`layer_ops`): its weight
+    norm: NormWeight  # the modules' own weights, read at each call
+    heads: int | None  # per-head rows (q and k norms over the qkv output): how many
+    native: bool  # the modules run kvchat's native norm (`layer_ops`)
 
 
 class _Layer(NamedTuple):
@@ -194,31 +192,27 @@ def _stack_int8(layers: Sequence[Int8Linear]) -> Matmul:
     return int8_mm
 
 
-def _norm(*modules: Any) -> _Norm | None:
-    """One norm of `modules` (all of one class and eps), their weights stacked as rows when
-    several (q and k norms: one row per head), or None for a norm this forward does not know.
+def _norm(module: Any, other: Any = None, heads: int | None = None, split: int = 0
+          ) -> _Norm | None:
+    """The norm `module` runs (with `other` and `heads`: per-head rows, the first `split` heads
+    taking `module`'s weight, the rest `other`'s), or None for a norm this forward does not know.
     Modules running kvchat's native norm are run by it here too (all of them or none)."""
-    found = norm_weight(*modules)
-    native = {is_native(m) for m in modules}
+    found = norm_weight(module, other, split)
+    native = {is_native(m) for m in (module, other) if m is not None}
     if found is None or len(native) != 1:
         return None
-    weights = [m.weight for m in modules]
-    weight = weights[0] if len(weights) == 1 else torch.stack(weights)
-    if found.gemma:
-        weight = 1.0 + weight.float()  # what Gemma3RMSNorm multiplies by, computed once
-    return _Norm(weight, (int(weight.shape[-1]),), found.eps, found.gemma,
-                 found if native.pop() else None)
+    return _Norm(found, heads, native.pop())
 
 
 def _qk_norm(attn: Any, heads: int, kv_heads: int) -> _Norm | None | bool:
-    """The q / k norms as one (heads + kv_heads, head_dim) norm, None when the attention has
-    none, False when it has norms this forward does not know."""
+    """The q / k norms as one norm over heads + kv_heads rows, None when the attention has none,
+    False when it has norms this forward does not know."""
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if q_norm is None and k_norm is None:
         return None
     if q_norm is None or k_norm is None:
         return False
-    norm = _norm(*([q_norm] * heads + [k_norm] * kv_heads))
+    norm = _norm(q_norm, k_norm, heads + kv_heads, heads)
     return False if norm is None else norm
 
 
@@ -283,22 +277,24 @@ def _layer(layer: Any, config: Any, index: int) -> _Layer | None:
                   width, float(attn.scaling), getattr(attn, "attn_logit_softcapping", None))
 
 
-def _rms_norm(x: torch.Tensor, norm: _Norm, to_bf16: bool = False, heads: int | None = None
-              ) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, norm: _Norm, to_bf16: bool = False) -> torch.Tensor:
     """The family's RMSNorm: float32 x * rsqrt(mean(x^2) + eps) (`torch.rms_norm` runs the same
     arithmetic in one call), then Llama's cast back and times the weight, or Gemma's times
     (1 + weight) in float32 and cast back; or kvchat's native norm where the model's modules run
     it. `to_bf16`: the result as the weight kernels' bfloat16 input (the same bits as casting
-    it after). `heads`: x is (rows, heads * d), normed per head (q / k norms), out
+    it after). A per-head norm (q / k norms, `norm.heads`): x is (rows, heads * d), out
     (rows, heads, d)."""
-    if norm.native is not None and x.dtype in _NATIVE_DTYPES:
-        out_dtype = x.dtype if norm.gemma else torch.promote_types(norm.weight.dtype, x.dtype)
-        return native_rms_norm(x, norm.native, torch.bfloat16 if to_bf16 else out_dtype, heads)
-    if heads is not None:
-        x = x.reshape(x.shape[0], heads, -1)
-    if norm.gemma:
-        return (torch.rms_norm(x.float(), norm.shape, eps=norm.eps) * norm.weight).to(x.dtype)
-    return norm.weight * torch.rms_norm(x.float(), norm.shape, eps=norm.eps).to(x.dtype)
+    weights = norm.norm
+    out_dtype = x.dtype if weights.gemma else torch.promote_types(weights.weight.dtype, x.dtype)
+    if norm.native and x.dtype in _NATIVE_DTYPES:
+        return native_rms_norm(x, weights, torch.bfloat16 if to_bf16 else out_dtype, norm.heads)
+    weight = weights.torch_weight(norm.heads)
+    shape = (int(weight.shape[-1]),)
+    if norm.heads is not None:
+        x = x.reshape(x.shape[0], norm.heads, -1)
+    if weights.gemma:
+        return (torch.rms_norm(x.float(), shape, eps=weights.eps) * weight).to(x.dtype)
+    return weight * torch.rms_norm(x.float(), shape, eps=weights.eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -415,7 +411,7 @@ class FusedDecoder:
         qkv = layer.qkv(_rms_norm(hidden, layer.norm1, to_bf16=True))
         qk = qkv[:, :qk_width]
         if layer.qk_norm is not None:
-            qk = _rms_norm(qk, layer.qk_norm, heads=heads + layer.kv_heads)
+            qk = _rms_norm(qk, layer.qk_norm)
         qk = qk.view(b, q, -1, d)
         if rotary_native and qk.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16:
             qk = native_rotary(qk, cos, sin)  # the same arithmetic, one call

@@ -2,7 +2,7 @@
  * torch runs several: a decode step on CPU spends as long in those calls as in the weights.
  *
  * RMSNorm, kvchat's own definition (the model's norm modules and the fused decode forward both
- * run it, `kvchat.models.norms`, so both forwards keep giving the same bits): for each row x of
+ * run it, `kvchat.models.layer_ops`, so both forwards keep giving the same bits): for each row x of
  * n values (float32, or bfloat16 read exactly),
  *
  *   ss  = the sum of x[c]^2 in double, in 8 lanes (lane c % 8, c ascending), then
@@ -12,8 +12,9 @@
  *   t   = y, or bfloat16(y) when `round_y` (Llama's cast back to a bfloat16 input's dtype)
  *   out = w[c] * t, float32, then bfloat16 when `out_bf16`
  *
- * with w the norm's weight as float32 (Llama's weight; Gemma's 1 + weight). Nothing depends on
- * the other rows, the threads or the instruction set: the loops are plain C, built with
+ * with w the norm's weight read from its own tensor at each call (float32, or bfloat16 read
+ * exactly): Llama's weight, or Gemma's (float)(1 + weight) when `gemma`. Nothing depends on the
+ * other rows, the threads or the instruction set: the loops are plain C, built with
  * -ffp-contract=off.
  *
  * Rotary embedding, torch's arithmetic exactly (`apply_rotary_pos_emb` on bfloat16 tensors,
@@ -26,6 +27,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "native_sums.h"
@@ -86,21 +88,39 @@ static void norm_row(const void *x, long at, int x_bf16, const float *w, long n,
     }
 }
 
+/* the weight as norm_row multiplies by it: float32 (w_bf16: bfloat16 read exactly), plus 1 for
+ * Gemma's formula */
+static void weight_row(const void *w, int w_bf16, int gemma, long n, float *to)
+{
+    for (long c = 0; c < n; c++) {
+        float v = w_bf16 ? bf16_float(((const uint16_t *)w)[c]) : ((const float *)w)[c];
+        to[c] = gemma ? 1.0f + v : v;
+    }
+}
+
 /* out: (rows, n) contiguous, float32 or bfloat16 (out_bf16); x likewise (x_bf16), row r at
  * element (r / per) * outer + (r % per) * n (per = 1, outer = n: contiguous; per = heads: a row
- * of heads read in place); w: (w_rows, n) float32, row r taking weight row r % w_rows (a q / k
- * norm's per-head weights). Returns 0, or -1 on bad shapes. */
-int kvchat_rms_norm(const void *x, int x_bf16, long outer, long per, const float *w,
-                    long w_rows, long rows, long n, float eps, int round_y, void *out,
-                    int out_bf16, int threads)
+ * of heads read in place). w_first, w_rest: (n,) weights, float32 or bfloat16 (w_bf16); head
+ * r % per takes w_first below `split`, w_rest from it on (a q norm's heads, then a k norm's).
+ * Returns 0, -1 on bad shapes, -2 out of memory. */
+int kvchat_rms_norm(const void *x, int x_bf16, long outer, long per, const void *w_first,
+                    const void *w_rest, long split, int w_bf16, int gemma, long rows, long n,
+                    float eps, int round_y, void *out, int out_bf16, int threads)
 {
-    if (rows < 0 || n <= 0 || w_rows <= 0 || per <= 0 || outer < per * n) return -1;
+    if (rows < 0 || n <= 0 || per <= 0 || outer < per * n || (split < per && !w_rest))
+        return -1;
+    float *w = malloc(2 * (size_t)n * sizeof(float));
+    if (!w) return -2;
+    weight_row(w_first, w_bf16, gemma, n, w);
+    if (split < per) weight_row(w_rest, w_bf16, gemma, n, w + n);
     #pragma omp parallel for num_threads(threads > 1 && rows * n >= 65536 ? threads : 1) \
         schedule(static)
     for (long r = 0; r < rows; r++) {
         long at = (r / per) * outer + (r % per) * n;
-        norm_row(x, at, x_bf16, w + (r % w_rows) * n, n, eps, round_y, out, r * n, out_bf16);
+        norm_row(x, at, x_bf16, w + (r % per < split ? 0 : n), n, eps, round_y, out, r * n,
+                 out_bf16);
     }
+    free(w);
     return 0;
 }
 

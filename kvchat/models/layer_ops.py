@@ -15,7 +15,6 @@ transformers' `apply_rotary_pos_emb`), so nothing else needs to change for it.
 from __future__ import annotations
 
 import ctypes
-import types
 from typing import Any, NamedTuple
 
 import torch
@@ -25,34 +24,71 @@ from kvchat.models.native import library
 LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
                          "Phi3RMSNorm"})
 GEMMA_NORMS = frozenset({"Gemma2RMSNorm", "Gemma3RMSNorm"})
-_ATTRIBUTE = "_kvchat_native_norm"  # on a norm module: its original forward, once installed
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class NormWeight(NamedTuple):
-    """What layer_ops.c multiplies by: (rows, n) float32 (Llama's weight, Gemma's 1 + weight;
-    several rows for a q / k norm stacked per head), and the module's formula."""
+    """A norm as layer_ops.c runs it: the modules' own weights, read at every call (an edited
+    weight is seen), eps and formula. Per-head rows (a q and a k norm over one qkv output): heads
+    below `split` take `weight`, the rest `other`."""
 
     weight: torch.Tensor
     eps: float
     gemma: bool
+    other: torch.Tensor | None = None
+    split: int = 0
+
+    def torch_weight(self, heads: int | None = None) -> torch.Tensor:
+        """What the module's own forward multiplies by (Llama's weight in its dtype, Gemma's
+        1 + weight in float32), one row per head when `heads`."""
+        weight = self.weight.detach()
+        if heads is not None:
+            rows = [weight.expand(self.split, -1)]
+            if self.other is not None:
+                rows.append(self.other.detach().expand(heads - self.split, -1))
+            weight = torch.cat(rows)
+        return 1.0 + weight.float() if self.gemma else weight
 
 
-def norm_weight(*modules: Any) -> NormWeight | None:
-    """The norm of `modules` (one class and eps; several: their weights stacked as rows), or None
-    for a norm kvchat does not know."""
+def norm_weight(module: Any, other: Any = None, split: int = 0) -> NormWeight | None:
+    """The norm of `module` (with `other`: per-head rows, heads below `split` taking `module`'s
+    weight; both of one class and eps), or None for a norm kvchat does not know."""
+    modules = [module] if other is None else [module, other]
     kinds = {type(m).__name__ for m in modules}
     eps = {float(getattr(m, "variance_epsilon", getattr(m, "eps", 0.0))) for m in modules}
+    weights = [getattr(m, "weight", None) for m in modules]
     if len(kinds) != 1 or len(eps) != 1 or not kinds <= LLAMA_NORMS | GEMMA_NORMS:
         return None
-    gemma = kinds <= GEMMA_NORMS
-    weight = torch.stack([m.weight.detach().float() for m in modules])
-    return NormWeight(1.0 + weight if gemma else weight, eps.pop(), gemma)
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 1 for w in weights):
+        return None
+    assert isinstance(weights[0], torch.Tensor)
+    return NormWeight(weights[0], eps.pop(), kinds <= GEMMA_NORMS,
+                      None if other is None else weights[1], split)
+
+
+class _NativeForward:
+    """A norm module's forward on layer_ops.c (installed as its `forward`): its dtypes, its
+    formula, kvchat's reduction; the class's own forward off CPU or for other dtypes. An object,
+    not a bound function, so that a model holding it still pickles (`torch.save`)."""
+
+    def __init__(self, module: Any) -> None:
+        found = norm_weight(module)
+        assert found is not None
+        self.module, self.eps, self.gemma = module, found.eps, found.gemma
+
+    @torch.compiler.disable  # a C call: outside a compiled graph, as the int4 kernel is
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        norm = NormWeight(module.weight, self.eps, self.gemma)
+        out_dtype = x.dtype if self.gemma else torch.promote_types(norm.weight.dtype, x.dtype)
+        if not _runs_natively(x, norm, out_dtype):
+            return type(module).forward(module, x)
+        return rms_norm(x, norm, out_dtype)
 
 
 def is_native(module: Any) -> bool:
     """Whether `module`'s forward is kvchat's native norm (`native_norms`)."""
-    return _ATTRIBUTE in module.__dict__
+    return isinstance(module.__dict__.get("forward"), _NativeForward)
 
 
 def native_norms(model: Any) -> int:
@@ -64,8 +100,7 @@ def native_norms(model: Any) -> int:
     for module in model.modules():
         if is_native(module) or norm_weight(module) is None:
             continue
-        module.__dict__[_ATTRIBUTE] = module.forward
-        module.forward = types.MethodType(_native_forward, module)
+        module.forward = _NativeForward(module)
         count += 1
     return count
 
@@ -79,41 +114,48 @@ def between_kernels(model: Any) -> None:
     native_norms(model)
 
 
-def _native_forward(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """The module's forward on layer_ops.c: its dtypes, its formula, kvchat's reduction."""
-    gemma = type(module).__name__ in GEMMA_NORMS
-    out_dtype = x.dtype if gemma else torch.promote_types(module.weight.dtype, x.dtype)
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or out_dtype not in _DTYPES:
-        return module.__dict__[_ATTRIBUTE](x)
-    weight = module.__dict__.get("_kvchat_norm_weight")
-    stamp = (module.weight._version, module.weight.data_ptr())
-    if weight is None or weight[0] != stamp:  # computed again if the weight has changed
-        weight = (stamp, norm_weight(module))
-        module.__dict__["_kvchat_norm_weight"] = weight
-    return rms_norm(x, weight[1], out_dtype)
+def _runs_natively(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype) -> bool:
+    weight, other = norm.weight, norm.other
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and out_dtype in _DTYPES
+            and weight.device.type == "cpu" and weight.dtype in _DTYPES
+            and (other is None or (other.device.type == "cpu" and other.dtype == weight.dtype
+                                   and other.shape == weight.shape)))
 
 
 def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
              heads: int | None = None) -> torch.Tensor:
     """layer_ops.c's RMSNorm of x's last dim, out in `out_dtype` (float32 or bfloat16). With
     `heads`, x is (M, heads * n) (a slice of wider rows is read in place) whose rows are heads of
-    n values, head h taking row h of the norm's weight (a q / k norm); out (M, heads, n)."""
+    n values, head h taking `norm.weight` below `norm.split` and `norm.other` from it on (a q and
+    a k norm); out (M, heads, n). Raises ValueError on shapes, dtypes or devices it cannot run."""
     n = int(norm.weight.shape[-1])
-    w_rows = int(norm.weight.shape[0])
+    if not _runs_natively(x, norm, out_dtype):
+        raise ValueError(f"rms_norm: runs float32 / bfloat16 on CPU, not {x.dtype} on "
+                         f"{x.device.type} to {out_dtype} with a {norm.weight.dtype} weight")
+    width = n if heads is None else heads * n
+    if x.dim() == 0 or x.shape[-1] != width or (heads is not None and norm.other is None
+                                                and norm.split < heads):
+        raise ValueError(f"rms_norm: rows of {width} values, not {tuple(x.shape)}"
+                         + ("" if heads is None else f" ({heads} heads of {n})"))
     if heads is None:
         x = x.contiguous()
         shape: tuple[int, ...] = tuple(x.shape)
-        rows, outer, per = x.numel() // n, n, 1
+        rows, outer, per, split = x.numel() // n, n, 1, 1
     else:
-        if x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) < heads * n:
-            x = x.reshape(-1, heads * n).contiguous()
+        if x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) < width:
+            x = x.reshape(-1, width).contiguous()
         shape = (x.shape[0], heads, n)
-        rows, outer, per = x.shape[0] * heads, x.stride(0), heads
+        rows, outer, per, split = x.shape[0] * heads, x.stride(0), heads, norm.split
+    weight = norm.weight.detach().contiguous()
+    other = weight if norm.other is None else norm.other.detach().contiguous()
     out = torch.empty(shape, dtype=out_dtype)
     rc = library().kvchat_rms_norm(  # type: ignore[union-attr]
-        x.data_ptr(), int(x.dtype == torch.bfloat16), outer, per, norm.weight.data_ptr(), w_rows,
-        rows, n, ctypes.c_float(norm.eps), int(not norm.gemma and x.dtype == torch.bfloat16),
+        x.data_ptr(), int(x.dtype == torch.bfloat16), outer, per, weight.data_ptr(),
+        other.data_ptr(), split, int(weight.dtype == torch.bfloat16), int(norm.gemma), rows, n,
+        ctypes.c_float(norm.eps), int(not norm.gemma and x.dtype == torch.bfloat16),
         out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("rms_norm: no memory for the weight row")
     if rc != 0:
         raise ValueError(f"rms_norm: bad shape {tuple(x.shape)} for a norm over {n}")
     return out
@@ -122,9 +164,17 @@ def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary_pos_emb`'s arithmetic on bfloat16: x (B, Q, H, D) with D contiguous, cos /
     sin (B or 1, Q, R), R <= D rotating the first R dims (Phi-3's partial rotary); out
-    (B, H, Q, D), contiguous."""
+    (B, H, Q, D), contiguous. Raises ValueError on shapes, dtypes or devices it cannot run."""
+    tensors = (x, cos, sin)
+    if (x.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
+            or any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors)):
+        raise ValueError(f"rotary: bfloat16 CPU x (B, Q, H, D) and cos / sin (B, Q, R), not "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(cos.shape)} {cos.dtype}, "
+                         f"{tuple(sin.shape)} {sin.dtype}")
     b, q, heads, d = x.shape
     r = int(cos.shape[-1])
+    if cos.shape[0] not in (1, b) or cos.shape[1] != q or r > d or r % 2:
+        raise ValueError(f"rotary: cos / sin {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
