@@ -1,19 +1,32 @@
 /* The output head kept as a GGUF's Q6_K blocks (210 bytes per 256 weights: gguf_blocks.c gives
- * the layout), float32 activations in, float32 logits out.
+ * the layout), float32 activations in, float32 logits out, summed in integers.
  *
- * A Q6_K weight is scale * q with q = the 6-bit value - 32 in [-32, 31] and one scale per 16
- * columns, scale = float32(d * sc) (d float16, sc int8: the product is exact in float32, and so
- * is scale * q). So the head is int8_head.c's definition with groups of 16 and those scales,
- * and gives its bits: each logit summed by one thread over 16 lanes, lane l taking the columns
- * c with c % 16 == l by fused multiply-adds in column order, weight float32(scale * q) first,
- * then the lanes as the fixed tree of native_sums.h. The AVX-512, AVX2 and portable paths
- * unpack a block's 256 values to int8 first, the same integers on all three, then sum as
- * int8_head.c's paths do.
+ * A Q6_K weight is d * sc * q, with q = the 6-bit value - 32 in [-32, 31], sc an int8 per 16
+ * columns and d a float16 per block of 256. Each activation row is first written, a block of
+ * 256 columns at a time, as 16-bit integers on a power-of-two grid: with E the largest exponent
+ * field of the block's float32 values (at least 15), the unit is u = 2^(E - 141) and
  *
- * It reads 0.82 bytes a weight where the int8 head reads 1.125: a decode step of a model whose
- * head is a large part of it reads that much less. */
+ *   x_int = clamp(rint(x / u), -32767, 32767)          (x / u exact; rint to nearest even)
+ *
+ * so each value keeps 15 bits against the block's largest (llama.cpp's Q8_K keeps 8); a block
+ * holding an infinity or NaN gets u = NaN. Then, for weight row r and activation row m,
+ *
+ *   D[b][L]   = the sum of (q[r, c] * sc[r, c / 16]) * x_int[m, c] over block b's columns c
+ *               with (c % 32) / 2 == L, L = 0..15   (exact in int32: |D| <= 16 * 4096 * 32767)
+ *   acc[L]    = fmaf((float)D[b][L], d[r, b] * u[m, b], acc[L])   for b in order, from 0
+ *   out[m, r] = the fixed tree over the 16 lanes (native_sums.h's tree16)
+ *
+ * with (float)D rounded to nearest and d * u exact (short of overflow, for activations beyond
+ * about 2^112). Integer sums are the same in any order, so AVX-512 VNNI (vpdpwssd, 32 products
+ * an instruction: lane L takes columns 2L and 2L + 1 of each 32), AVX2 (vpmaddwd, lanes 0-7 and
+ * 8-15 in two registers) and the portable C give the same bits, whatever the rows in a call or
+ * the threads; the float work is one fma per lane a block. It reads 0.82 bytes a weight where
+ * the int8 head reads 1.125: a decode step of a model whose head is a large part of it reads
+ * that much less. */
 
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -25,55 +38,93 @@
 
 #define QK 256
 #define BLOCK_BYTES 210
-#define ROW_BLOCK 4 /* activation rows sharing one pass over the weights (AVX2, portable) */
-#define ROW_BLOCK512 8
+#define LANES 16
+#define ROWS 8 /* activation rows sharing one pass over a weight row */
+
+int kvchat_int4_isa(void); /* int4_matmul.c: 2 AVX-512 VNNI, 1 AVX2, 0 portable */
 
 typedef struct {
     const uint8_t *w;
-    const float *x;
+    const int16_t *xi; /* (m_rows, k): x_int */
+    const float *u;    /* (m_rows, k / 256): the blocks' units */
     float *out;
     long m_rows, n, k, lo, hi;
     int isa;
 } job_t;
 
+/* one activation row as x_int and its blocks' units (the definition above) */
+static void quantize_row(const float *x, long k, int16_t *xi, float *u)
+{
+    for (long b = 0; b < k / QK; b++) {
+        const float *v = x + b * QK;
+        int top = 15, bad = 0;
+        for (int c = 0; c < QK; c++) {
+            uint32_t bits;
+            memcpy(&bits, v + c, 4);
+            int e = (int)((bits >> 23) & 0xff);
+            bad |= e == 0xff;
+            top = e > top ? e : top;
+        }
+        float inv = ldexpf(1.0f, 141 - top);
+        for (int c = 0; c < QK; c++) {
+            float t = bad ? 0.0f : rintf(v[c] * inv);
+            t = t > 32767.0f ? 32767.0f : t < -32767.0f ? -32767.0f : t;
+            xi[b * QK + c] = (int16_t)t;
+        }
+        u[b] = bad ? NAN : ldexpf(1.0f, top - 141);
+    }
+}
+
+static inline float block_d(const uint8_t *b)
+{
+    uint16_t dh;
+    memcpy(&dh, b + 208, 2);
+    return half_float(dh);
+}
+
 static void rows_portable(const job_t *j)
 {
     long blocks = j->k / QK, row_bytes = blocks * BLOCK_BYTES;
     int8_t q[QK];
+    int16_t w[QK];
     float s[16];
     for (long r = j->lo; r < j->hi; r++) {
-        for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK) {
-            long mb = j->m_rows - m0 < ROW_BLOCK ? j->m_rows - m0 : ROW_BLOCK;
-            float lane[ROW_BLOCK][16] = {{0}};
+        for (long m0 = 0; m0 < j->m_rows; m0 += ROWS) {
+            long mb = j->m_rows - m0 < ROWS ? j->m_rows - m0 : ROWS;
+            float acc[ROWS][LANES] = {{0}};
             for (long bi = 0; bi < blocks; bi++) {
-                q6k_unpack(j->w + r * row_bytes + bi * BLOCK_BYTES, q, s);
-                for (int g = 0; g < 16; g++)
-                    for (int l = 0; l < 16; l++) {
-                        float w = s[g] * (float)q[16 * g + l];
-                        for (long m = 0; m < mb; m++) {
-                            float xv = j->x[(m0 + m) * j->k + bi * QK + 16 * g + l];
-                            lane[m][l] = fmaf(w, xv, lane[m][l]);
-                        }
-                    }
+                const uint8_t *b = j->w + r * row_bytes + bi * BLOCK_BYTES;
+                const int8_t *sc = (const int8_t *)(b + 192);
+                q6k_unpack(b, q, s);
+                for (int c = 0; c < QK; c++) w[c] = (int16_t)(q[c] * sc[c / 16]);
+                float d = block_d(b);
+                for (long m = 0; m < mb; m++) {
+                    const int16_t *x = j->xi + (m0 + m) * j->k + bi * QK;
+                    int32_t sum[LANES] = {0};
+                    for (int c = 0; c < QK; c++) sum[(c % 32) / 2] += (int32_t)w[c] * x[c];
+                    float unit = d * j->u[(m0 + m) * blocks + bi];
+                    for (int l = 0; l < LANES; l++)
+                        acc[m][l] = fmaf((float)sum[l], unit, acc[m][l]);
+                }
             }
-            for (long m = 0; m < mb; m++) j->out[(m0 + m) * j->n + r] = tree16(lane[m]);
+            for (long m = 0; m < mb; m++) j->out[(m0 + m) * j->n + r] = tree16(acc[m]);
         }
     }
 }
 
 #ifdef KVCHAT_X86
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma")))
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
 /* the next rows' copy of a block, a line at a time, as this one is read */
 static inline void prefetch_block(const uint8_t *b)
 {
-    for (int line = 0; line < BLOCK_BYTES; line += 64)
+    _Pragma("GCC unroll 4") for (int line = 0; line < BLOCK_BYTES; line += 64)
         _mm_prefetch((const char *)(b + line), _MM_HINT_T0);
 }
 
-/* q6k_unpack's integers and scales (native_sums.h), 32 values an instruction */
-AVX2 static inline void unpack_avx2(const uint8_t *b, int8_t *q, float *s)
+/* q6k_unpack's integers (native_sums.h), 32 values an instruction */
+AVX2 static inline void unpack_avx2(const uint8_t *b, int8_t *q)
 {
     const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
     const __m256i off = _mm256_set1_epi8(32);
@@ -96,19 +147,12 @@ AVX2 static inline void unpack_avx2(const uint8_t *b, int8_t *q, float *s)
         _mm256_storeu_si256((__m256i *)(o + 64), _mm256_sub_epi8(v2, off));
         _mm256_storeu_si256((__m256i *)(o + 96), _mm256_sub_epi8(v3, off));
     }
-    uint16_t dh;
-    memcpy(&dh, b + 208, 2);
-    __m256 d = _mm256_set1_ps(half_float(dh));
-    __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-    _mm256_storeu_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
-    _mm256_storeu_ps(s + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
 }
 
 /* unpack_avx2's, a whole half-block (128 values) in two 64-byte registers: ql's 64 bytes are
  * the low nibbles of values 0-63 and the high ones of 64-127; qh's 32 bytes, held twice, give
  * their 2-bit pairs by shifts of 4 and 2 (0-63) and of 0 and -2 (64-127) */
-AVX512 static inline void unpack_avx512(const uint8_t *b, int8_t *q, float *s)
+VNNI static inline void unpack_avx512(const uint8_t *b, int8_t *q)
 {
     const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
     const __m512i off = _mm512_set1_epi8(32);
@@ -125,76 +169,63 @@ AVX512 static inline void unpack_avx512(const uint8_t *b, int8_t *q, float *s)
         _mm512_storeu_si512((void *)(q + 128 * h), _mm512_sub_epi8(v01, off));
         _mm512_storeu_si512((void *)(q + 128 * h + 64), _mm512_sub_epi8(v23, off));
     }
+}
+
+/* a block's weights q * sc as 16-bit integers, 32 columns a register (columns 32 p + i in
+ * w[p], groups 2 p and 2 p + 1), and its d */
+VNNI static inline float weights_vnni(const uint8_t *b, __m512i *w)
+{
+    int8_t q[QK];
+    unpack_avx512(b, q);
+    /* sc as 16-bit words 0-15, then each register's two groups' picked from them */
+    __m512i sc = _mm512_cvtepi8_epi16(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 192))));
+    const __m512i two = _mm512_set1_epi16(2);
+    __m512i pick = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
+    _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++, pick = _mm512_add_epi16(pick, two))
+        w[p] = _mm512_mullo_epi16(
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * p))),
+            _mm512_permutexvar_epi16(pick, sc));
     uint16_t dh;
     memcpy(&dh, b + 208, 2);
-    __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)dh)); /* exact, AVX-512F's own */
-    __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-    _mm512_storeu_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(dh))); /* exact, F16C's own */
 }
 
-AVX512 static inline __m512 weights16(const int8_t *q, float scale)
+/* D[b] of one activation row's block against w: the 16 lanes of the definition (four chains
+ * of vpdpwssd, not one: integer sums, the same in any order) */
+VNNI static inline __m512 lanes_vnni(const int16_t *x, const __m512i *w)
 {
-    return _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128((const __m128i *)q))));
+    __m512i s[4];
+    _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++)
+        s[p] = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
+                                   _mm512_loadu_si512((const void *)(x + 32 * p)), w[p]);
+    _Pragma("GCC unroll 4") for (int p = 4; p < 8; p++)
+        s[p - 4] = _mm512_dpwssd_epi32(s[p - 4], _mm512_loadu_si512((const void *)(x + 32 * p)),
+                                       w[p]);
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(s[0], s[1]),
+                                               _mm512_add_epi32(s[2], s[3])));
 }
 
-/* One activation row, four weight rows at a time from `r`, their next four prefetched as these
- * are read (int8_head.c's one_row_avx512). Returns the first row it left. */
-AVX512 static long one_row_avx512(const job_t *j, long r)
-{
-    long blocks = j->k / QK, row_bytes = blocks * BLOCK_BYTES;
-    int8_t q[4][QK];
-    float s[4][16];
-    for (; r + 4 <= j->hi; r += 4) {
-        const uint8_t *w = j->w + r * row_bytes;
-        __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
-        for (long bi = 0; bi < blocks; bi++) {
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *b = w + i * row_bytes + bi * BLOCK_BYTES;
-                prefetch_block(b + 4 * row_bytes);
-                unpack_avx512(b, q[i], s[i]);
-            }
-            const float *x = j->x + bi * QK;
-            for (int g = 0; g < 16; g++) {
-                __m512 xc = _mm512_loadu_ps(x + 16 * g);
-                t0 = _mm512_fmadd_ps(weights16(q[0] + 16 * g, s[0][g]), xc, t0);
-                t1 = _mm512_fmadd_ps(weights16(q[1] + 16 * g, s[1][g]), xc, t1);
-                t2 = _mm512_fmadd_ps(weights16(q[2] + 16 * g, s[2][g]), xc, t2);
-                t3 = _mm512_fmadd_ps(weights16(q[3] + 16 * g, s[3][g]), xc, t3);
-            }
-        }
-        j->out[r] = sum512(t0);
-        j->out[r + 1] = sum512(t1);
-        j->out[r + 2] = sum512(t2);
-        j->out[r + 3] = sum512(t3);
-    }
-    return r;
-}
-
-AVX512 static void rows_avx512(const job_t *j)
+VNNI static void rows_vnni(const job_t *j)
 {
     long blocks = j->k / QK, row_bytes = blocks * BLOCK_BYTES, k = j->k, n = j->n;
-    long first = j->m_rows == 1 ? one_row_avx512(j, j->lo) : j->lo;
-    int8_t q[QK];
-    float s[16];
-    for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK512) {
-        long mb = j->m_rows - m0 < ROW_BLOCK512 ? j->m_rows - m0 : ROW_BLOCK512;
-        const float *x = j->x + m0 * k;
-        float *out = j->out + m0 * n;
-        for (long r = first; r < j->hi; r++) {
-            __m512 t[ROW_BLOCK512];
-            for (int m = 0; m < ROW_BLOCK512; m++) t[m] = _mm512_setzero_ps();
+    __m512i w[8];
+    for (long m0 = 0; m0 < j->m_rows; m0 += ROWS) {
+        long mb = j->m_rows - m0 < ROWS ? j->m_rows - m0 : ROWS;
+        for (long r = j->lo; r < j->hi; r++) { /* a row at a time: the memory read in order */
+            __m512 acc[ROWS];
+            for (int m = 0; m < ROWS; m++) acc[m] = _mm512_setzero_ps();
             for (long bi = 0; bi < blocks; bi++) {
                 const uint8_t *b = j->w + r * row_bytes + bi * BLOCK_BYTES;
                 prefetch_block(b + row_bytes);
-                unpack_avx512(b, q, s);
-                for (int g = 0; g < 16; g++) {
-                    __m512 w = weights16(q + 16 * g, s[g]);
-                    long c = bi * QK + 16 * g;
-                    HEAD_FMA8(t, w, x, k, c, mb);
+                float d = weights_vnni(b, w);
+                for (long m = 0; m < mb; m++) {
+                    __m512 unit = _mm512_set1_ps(d * j->u[(m0 + m) * blocks + bi]);
+                    acc[m] = _mm512_fmadd_ps(lanes_vnni(j->xi + (m0 + m) * k + bi * QK, w), unit,
+                                             acc[m]);
                 }
             }
-            for (long m = 0; m < mb; m++) out[m * n + r] = sum512(t[m]);
+            for (long m = 0; m < mb; m++) j->out[(m0 + m) * n + r] = sum512(acc[m]);
         }
     }
 }
@@ -203,27 +234,36 @@ AVX2 static void rows_avx2(const job_t *j)
 {
     long blocks = j->k / QK, row_bytes = blocks * BLOCK_BYTES, k = j->k, n = j->n;
     int8_t q[QK];
-    float s[16];
-    for (long m0 = 0; m0 < j->m_rows; m0 += ROW_BLOCK) {
-        long mb = j->m_rows - m0 < ROW_BLOCK ? j->m_rows - m0 : ROW_BLOCK;
-        const float *x = j->x + m0 * k;
-        float *out = j->out + m0 * n;
+    __m256i w[16]; /* group g's 16 columns, q * sc */
+    for (long m0 = 0; m0 < j->m_rows; m0 += ROWS) {
+        long mb = j->m_rows - m0 < ROWS ? j->m_rows - m0 : ROWS;
         for (long r = j->lo; r < j->hi; r++) {
-            __m256 lo[ROW_BLOCK], hi[ROW_BLOCK];
-            for (int m = 0; m < ROW_BLOCK; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+            __m256 lo[ROWS], hi[ROWS];
+            for (int m = 0; m < ROWS; m++) lo[m] = hi[m] = _mm256_setzero_ps();
             for (long bi = 0; bi < blocks; bi++) {
                 const uint8_t *b = j->w + r * row_bytes + bi * BLOCK_BYTES;
+                const int8_t *sc = (const int8_t *)(b + 192);
                 prefetch_block(b + row_bytes);
-                unpack_avx2(b, q, s);
-                for (int g = 0; g < 16; g++) {
-                    __m256 scale = _mm256_set1_ps(s[g]);
-                    __m256 w0 = head_weights8(q + 16 * g, scale);
-                    __m256 w1 = head_weights8(q + 16 * g + 8, scale);
-                    long c = bi * QK + 16 * g;
-                    HEAD_FMA4X2(lo, hi, w0, w1, x, k, c, mb);
+                unpack_avx2(b, q);
+                for (int g = 0; g < 16; g++)
+                    w[g] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(q + 16 * g))), _mm256_set1_epi16(sc[g]));
+                float d = block_d(b);
+                for (long m = 0; m < mb; m++) {
+                    const int16_t *x = j->xi + (m0 + m) * k + bi * QK;
+                    __m256i sl = _mm256_setzero_si256(), sh = sl;
+                    for (int p = 0; p < 8; p++) {
+                        __m256i xl = _mm256_loadu_si256((const __m256i *)(x + 32 * p));
+                        __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32 * p + 16));
+                        sl = _mm256_add_epi32(sl, _mm256_madd_epi16(xl, w[2 * p]));
+                        sh = _mm256_add_epi32(sh, _mm256_madd_epi16(xh, w[2 * p + 1]));
+                    }
+                    __m256 unit = _mm256_set1_ps(d * j->u[(m0 + m) * blocks + bi]);
+                    lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), unit, lo[m]);
+                    hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), unit, hi[m]);
                 }
             }
-            for (long m = 0; m < mb; m++) out[m * n + r] = sum256x2(lo[m], hi[m]);
+            for (long m = 0; m < mb; m++) j->out[(m0 + m) * n + r] = sum256x2(lo[m], hi[m]);
         }
     }
 }
@@ -234,31 +274,43 @@ static int best_isa = -1;
 static void run(const job_t *j)
 {
 #ifdef KVCHAT_X86
-    if (j->isa == 2) { rows_avx512(j); return; }
+    if (j->isa == 2) { rows_vnni(j); return; }
     if (j->isa == 1) { rows_avx2(j); return; }
 #endif
     rows_portable(j);
 }
 
 /* w: (n, k / 256 * 210) Q6_K bytes; x: (m_rows, k) float32; out: (m_rows, n) float32; the
- * instruction set is int8_head.c's choice (kvchat_int8_head_isa), `force_isa` caps it. Returns
- * 0, or -1 when k is not a multiple of 256. */
+ * instruction set is int4_matmul.c's choice (kvchat_int4_isa), `force_isa` caps it. Returns 0,
+ * -1 when k is not a multiple of 256, -2 when out of memory. */
 int kvchat_q6k_head_mm(const uint8_t *w, const float *x, float *out, long m_rows, long n, long k,
                        int threads, int force_isa)
 {
     if (k <= 0 || k % QK || n <= 0 || m_rows < 0)
         return -1;
-    if (best_isa < 0) best_isa = kvchat_int8_head_isa();
+    if (m_rows == 0) return 0;
+    if (best_isa < 0) best_isa = kvchat_int4_isa();
     int isa = force_isa >= 0 && force_isa < best_isa ? force_isa : best_isa;
     if (threads < 1) threads = 1;
+    long blocks = k / QK;
+    size_t xi_bytes = ((size_t)(m_rows * k) * sizeof(int16_t) + 63) / 64 * 64;
+    char *scratch = aligned_alloc(64, xi_bytes + ((size_t)(m_rows * blocks) * sizeof(float) + 63)
+                                          / 64 * 64);
+    if (!scratch) return -2;
+    int16_t *xi = (int16_t *)scratch;
+    float *u = (float *)(scratch + xi_bytes);
+    #pragma omp parallel for num_threads(threads > 1 && m_rows * k >= 65536 ? threads : 1) \
+        schedule(static)
+    for (long m = 0; m < m_rows; m++) quantize_row(x + m * k, k, xi + m * k, u + m * blocks);
     long per = (n + threads - 1) / threads;
     per = (per + 15) / 16 * 16; /* whole cache lines of output per thread */
     long chunks = (n + per - 1) / per;
     #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (long c = 0; c < chunks; c++) {
-        job_t job = {w, x, out, m_rows, n, k, c * per, c * per + per < n ? c * per + per : n,
+        job_t job = {w, xi, u, out, m_rows, n, k, c * per, c * per + per < n ? c * per + per : n,
                      isa};
         run(&job);
     }
+    free(scratch);
     return 0;
 }

@@ -3,12 +3,14 @@ give their head (or the token embedding a tied head reads): 0.82 bytes a weight 
 head packed from the same numbers takes 1.125, and exactly the file's numbers where that head
 re-rounds them to its own grid.
 
-A Q6_K weight is float32(d * sc) * (q - 32), one scale per 16 columns, so the head is
-`Int8HeadLinear`'s definition with groups of 16 and those scales (block_head.c says how, and
-gives its bits on AVX-512, AVX2 and portable C): a row's logits are bitwise the same alone, in
-a batch and under any number of threads. On Qwen3 0.6B's shape (151,936 x 1,024) a step's head
-read 5.2 ms against the int8 head's 6.1 here. A tied model's embedding reads its rows from
-these blocks (`BlockEmbedding` with `head`): one copy of the table instead of two.
+A Q6_K weight is d * sc * (q - 32), d a float16 per 256 columns and sc an int8 per 16. The
+kernel (block_head.c says how) multiplies integers: each activation block of 256 on a 16-bit
+grid of its own (15 bits against its largest value), the products with q * sc summed exactly,
+one float32 fma per lane and block; a row's logits are bitwise the same alone, in a batch,
+under any number of threads and on AVX-512 VNNI, AVX2 or plain C; each thread reads its rows
+in the file's order, which kept the head near the memory's speed where four rows read side by
+side did not. A tied model's embedding reads its rows from these blocks (`BlockEmbedding` with `head`): one
+copy of the table instead of two.
 """
 
 from __future__ import annotations

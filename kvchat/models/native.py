@@ -380,8 +380,9 @@ def int8_head_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: 
 
 def q6k_head_mm(x: torch.Tensor, blocks: torch.Tensor, k: int, isa: int = -1) -> torch.Tensor:
     """(M, K) activations times the (N, K) weight held as Q6_K `blocks` ((N, K / 256 * 210)
-    bytes): (M, N) float32, `int8_head_mm`'s sum with groups of 16 (block_head.c). Without the
-    library, `int8_head_mm`'s torch sum over the same weights (its bits, not the kernel's)."""
+    bytes): (M, N) float32, block_head.c's integer sums (each activation block of 256 on a
+    16-bit grid of its own). Without the library, `int8_head_mm`'s torch sum in float32 over
+    the same weights (close to the kernel's, not its bits)."""
     import torch
 
     xf = x.float().contiguous()
@@ -398,6 +399,8 @@ def q6k_head_mm(x: torch.Tensor, blocks: torch.Tensor, k: int, isa: int = -1) ->
     out = torch.empty(m, n, dtype=torch.float32)
     rc = lib.kvchat_q6k_head_mm(blocks.data_ptr(), xf.data_ptr(), out.data_ptr(), m, n, k,
                                 torch.get_num_threads(), isa)
+    if rc == -2:
+        raise MemoryError("Q6_K head: no memory for the activations' integers")
     if rc != 0:
         raise ValueError(f"Q6_K head: no kernel for K={k}")
     return out
