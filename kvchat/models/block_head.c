@@ -206,13 +206,36 @@ VNNI static inline __m512 lanes_vnni(const int16_t *x, const __m512i *w)
                                                _mm512_add_epi32(s[2], s[3])));
 }
 
+/* one activation row (a decode step): its accumulator in a register, not in an array */
+VNNI static void one_row_vnni(const job_t *j, long m)
+{
+    long blocks = j->k / QK, row_bytes = blocks * BLOCK_BYTES;
+    const int16_t *x = j->xi + m * j->k;
+    const float *u = j->u + m * blocks;
+    __m512i w[8];
+    for (long r = j->lo; r < j->hi; r++) { /* a row at a time: the memory read in order */
+        __m512 acc = _mm512_setzero_ps();
+        for (long bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = j->w + r * row_bytes + bi * BLOCK_BYTES;
+            prefetch_block(b + row_bytes);
+            float d = weights_vnni(b, w);
+            acc = _mm512_fmadd_ps(lanes_vnni(x + bi * QK, w), _mm512_set1_ps(d * u[bi]), acc);
+        }
+        j->out[m * j->n + r] = sum512(acc);
+    }
+}
+
 VNNI static void rows_vnni(const job_t *j)
 {
     long blocks = j->k / QK, row_bytes = blocks * BLOCK_BYTES, k = j->k, n = j->n;
     __m512i w[8];
+    if (j->m_rows == 1) {
+        one_row_vnni(j, 0);
+        return;
+    }
     for (long m0 = 0; m0 < j->m_rows; m0 += ROWS) {
         long mb = j->m_rows - m0 < ROWS ? j->m_rows - m0 : ROWS;
-        for (long r = j->lo; r < j->hi; r++) { /* a row at a time: the memory read in order */
+        for (long r = j->lo; r < j->hi; r++) {
             __m512 acc[ROWS];
             for (int m = 0; m < ROWS; m++) acc[m] = _mm512_setzero_ps();
             for (long bi = 0; bi < blocks; bi++) {
