@@ -53,13 +53,15 @@ def test_rms_norm_computes_its_definition(rows, n, x_dtype, round_y):
     g = torch.Generator().manual_seed(rows * n)
     x = (torch.randn(rows, n, generator=g) * torch.logspace(-3, 3, n)).to(x_dtype)
     weight = torch.randn(n, generator=g)
+    weight[0], weight[1] = -0.0, 0.0  # signed zeros kept: -0 * y is -0 for y > 0
     norm = layer_ops.NormWeight(weight, 1e-5, gemma=not round_y)  # Gemma's: times 1 + weight
     out = layer_ops.rms_norm(x, norm, torch.float32)
     multiplier = (weight if round_y else 1.0 + weight).tolist()
     for r in range(rows):
         expected = _definition(x[r].float().tolist(), multiplier, 1e-5,
                                round_y and x_dtype == torch.bfloat16)
-        assert out[r].tolist() == expected
+        bits = torch.tensor(expected).view(torch.int32)
+        assert out[r].view(torch.int32).tolist() == bits.tolist()
     assert torch.equal(layer_ops.rms_norm(x, norm, torch.bfloat16), out.bfloat16())
     assert torch.equal(layer_ops.rms_norm(x[1:], norm, torch.float32), out[1:])  # rows alone
 

@@ -9,8 +9,8 @@ grid of its own (15 bits against its largest value), the products with q * sc su
 one float32 fma per lane and block; a row's logits are bitwise the same alone, in a batch,
 under any number of threads and on AVX-512 VNNI, AVX2 or plain C; each thread reads its rows
 in the file's order, which kept the head near the memory's speed where four rows read side by
-side did not. A tied model's embedding reads its rows from these blocks (`BlockEmbedding` with `head`): one
-copy of the table instead of two.
+side did not. A tied model's embedding reads its rows from these blocks (`BlockEmbedding`
+with `head`): one copy of the table instead of two.
 """
 
 from __future__ import annotations

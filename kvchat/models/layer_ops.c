@@ -92,9 +92,13 @@ static void norm_row(const void *x, long at, int x_bf16, const float *w, long n,
  * Gemma's formula */
 static void weight_row(const void *w, int w_bf16, int gemma, long n, float *to)
 {
-    for (long c = 0; c < n; c++) {
-        float v = w_bf16 ? bf16_float(((const uint16_t *)w)[c]) : ((const float *)w)[c];
-        to[c] = gemma ? 1.0f + v : v;
+    const uint16_t *wb = (const uint16_t *)w;
+    const float *wf = (const float *)w;
+    float one = gemma ? 1.0f : -0.0f; /* -0 + v is v, signed zeros too: Llama's weight as is */
+    if (w_bf16) { /* each loop apart, so that it vectorizes */
+        for (long c = 0; c < n; c++) to[c] = one + bf16_float(wb[c]);
+    } else {
+        for (long c = 0; c < n; c++) to[c] = one + wf[c];
     }
 }
 

@@ -146,14 +146,15 @@ def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
             x = x.reshape(-1, width).contiguous()
         shape = (x.shape[0], heads, n)
         rows, outer, per, split = x.shape[0] * heads, x.stride(0), heads, norm.split
-    weight = norm.weight.detach().contiguous()
-    other = weight if norm.other is None else norm.other.detach().contiguous()
+    weight = norm.weight if norm.weight.is_contiguous() else norm.weight.contiguous()
+    other = norm.other if norm.other is not None else weight
+    other = other if other.is_contiguous() else other.contiguous()
     out = torch.empty(shape, dtype=out_dtype)
     rc = library().kvchat_rms_norm(  # type: ignore[union-attr]
-        x.data_ptr(), int(x.dtype == torch.bfloat16), outer, per, weight.data_ptr(),
-        other.data_ptr(), split, int(weight.dtype == torch.bfloat16), int(norm.gemma), rows, n,
-        ctypes.c_float(norm.eps), int(not norm.gemma and x.dtype == torch.bfloat16),
-        out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+        x.data_ptr(), x.dtype == torch.bfloat16, outer, per, weight.data_ptr(),
+        other.data_ptr(), split, weight.dtype == torch.bfloat16, norm.gemma, rows, n,
+        ctypes.c_float(norm.eps), not norm.gemma and x.dtype == torch.bfloat16,
+        out.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
     if rc == -2:
         raise MemoryError("rms_norm: no memory for the weight row")
     if rc != 0:
