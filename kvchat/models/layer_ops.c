@@ -128,6 +128,27 @@ int kvchat_rms_norm(const void *x, int x_bf16, long outer, long per, const void 
     return 0;
 }
 
+/* float_bf16 without a branch (a NaN's select), so that the loop below vectorizes */
+static inline uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+/* out[e] for e in [from, to): rot[e] = x[e + shift] with its sign bit xor `flip` (negated) */
+__attribute__((optimize("vect-cost-model=dynamic"))) /* the loop vectorized at -O2 */
+static void rotate_part(const uint16_t *v, const uint16_t *c, const uint16_t *s, uint16_t *o,
+                        long from, long to, long shift, uint16_t flip)
+{
+    for (long e = from; e < to; e++) {
+        float a = bf16_float(to_bf16(bf16_float(v[e]) * bf16_float(c[e])));
+        float b = bf16_float(to_bf16(bf16_float(v[e + shift] ^ flip) * bf16_float(s[e])));
+        o[e] = to_bf16(a + b);
+    }
+}
+
 /* x: bfloat16 (b, q, heads, d) at element strides xs (b, q, head; d contiguous); cos / sin:
  * bfloat16 (b or 1, q, r) at strides cs (b, q; r contiguous), both read with them; out:
  * bfloat16 (b, heads, q, d), contiguous. Returns 0, or -1 on bad shapes. */
@@ -142,12 +163,8 @@ int kvchat_rotary(const uint16_t *x, const long *xs, const uint16_t *cos, const 
                 const uint16_t *v = x + bi * xs[0] + i * xs[1] + hh * xs[2];
                 const uint16_t *c = cos + bi * cs[0] + i * cs[1], *s = sin + bi * cs[0] + i * cs[1];
                 uint16_t *o = out + ((bi * heads + hh) * q + i) * d;
-                for (long e = 0; e < r; e++) {
-                    float rot = e < h ? -bf16_float(v[e + h]) : bf16_float(v[e - h]);
-                    float a = round_bf16(bf16_float(v[e]) * bf16_float(c[e]));
-                    float bb = round_bf16(rot * bf16_float(s[e]));
-                    o[e] = float_bf16(a + bb);
-                }
+                rotate_part(v, c, s, o, 0, h, h, 0x8000); /* rot = -x[e + h] */
+                rotate_part(v, c, s, o, h, r, -h, 0); /* rot = x[e - h] */
                 for (long e = r; e < d; e++) o[e] = v[e];
             }
     return 0;
