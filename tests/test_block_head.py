@@ -119,9 +119,11 @@ def _definition(x: torch.Tensor, blocks: np.ndarray) -> torch.Tensor:
 def test_it_computes_its_integer_definition_in_any_batch_threads_or_isa():
     blocks = _blocks()
     head = _head(blocks)
-    x = _x(11)
+    x = _x(11).float()  # float32: values off the grid too
     x[2, :256] *= 2.0 ** -12  # a block far below the others
-    x[3, 7] = 1.99999994  # rounds to 32768 on its grid: held at 32767
+    x[3, :256] = x[3, :256].clamp(-1.9, 1.9)
+    x[3, 7] = 1.99999994  # the block's largest: rounds to 32768 on its grid, held at 32767
+    assert torch.round(x[3, 7] * 2.0**14) == 32768 and x[3, :256].abs().max() == x[3, 7]
     x[4, 300:320] = 0.0
     x[5, :40] *= 1e-3  # small values in a block with large ones: rounded on its grid
     x[6, 0] = x[6, 1] = 3e-39  # denormals
@@ -140,13 +142,14 @@ def test_it_computes_its_integer_definition_in_any_batch_threads_or_isa():
                         assert torch.equal(got[i], alone[i]), (n_threads, isa, rows, i)
     finally:
         torch.set_num_threads(threads)
-    # within half a grid unit per activation of the exact product, plus float32's roundings
+    # within a grid unit per activation (half, but for the clamp) of the exact product, plus
+    # float32's roundings
     values = head.dequantized().double()
     exact = x.double() @ values.t()
     e = (x.float().view(11, 2, 256).view(torch.int32) >> 23) & 0xFF
     unit = torch.pow(2.0, (e.amax(-1).clamp_min(15) - 141).double())
-    half_units = unit.repeat_interleave(256, dim=1) / 2
-    bound = half_units @ values.abs().t() + 1e-5 * (x.double().abs() @ values.abs().t())
+    units = unit.repeat_interleave(256, dim=1)
+    bound = units @ values.abs().t() + 1e-5 * (x.double().abs() @ values.abs().t())
     assert ((head(x).double() - exact).abs() <= bound).all()
     assert not ((head(x).double() - exact).abs() <= bound / 50).all()  # the grid is felt
 

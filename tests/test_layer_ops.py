@@ -17,6 +17,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from kvchat.engine.fused_decode import FusedDecoder, _rotate
+from kvchat.engine.fused_decode import _rms_norm as _fused_norm
 from kvchat.engine.model_runner import ModelRunner
 from kvchat.models import layer_ops, native
 from kvchat.models.quant import quantize_model
@@ -170,5 +171,22 @@ def test_a_quantized_models_forward_and_the_fused_one_both_run_the_native_norm(
     assert layer_ops.is_native(decoder.norm) and layer_ops.is_native(
         decoder.layers[0].input_layernorm)
     fused = ModelRunner(model).fused
-    assert isinstance(fused, FusedDecoder) and fused.norm.native is not None
-    assert all(layer.norm1.native is not None for layer in fused.layers)
+    assert isinstance(fused, FusedDecoder) and fused.norm.native
+    assert all(layer.norm1.native for layer in fused.layers)
+
+
+@needs_native
+def test_the_fused_forward_follows_a_replaced_or_float16_norm_weight(tiny_tokenizer):
+    model = build_tiny_model(build_tiny_config(tiny_tokenizer))
+    quantize_model(model, "int4")
+    fused = ModelRunner(model).fused
+    norm = model.get_decoder().norm
+    x = torch.randn(3, norm.weight.shape[0])
+    before = _fused_norm(x, fused.norm)
+    assert torch.equal(before, norm(x))
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 2)  # another Parameter
+    assert torch.equal(_fused_norm(x, fused.norm), norm(x))
+    assert not torch.equal(_fused_norm(x, fused.norm), before)
+    norm.half()  # a weight the native norm does not take: both forwards run torch's
+    assert norm.weight.dtype == torch.float16
+    assert torch.equal(_fused_norm(x, fused.norm), norm(x))

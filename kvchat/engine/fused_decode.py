@@ -55,7 +55,7 @@ from kvchat.engine.decode_attention import (
 )
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
-from kvchat.models.layer_ops import NormWeight, is_native, norm_weight
+from kvchat.models.layer_ops import NormWeight, is_native, norm_weight, runs_natively
 from kvchat.models.layer_ops import rms_norm as native_rms_norm
 from kvchat.models.layer_ops import rotary as native_rotary
 from kvchat.models.native import int4_bound, library
@@ -72,14 +72,21 @@ _ATTRIBUTE = "_kvchat_fused_decoder"  # where a model keeps its FusedDecoder (or
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 _FULL, _SLIDING = "full_attention", "sliding_attention"
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # (rows, K) bfloat16 -> (rows, N) bfloat16
 
 
 class _Norm(NamedTuple):
-    norm: NormWeight  # the modules' own weights, read at each call
+    modules: tuple[Any, ...]  # the norm module, or the q norm's and the k norm's
+    eps: float
+    gemma: bool
     heads: int | None  # per-head rows (q and k norms over the qkv output): how many
+    split: int  # heads below it take the first module's weight
     native: bool  # the modules run kvchat's native norm (`layer_ops`)
+
+    def weights(self) -> NormWeight:
+        """The modules' weights as they are now (edited, or replaced by another Parameter)."""
+        other = self.modules[1].weight if len(self.modules) > 1 else None
+        return NormWeight(self.modules[0].weight, self.eps, self.gemma, other, self.split)
 
 
 class _Layer(NamedTuple):
@@ -201,7 +208,8 @@ def _norm(module: Any, other: Any = None, heads: int | None = None, split: int =
     native = {is_native(m) for m in (module, other) if m is not None}
     if found is None or len(native) != 1:
         return None
-    return _Norm(found, heads, native.pop())
+    modules = (module,) if other is None else (module, other)
+    return _Norm(modules, found.eps, found.gemma, heads, split, native.pop())
 
 
 def _qk_norm(attn: Any, heads: int, kv_heads: int) -> _Norm | None | bool:
@@ -284,9 +292,9 @@ def _rms_norm(x: torch.Tensor, norm: _Norm, to_bf16: bool = False) -> torch.Tens
     it. `to_bf16`: the result as the weight kernels' bfloat16 input (the same bits as casting
     it after). A per-head norm (q / k norms, `norm.heads`): x is (rows, heads * d), out
     (rows, heads, d)."""
-    weights = norm.norm
+    weights = norm.weights()
     out_dtype = x.dtype if weights.gemma else torch.promote_types(weights.weight.dtype, x.dtype)
-    if norm.native and x.dtype in _NATIVE_DTYPES:
+    if norm.native and runs_natively(x, weights, out_dtype):
         return native_rms_norm(x, weights, torch.bfloat16 if to_bf16 else out_dtype, norm.heads)
     weight = weights.torch_weight(norm.heads)
     shape = (int(weight.shape[-1]),)

@@ -16,8 +16,9 @@
  *   acc[L]    = fmaf((float)D[b][L], d[r, b] * u[m, b], acc[L])   for b in order, from 0
  *   out[m, r] = the fixed tree over the 16 lanes (native_sums.h's tree16)
  *
- * with (float)D rounded to nearest and d * u exact (short of overflow, for activations beyond
- * about 2^112). Integer sums are the same in any order, so AVX-512 VNNI (vpdpwssd, 32 products
+ * with (float)D rounded to nearest and d * u exact except at the ends of float32's range (a
+ * block of activations beyond about 2^110 with a large d overflows it, one below about 2^-100
+ * with a small d falls among the denormals). Integer sums are the same in any order, so AVX-512 VNNI (vpdpwssd, 32 products
  * an instruction: lane L takes columns 2L and 2L + 1 of each 32), AVX2 (vpmaddwd, lanes 0-7 and
  * 8-15 in two registers) and the portable C give the same bits, whatever the rows in a call or
  * the threads; the float work is one fma per lane a block. It reads 0.82 bytes a weight where

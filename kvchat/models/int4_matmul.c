@@ -279,13 +279,14 @@ VNNI static void tile_vnni(const job_t *j, long t, long m0, int mb)
 ROWS(rows_vnni, "avx512f,avx512bw,avx512vnni", tile_vnni)
 #endif
 
-/* 2: AVX-512 with VNNI, 1: AVX2 with FMA and F16C, 0: portable C */
+/* 2: AVX-512 (F, BW, DQ) with VNNI and F16C, 1: AVX2 with FMA and F16C, 0: portable C */
 int kvchat_int4_isa(void)
 {
 #ifdef KVCHAT_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vnni"))
+        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni")
+        && __builtin_cpu_supports("f16c")) /* block_head.c's VNNI path takes DQ and F16C too */
         return 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
         && __builtin_cpu_supports("f16c"))

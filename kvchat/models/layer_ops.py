@@ -81,7 +81,7 @@ class _NativeForward:
         module = self.module
         norm = NormWeight(module.weight, self.eps, self.gemma)
         out_dtype = x.dtype if self.gemma else torch.promote_types(norm.weight.dtype, x.dtype)
-        if not _runs_natively(x, norm, out_dtype):
+        if not runs_natively(x, norm, out_dtype):
             return type(module).forward(module, x)
         return rms_norm(x, norm, out_dtype)
 
@@ -114,7 +114,9 @@ def between_kernels(model: Any) -> None:
     native_norms(model)
 
 
-def _runs_natively(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype) -> bool:
+def runs_natively(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype) -> bool:
+    """Whether `rms_norm` takes these (CPU, float32 / bfloat16 x, weights and out; a q / k
+    pair of one dtype and shape); the module's own forward runs the rest."""
     weight, other = norm.weight, norm.other
     return (x.device.type == "cpu" and x.dtype in _DTYPES and out_dtype in _DTYPES
             and weight.device.type == "cpu" and weight.dtype in _DTYPES
@@ -129,7 +131,7 @@ def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
     n values, head h taking `norm.weight` below `norm.split` and `norm.other` from it on (a q and
     a k norm); out (M, heads, n). Raises ValueError on shapes, dtypes or devices it cannot run."""
     n = int(norm.weight.shape[-1])
-    if not _runs_natively(x, norm, out_dtype):
+    if not runs_natively(x, norm, out_dtype):
         raise ValueError(f"rms_norm: runs float32 / bfloat16 on CPU, not {x.dtype} on "
                          f"{x.device.type} to {out_dtype} with a {norm.weight.dtype} weight")
     width = n if heads is None else heads * n

@@ -393,6 +393,10 @@ def q6k_head_mm(x: torch.Tensor, blocks: torch.Tensor, k: int, isa: int = -1) ->
             or not blocks.is_contiguous():
         raise ValueError(f"Q6_K head: blocks of shape {tuple(blocks.shape)} for K={k}")
     n = blocks.shape[0]
+    if x.device != blocks.device:
+        raise ValueError(f"Q6_K head: activations on {x.device}, blocks on {blocks.device}")
+    if n == 0:
+        return torch.empty(m, 0, dtype=torch.float32, device=x.device)
     lib = library() if x.device.type == "cpu" else None
     if lib is None:  # `_torch_mm`'s sum over the same weights
         return _rows_mv(xf, n, lambda lo, hi: q6k_values(blocks[lo:hi]))
