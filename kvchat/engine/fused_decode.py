@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from kvchat.engine import fused_norms
 from kvchat.engine.decode_attention import (
     NAME,
     SMALL_Q,
@@ -53,10 +54,9 @@ from kvchat.engine.decode_attention import (
     head_attention,
     small_q_attention,
 )
+from kvchat.engine.fused_norms import Norm, add_norm, rms_norm
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
-from kvchat.models.layer_ops import NormWeight, is_native, norm_weight, runs_natively
-from kvchat.models.layer_ops import rms_norm as native_rms_norm
 from kvchat.models.layer_ops import rotary as native_rotary
 from kvchat.models.native import int4_bound, library
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
@@ -75,20 +75,6 @@ _FULL, _SLIDING = "full_attention", "sliding_attention"
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # (rows, K) bfloat16 -> (rows, N) bfloat16
 
 
-class _Norm(NamedTuple):
-    modules: tuple[Any, ...]  # the norm module, or the q norm's and the k norm's
-    eps: float
-    gemma: bool
-    heads: int | None  # per-head rows (q and k norms over the qkv output): how many
-    split: int  # heads below it take the first module's weight
-    native: bool  # the modules run kvchat's native norm (`layer_ops`)
-
-    def weights(self) -> NormWeight:
-        """The modules' weights as they are now (edited, or replaced by another Parameter)."""
-        other = self.modules[1].weight if len(self.modules) > 1 else None
-        return NormWeight(self.modules[0].weight, self.eps, self.gemma, other, self.split)
-
-
 class _Layer(NamedTuple):
     attn: Any  # the attention module (the attention function reads its settings)
     kind: str  # full_attention or sliding_attention: which mask and rotary table it takes
@@ -97,11 +83,11 @@ class _Layer(NamedTuple):
     gate_up: Matmul  # (rows, hidden) -> (rows, gate | up)
     down: Matmul
     act: Callable[[torch.Tensor], torch.Tensor]
-    norm1: _Norm  # before attention
-    norm2: _Norm  # before the MLP
-    post_attn: _Norm | None  # Gemma's norms of the attention and MLP outputs
-    post_mlp: _Norm | None
-    qk_norm: _Norm | None  # per head over q and k together (Qwen3, Gemma 3)
+    norm1: Norm  # before attention
+    norm2: Norm  # before the MLP
+    post_attn: Norm | None  # Gemma's norms of the attention and MLP outputs
+    post_mlp: Norm | None
+    qk_norm: Norm | None  # per head over q and k together (Qwen3, Gemma 3)
     heads: int
     kv_heads: int
     head_dim: int
@@ -199,31 +185,6 @@ def _stack_int8(layers: Sequence[Int8Linear]) -> Matmul:
     return int8_mm
 
 
-def _norm(module: Any, other: Any = None, heads: int | None = None, split: int = 0
-          ) -> _Norm | None:
-    """The norm `module` runs (with `other` and `heads`: per-head rows, the first `split` heads
-    taking `module`'s weight, the rest `other`'s), or None for a norm this forward does not know.
-    Modules running kvchat's native norm are run by it here too (all of them or none)."""
-    found = norm_weight(module, other, split)
-    native = {is_native(m) for m in (module, other) if m is not None}
-    if found is None or len(native) != 1:
-        return None
-    modules = (module,) if other is None else (module, other)
-    return _Norm(modules, found.eps, found.gemma, heads, split, native.pop())
-
-
-def _qk_norm(attn: Any, heads: int, kv_heads: int) -> _Norm | None | bool:
-    """The q / k norms as one norm over heads + kv_heads rows, None when the attention has none,
-    False when it has norms this forward does not know."""
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    if q_norm is None and k_norm is None:
-        return None
-    if q_norm is None or k_norm is None:
-        return False
-    norm = _norm(q_norm, k_norm, heads + kv_heads, heads)
-    return False if norm is None else norm
-
-
 def _layer_kind(config: Any, index: int) -> str:
     """Which mask a layer takes, as the family's model forward decides it: the config's
     layer_types where it has them (Qwen2/3, Gemma 3), else the sliding window when one is set
@@ -264,17 +225,17 @@ def _layer(layer: Any, config: Any, index: int) -> _Layer | None:
     if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
         return None
     qkv_layers, gate_up_layers = found
-    norm1, norm2 = _norm(layer.input_layernorm), _norm(getattr(
+    norm1, norm2 = fused_norms.norm(layer.input_layernorm), fused_norms.norm(getattr(
         layer, "pre_feedforward_layernorm", layer.post_attention_layernorm))
     sandwich = hasattr(layer, "pre_feedforward_layernorm")
-    post_attn = _norm(layer.post_attention_layernorm) if sandwich else None
-    post_mlp = _norm(layer.post_feedforward_layernorm) if sandwich else None
+    post_attn = fused_norms.norm(layer.post_attention_layernorm) if sandwich else None
+    post_mlp = fused_norms.norm(layer.post_feedforward_layernorm) if sandwich else None
     if norm1 is None or norm2 is None or (sandwich and (post_attn is None or post_mlp is None)):
         return None
     head_dim = int(attn.head_dim)
     heads = int(config.num_attention_heads)
     kv_heads = int(config.num_key_value_heads)
-    qk_norm = _qk_norm(attn, heads, kv_heads)
+    qk_norm = fused_norms.qk_norm(attn, heads, kv_heads)
     qkv, gate_up = _stack(qkv_layers), _stack(gate_up_layers)
     if qkv is None or gate_up is None or isinstance(qk_norm, bool):
         return None
@@ -283,26 +244,6 @@ def _layer(layer: Any, config: Any, index: int) -> _Layer | None:
                   _matmul(mlp.down_proj), _activation(mlp), norm1, norm2, post_attn, post_mlp,
                   qk_norm, heads, kv_heads, head_dim, (heads + kv_heads) * head_dim,
                   width, float(attn.scaling), getattr(attn, "attn_logit_softcapping", None))
-
-
-def _rms_norm(x: torch.Tensor, norm: _Norm, to_bf16: bool = False) -> torch.Tensor:
-    """The family's RMSNorm: float32 x * rsqrt(mean(x^2) + eps) (`torch.rms_norm` runs the same
-    arithmetic in one call), then Llama's cast back and times the weight, or Gemma's times
-    (1 + weight) in float32 and cast back; or kvchat's native norm where the model's modules run
-    it. `to_bf16`: the result as the weight kernels' bfloat16 input (the same bits as casting
-    it after). A per-head norm (q / k norms, `norm.heads`): x is (rows, heads * d), out
-    (rows, heads, d)."""
-    weights = norm.weights()
-    out_dtype = x.dtype if weights.gemma else torch.promote_types(weights.weight.dtype, x.dtype)
-    if norm.native and runs_natively(x, weights, out_dtype):
-        return native_rms_norm(x, weights, torch.bfloat16 if to_bf16 else out_dtype, norm.heads)
-    weight = weights.torch_weight(norm.heads)
-    shape = (int(weight.shape[-1]),)
-    if norm.heads is not None:
-        x = x.reshape(x.shape[0], norm.heads, -1)
-    if weights.gemma:
-        return (torch.rms_norm(x.float(), shape, eps=weights.eps) * weight).to(x.dtype)
-    return weight * torch.rms_norm(x.float(), shape, eps=weights.eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -321,7 +262,7 @@ class FusedDecoder:
     """`FusedDecoder.build(model)`: the fused forward for `model`, or None if it has layers
     this forward does not cover (the caller then keeps the model's own forward)."""
 
-    def __init__(self, model: Any, layers: list[_Layer], norm: _Norm) -> None:
+    def __init__(self, model: Any, layers: list[_Layer], norm: Norm) -> None:
         self.decoder = model.get_decoder()
         self.family = DECODER_FAMILIES[type(model).__name__]
         self.layers = layers
@@ -358,7 +299,7 @@ class FusedDecoder:
             return None
         if getattr(config, "use_bidirectional_attention", False):
             return None
-        norm = _norm(decoder.norm)
+        norm = fused_norms.norm(decoder.norm)
         if not isinstance(model.get_output_embeddings(), QuantLinear) or norm is None:
             return None
         layers = [_layer(layer, config, i) for i, layer in enumerate(decoder.layers)]
@@ -399,11 +340,12 @@ class FusedDecoder:
             tables[kind] = (cos, sin)
         cache_layers = past.layers
         hidden = hidden.view(b * q, -1)  # the layers work on (rows, hidden)
+        pending = None  # each layer's MLP output, added to the stream with the next norm
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.kind]
-            hidden = self._layer(layer, hidden, cache_layers[i], masks[layer.kind], cos, sin,
-                                 b, q, self.rotary_native)
-        hidden = _rms_norm(hidden, self.norm).view(b, q, -1)
+            hidden, pending = self._layer(layer, hidden, pending, cache_layers[i],
+                                          masks[layer.kind], cos, sin, b, q, self.rotary_native)
+        hidden = add_norm(hidden, pending, self.norm)[1].view(b, q, -1)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
             else logits_to_keep
         logits = self.head(hidden[:, keep, :])
@@ -412,14 +354,18 @@ class FusedDecoder:
         return logits
 
     @staticmethod
-    def _layer(layer: _Layer, hidden: torch.Tensor, cache: Any, mask: Any, cos: torch.Tensor,
-               sin: torch.Tensor, b: int, q: int, rotary_native: bool) -> torch.Tensor:
-        """One decoder layer over hidden (b * q, width); cos / sin (b or 1, q, rotary dims)."""
+    def _layer(layer: _Layer, hidden: torch.Tensor, pending: torch.Tensor | None, cache: Any,
+               mask: Any, cos: torch.Tensor, sin: torch.Tensor, b: int, q: int,
+               rotary_native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer over hidden + pending (b * q, width; the last layer's MLP output
+        not yet added); cos / sin (b or 1, q, rotary dims). Returns the stream and this
+        layer's MLP output, for the next norm to add."""
         d, heads, qk_width = layer.head_dim, layer.heads, layer.qk_width
-        qkv = layer.qkv(_rms_norm(hidden, layer.norm1, to_bf16=True))
+        hidden, normed = add_norm(hidden, pending, layer.norm1, to_bf16=True)
+        qkv = layer.qkv(normed)
         qk = qkv[:, :qk_width]
         if layer.qk_norm is not None:
-            qk = _rms_norm(qk, layer.qk_norm)
+            qk = rms_norm(qk, layer.qk_norm)
         qk = qk.view(b, q, -1, d)
         if rotary_native and qk.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16:
             qk = native_rotary(qk, cos, sin)  # the same arithmetic, one call
@@ -437,11 +383,11 @@ class FusedDecoder:
             out = head_attention(qk[:, :heads], head, key, value, mask, layer.scaling)
         attended = layer.o(out.reshape(b * q, -1).contiguous())
         if layer.post_attn is not None:
-            attended = _rms_norm(attended, layer.post_attn)
-        hidden = hidden + attended
-        gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2, to_bf16=True))
+            attended = rms_norm(attended, layer.post_attn)
+        hidden, normed = add_norm(hidden, attended, layer.norm2, to_bf16=True)
+        gate_up = layer.gate_up(normed)
         n = layer.intermediate
         mlp = layer.down(layer.act(gate_up[:, :n]) * gate_up[:, n:])
         if layer.post_mlp is not None:
-            mlp = _rms_norm(mlp, layer.post_mlp)
-        return hidden + mlp
+            mlp = rms_norm(mlp, layer.post_mlp)
+        return hidden, mlp

@@ -128,6 +128,36 @@ int kvchat_rms_norm(const void *x, int x_bf16, long outer, long per, const void 
     return 0;
 }
 
+/* h_out = h + a (float32 h, a float32 or bfloat16 (a_bf16), each sum rounded once: torch's
+ * float32 add of a promoted a), then out = the norm of h_out, rows of n contiguous values, the
+ * weight w of n values as kvchat_rms_norm's; h_out may be h. Returns 0, -1 on bad shapes, -2 out
+ * of memory. */
+int kvchat_add_rms_norm(const float *h, const void *a, int a_bf16, float *h_out, const void *w,
+                        int w_bf16, int gemma, long rows, long n, float eps, void *out,
+                        int out_bf16, int threads)
+{
+    if (rows < 0 || n <= 0) return -1;
+    float *wf = malloc((size_t)n * sizeof(float));
+    if (!wf) return -2;
+    weight_row(w, w_bf16, gemma, n, wf);
+    #pragma omp parallel for num_threads(threads > 1 && rows * n >= 65536 ? threads : 1) \
+        schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const float *hr = h + r * n;
+        float *sum = h_out + r * n;
+        if (a_bf16) {
+            const uint16_t *ar = (const uint16_t *)a + r * n;
+            for (long c = 0; c < n; c++) sum[c] = hr[c] + bf16_float(ar[c]);
+        } else {
+            const float *ar = (const float *)a + r * n;
+            for (long c = 0; c < n; c++) sum[c] = hr[c] + ar[c];
+        }
+        norm_row(h_out, r * n, 0, wf, n, eps, 0, out, r * n, out_bf16);
+    }
+    free(wf);
+    return 0;
+}
+
 /* float_bf16 without a branch (a NaN's select), so that the loop below vectorizes */
 static inline uint16_t to_bf16(float f)
 {

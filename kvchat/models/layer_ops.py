@@ -164,6 +164,33 @@ def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
     return out
 
 
+def add_rms_norm(hidden: torch.Tensor, add: torch.Tensor, norm: NormWeight,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hidden + add` (float32 (M, n) and float32 or bfloat16 of its shape: torch's float32 add)
+    and `rms_norm` of that sum, in one call: the residual stream's add and the next norm.
+    Raises ValueError on what it cannot run (the caller adds and norms apart)."""
+    n = int(norm.weight.shape[-1])
+    if hidden.dtype != torch.float32 or add.dtype not in _DTYPES or hidden.dim() != 2 \
+            or add.shape != hidden.shape or hidden.shape[1] != n or norm.other is not None \
+            or add.device != hidden.device or not runs_natively(hidden, norm, out_dtype):
+        raise ValueError(f"add_rms_norm: float32 (M, {n}) rows and their addend on CPU, not "
+                         f"{tuple(hidden.shape)} {hidden.dtype} and {tuple(add.shape)} {add.dtype}")
+    hidden, add = hidden.contiguous(), add.contiguous()
+    weight = norm.weight if norm.weight.is_contiguous() else norm.weight.contiguous()
+    total = torch.empty_like(hidden)
+    out = torch.empty(hidden.shape, dtype=out_dtype)
+    rc = library().kvchat_add_rms_norm(  # type: ignore[union-attr]
+        hidden.data_ptr(), add.data_ptr(), add.dtype == torch.bfloat16, total.data_ptr(),
+        weight.data_ptr(), weight.dtype == torch.bfloat16, norm.gemma, hidden.shape[0], n,
+        ctypes.c_float(norm.eps), out.data_ptr(), out_dtype == torch.bfloat16,
+        torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("add_rms_norm: no memory for the weight row")
+    if rc != 0:
+        raise ValueError(f"add_rms_norm: bad shape {tuple(hidden.shape)}")
+    return total, out
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary_pos_emb`'s arithmetic on bfloat16: x (B, Q, H, D) with D contiguous, cos /
     sin (B or 1, Q, R), R <= D rotating the first R dims (Phi-3's partial rotary); out
