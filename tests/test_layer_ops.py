@@ -191,21 +191,3 @@ def test_the_fused_forward_follows_a_replaced_or_float16_norm_weight(tiny_tokeni
     assert norm.weight.dtype == torch.float16
     assert torch.equal(_fused_norm(x, fused.norm), norm(x))
 
-
-@needs_native
-@pytest.mark.parametrize(("add_dtype", "gemma", "out_dtype"),
-                         [(torch.bfloat16, False, torch.bfloat16),
-                          (torch.float32, True, torch.float32),
-                          (torch.bfloat16, True, torch.bfloat16)])
-def test_the_residual_add_and_the_next_norm_in_one_call(add_dtype, gemma, out_dtype):
-    g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(4, 96, generator=g) * 30
-    add = torch.randn(4, 96, generator=g).to(add_dtype)
-    norm = layer_ops.NormWeight(torch.randn(96, generator=g).bfloat16(), 1e-6, gemma)
-    total, out = layer_ops.add_rms_norm(hidden, add, norm, out_dtype)
-    assert torch.equal(total, hidden + add)  # torch's float32 add, to the bit
-    assert torch.equal(out, layer_ops.rms_norm(hidden + add, norm, out_dtype))
-    with pytest.raises(ValueError, match="add_rms_norm"):
-        layer_ops.add_rms_norm(hidden, add[:, :64], norm, out_dtype)
-    with pytest.raises(ValueError, match="add_rms_norm"):
-        layer_ops.add_rms_norm(hidden.bfloat16(), add, norm, out_dtype)

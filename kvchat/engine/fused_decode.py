@@ -54,7 +54,7 @@ from kvchat.engine.decode_attention import (
     head_attention,
     small_q_attention,
 )
-from kvchat.engine.fused_norms import Norm, add_norm, rms_norm
+from kvchat.engine.fused_norms import Norm, rms_norm
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
 from kvchat.models.layer_ops import rotary as native_rotary
@@ -340,12 +340,11 @@ class FusedDecoder:
             tables[kind] = (cos, sin)
         cache_layers = past.layers
         hidden = hidden.view(b * q, -1)  # the layers work on (rows, hidden)
-        pending = None  # each layer's MLP output, added to the stream with the next norm
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.kind]
-            hidden, pending = self._layer(layer, hidden, pending, cache_layers[i],
-                                          masks[layer.kind], cos, sin, b, q, self.rotary_native)
-        hidden = add_norm(hidden, pending, self.norm)[1].view(b, q, -1)
+            hidden = self._layer(layer, hidden, cache_layers[i], masks[layer.kind], cos, sin,
+                                 b, q, self.rotary_native)
+        hidden = rms_norm(hidden, self.norm).view(b, q, -1)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
             else logits_to_keep
         logits = self.head(hidden[:, keep, :])
@@ -354,15 +353,11 @@ class FusedDecoder:
         return logits
 
     @staticmethod
-    def _layer(layer: _Layer, hidden: torch.Tensor, pending: torch.Tensor | None, cache: Any,
-               mask: Any, cos: torch.Tensor, sin: torch.Tensor, b: int, q: int,
-               rotary_native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer over hidden + pending (b * q, width; the last layer's MLP output
-        not yet added); cos / sin (b or 1, q, rotary dims). Returns the stream and this
-        layer's MLP output, for the next norm to add."""
+    def _layer(layer: _Layer, hidden: torch.Tensor, cache: Any, mask: Any, cos: torch.Tensor,
+               sin: torch.Tensor, b: int, q: int, rotary_native: bool) -> torch.Tensor:
+        """One decoder layer over hidden (b * q, width); cos / sin (b or 1, q, rotary dims)."""
         d, heads, qk_width = layer.head_dim, layer.heads, layer.qk_width
-        hidden, normed = add_norm(hidden, pending, layer.norm1, to_bf16=True)
-        qkv = layer.qkv(normed)
+        qkv = layer.qkv(rms_norm(hidden, layer.norm1, to_bf16=True))
         qk = qkv[:, :qk_width]
         if layer.qk_norm is not None:
             qk = rms_norm(qk, layer.qk_norm)
@@ -384,10 +379,10 @@ class FusedDecoder:
         attended = layer.o(out.reshape(b * q, -1).contiguous())
         if layer.post_attn is not None:
             attended = rms_norm(attended, layer.post_attn)
-        hidden, normed = add_norm(hidden, attended, layer.norm2, to_bf16=True)
-        gate_up = layer.gate_up(normed)
+        hidden = hidden + attended
+        gate_up = layer.gate_up(rms_norm(hidden, layer.norm2, to_bf16=True))
         n = layer.intermediate
         mlp = layer.down(layer.act(gate_up[:, :n]) * gate_up[:, n:])
         if layer.post_mlp is not None:
             mlp = rms_norm(mlp, layer.post_mlp)
-        return hidden, mlp
+        return hidden + mlp

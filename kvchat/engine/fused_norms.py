@@ -1,6 +1,6 @@
 """The fused decode forward's norms (`fused_decode`): a decoder's RMSNorm modules as that
 forward runs them, on kvchat's native norm (`layer_ops`) where the modules run it, else the
-family's torch arithmetic; and the residual stream's add folded into the next norm's call."""
+family's torch arithmetic."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 import torch
 
 from kvchat.models.layer_ops import NormWeight, is_native, norm_weight, runs_natively
-from kvchat.models.layer_ops import add_rms_norm as native_add_rms_norm
 from kvchat.models.layer_ops import rms_norm as native_rms_norm
 
 
@@ -20,11 +19,19 @@ class Norm(NamedTuple):
     heads: int | None  # per-head rows (q and k norms over the qkv output): how many
     split: int  # heads below it take the first module's weight
     native: bool  # the modules run kvchat's native norm (`layer_ops`)
+    held: list[NormWeight]  # the last `weights()`, kept while the modules hold those tensors
 
     def weights(self) -> NormWeight:
-        """The modules' weights as they are now (edited, or replaced by another Parameter)."""
-        other = self.modules[1].weight if len(self.modules) > 1 else None
-        return NormWeight(self.modules[0].weight, self.eps, self.gemma, other, self.split)
+        """The modules' weights as they are now (edited in place or through `.data`: the
+        kernel reads them at each call; replaced by another Parameter: taken again)."""
+        held, modules = self.held, self.modules
+        if held and held[0].weight is modules[0].weight and (
+                len(modules) == 1 or held[0].other is modules[1].weight):
+            return held[0]
+        other = modules[1].weight if len(modules) > 1 else None
+        found = NormWeight(modules[0].weight, self.eps, self.gemma, other, self.split)
+        held[:] = [found]
+        return found
 
 
 def norm(module: Any, other: Any = None, heads: int | None = None, split: int = 0
@@ -37,7 +44,7 @@ def norm(module: Any, other: Any = None, heads: int | None = None, split: int = 
     if found is None or len(native) != 1:
         return None
     modules = (module,) if other is None else (module, other)
-    return Norm(modules, found.eps, found.gemma, heads, split, native.pop())
+    return Norm(modules, found.eps, found.gemma, heads, split, native.pop(), [])
 
 
 def qk_norm(attn: Any, heads: int, kv_heads: int) -> Norm | None | bool:
@@ -60,9 +67,10 @@ def rms_norm(x: torch.Tensor, norm: Norm, to_bf16: bool = False) -> torch.Tensor
     it after). A per-head norm (q / k norms, `norm.heads`): x is (rows, heads * d), out
     (rows, heads, d)."""
     weights = norm.weights()
-    out_dtype = x.dtype if weights.gemma else torch.promote_types(weights.weight.dtype, x.dtype)
+    out_dtype = torch.bfloat16 if to_bf16 else x.dtype if weights.gemma else \
+        torch.promote_types(weights.weight.dtype, x.dtype)
     if norm.native and runs_natively(x, weights, out_dtype):
-        return native_rms_norm(x, weights, torch.bfloat16 if to_bf16 else out_dtype, norm.heads)
+        return native_rms_norm(x, weights, out_dtype, norm.heads, checked=True)
     weight = weights.torch_weight(norm.heads)
     shape = (int(weight.shape[-1]),)
     if norm.heads is not None:
@@ -70,21 +78,3 @@ def rms_norm(x: torch.Tensor, norm: Norm, to_bf16: bool = False) -> torch.Tensor
     if weights.gemma:
         return (torch.rms_norm(x.float(), shape, eps=weights.eps) * weight).to(x.dtype)
     return weight * torch.rms_norm(x.float(), shape, eps=weights.eps).to(x.dtype)
-
-
-def add_norm(hidden: torch.Tensor, pending: torch.Tensor | None, norm: Norm,
-             to_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden + pending (torch's add; none when pending is None) and `rms_norm` of the sum:
-    one native call for a float32 stream whose norm runs natively, the same bits."""
-    if pending is None:
-        return hidden, rms_norm(hidden, norm, to_bf16)
-    if norm.native and norm.heads is None and hidden.dtype == torch.float32 \
-            and pending.dtype in (torch.float32, torch.bfloat16) and pending.shape == hidden.shape:
-        weights = norm.weights()
-        out_dtype = torch.bfloat16 if to_bf16 else (
-            hidden.dtype if weights.gemma else torch.promote_types(weights.weight.dtype,
-                                                                  hidden.dtype))
-        if runs_natively(hidden, weights, out_dtype):
-            return native_add_rms_norm(hidden, pending, weights, out_dtype)
-    hidden = hidden + pending
-    return hidden, rms_norm(hidden, norm, to_bf16)

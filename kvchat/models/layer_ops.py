@@ -118,20 +118,21 @@ def runs_natively(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype) -> 
     """Whether `rms_norm` takes these (CPU, float32 / bfloat16 x, weights and out; a q / k
     pair of one dtype and shape); the module's own forward runs the rest."""
     weight, other = norm.weight, norm.other
-    return (x.device.type == "cpu" and x.dtype in _DTYPES and out_dtype in _DTYPES
-            and weight.device.type == "cpu" and weight.dtype in _DTYPES
-            and (other is None or (other.device.type == "cpu" and other.dtype == weight.dtype
+    return (x.is_cpu and x.dtype in _DTYPES and out_dtype in _DTYPES and weight.is_cpu
+            and weight.dtype in _DTYPES
+            and (other is None or (other.is_cpu and other.dtype == weight.dtype
                                    and other.shape == weight.shape)))
 
 
 def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
-             heads: int | None = None) -> torch.Tensor:
+             heads: int | None = None, checked: bool = False) -> torch.Tensor:
     """layer_ops.c's RMSNorm of x's last dim, out in `out_dtype` (float32 or bfloat16). With
     `heads`, x is (M, heads * n) (a slice of wider rows is read in place) whose rows are heads of
     n values, head h taking `norm.weight` below `norm.split` and `norm.other` from it on (a q and
-    a k norm); out (M, heads, n). Raises ValueError on shapes, dtypes or devices it cannot run."""
+    a k norm); out (M, heads, n). Raises ValueError on shapes, dtypes or devices it cannot run
+    (`checked`: the caller has asked `runs_natively`)."""
     n = int(norm.weight.shape[-1])
-    if not runs_natively(x, norm, out_dtype):
+    if not checked and not runs_natively(x, norm, out_dtype):
         raise ValueError(f"rms_norm: runs float32 / bfloat16 on CPU, not {x.dtype} on "
                          f"{x.device.type} to {out_dtype} with a {norm.weight.dtype} weight")
     width = n if heads is None else heads * n
@@ -152,11 +153,12 @@ def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
     other = norm.other if norm.other is not None else weight
     other = other if other.is_contiguous() else other.contiguous()
     out = torch.empty(shape, dtype=out_dtype)
+    flags = ((x.dtype == torch.bfloat16) | (weight.dtype == torch.bfloat16) << 1
+             | norm.gemma << 2 | (not norm.gemma and x.dtype == torch.bfloat16) << 3
+             | (out_dtype == torch.bfloat16) << 4)  # layer_ops.c's X_BF16 ... OUT_BF16
     rc = library().kvchat_rms_norm(  # type: ignore[union-attr]
-        x.data_ptr(), x.dtype == torch.bfloat16, outer, per, weight.data_ptr(),
-        other.data_ptr(), split, weight.dtype == torch.bfloat16, norm.gemma, rows, n,
-        ctypes.c_float(norm.eps), not norm.gemma and x.dtype == torch.bfloat16,
-        out.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
+        x.data_ptr(), outer, per, weight.data_ptr(), other.data_ptr(), split, rows, n,
+        ctypes.c_float(norm.eps), flags, out.data_ptr(), torch.get_num_threads())
     if rc == -2:
         raise MemoryError("rms_norm: no memory for the weight row")
     if rc != 0:
@@ -164,40 +166,14 @@ def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
     return out
 
 
-def add_rms_norm(hidden: torch.Tensor, add: torch.Tensor, norm: NormWeight,
-                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`hidden + add` (float32 (M, n) and float32 or bfloat16 of its shape: torch's float32 add)
-    and `rms_norm` of that sum, in one call: the residual stream's add and the next norm.
-    Raises ValueError on what it cannot run (the caller adds and norms apart)."""
-    n = int(norm.weight.shape[-1])
-    if hidden.dtype != torch.float32 or add.dtype not in _DTYPES or hidden.dim() != 2 \
-            or add.shape != hidden.shape or hidden.shape[1] != n or norm.other is not None \
-            or add.device != hidden.device or not runs_natively(hidden, norm, out_dtype):
-        raise ValueError(f"add_rms_norm: float32 (M, {n}) rows and their addend on CPU, not "
-                         f"{tuple(hidden.shape)} {hidden.dtype} and {tuple(add.shape)} {add.dtype}")
-    hidden, add = hidden.contiguous(), add.contiguous()
-    weight = norm.weight if norm.weight.is_contiguous() else norm.weight.contiguous()
-    total = torch.empty_like(hidden)
-    out = torch.empty(hidden.shape, dtype=out_dtype)
-    rc = library().kvchat_add_rms_norm(  # type: ignore[union-attr]
-        hidden.data_ptr(), add.data_ptr(), add.dtype == torch.bfloat16, total.data_ptr(),
-        weight.data_ptr(), weight.dtype == torch.bfloat16, norm.gemma, hidden.shape[0], n,
-        ctypes.c_float(norm.eps), out.data_ptr(), out_dtype == torch.bfloat16,
-        torch.get_num_threads())
-    if rc == -2:
-        raise MemoryError("add_rms_norm: no memory for the weight row")
-    if rc != 0:
-        raise ValueError(f"add_rms_norm: bad shape {tuple(hidden.shape)}")
-    return total, out
-
-
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary_pos_emb`'s arithmetic on bfloat16: x (B, Q, H, D) with D contiguous, cos /
     sin (B or 1, Q, R), R <= D rotating the first R dims (Phi-3's partial rotary); out
     (B, H, Q, D), contiguous. Raises ValueError on shapes, dtypes or devices it cannot run."""
-    tensors = (x, cos, sin)
-    if (x.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
-            or any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors)):
+    bf16 = torch.bfloat16
+    if (x.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape or x.dtype != bf16
+            or cos.dtype != bf16 or sin.dtype != bf16
+            or not (x.is_cpu and cos.is_cpu and sin.is_cpu)):
         raise ValueError(f"rotary: bfloat16 CPU x (B, Q, H, D) and cos / sin (B, Q, R), not "
                          f"{tuple(x.shape)} {x.dtype}, {tuple(cos.shape)} {cos.dtype}, "
                          f"{tuple(sin.shape)} {sin.dtype}")

@@ -117,8 +117,7 @@ def library() -> ctypes.CDLL | None:
                        ("gguf_blocks", [i, p, n, p, i]),
                        ("int4_from_blocks", [i, p, n, n, p, p, p, i]),
                        ("int4_grid", [p, n, p, p, p, i]),
-                       ("rms_norm", [p, i, n, n, p, p, n, i, i, n, n, ctypes.c_float, i, p, i, i]),
-                       ("add_rms_norm", [p, p, i, p, p, i, i, n, n, ctypes.c_float, p, i, i]),
+                       ("rms_norm", [p, n, n, p, p, n, n, n, ctypes.c_float, i, p, i]),
                        ("rotary", [p, p, p, p, p, n, n, n, n, n, p]),
                        ("int8_head_isa", []), ("int4_isa", []), ("attention_isa", [])):
         function = getattr(lib, "kvchat_" + name)
