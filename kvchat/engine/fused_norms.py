@@ -23,11 +23,14 @@ class Norm(NamedTuple):
 
     def weights(self) -> NormWeight:
         """The modules' weights as they are now (edited in place or through `.data`: the
-        kernel reads them at each call; replaced by another Parameter: taken again)."""
+        kernel reads them at each call; replaced by another Parameter: taken again). Read from
+        each module's parameter dict: `module.weight` costs a __getattr__ call a norm."""
         held, modules = self.held, self.modules
-        if held and held[0].weight is modules[0].weight and (
-                len(modules) == 1 or held[0].other is modules[1].weight):
-            return held[0]
+        if held:
+            found = held[0]
+            if modules[0]._parameters.get("weight") is found.weight and (
+                    len(modules) == 1 or modules[1]._parameters.get("weight") is found.other):
+                return found
         other = modules[1].weight if len(modules) > 1 else None
         found = NormWeight(modules[0].weight, self.eps, self.gemma, other, self.split)
         held[:] = [found]
