@@ -35,6 +35,7 @@ SMALL_Q = 16
 # keyword arguments only the fused kernel (or eager) knows how to apply
 _FUSED_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
 _NATIVE_LACKS = ("s_aux", "sinks", "position_bias")
+_NATIVE = (torch.bfloat16, torch.float32)  # the dtypes the native kernel takes
 
 
 def fixed_attention(
@@ -50,15 +51,19 @@ def fixed_attention(
     library, not CPU, another dtype, a mask per head or of other values than keep / drop).
     The mask is SDPA's: (B or 1, 1, Q, >= K) boolean (True: attend) or None (causal,
     bottom-right aligned)."""
-    if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float32) \
-            or not native.attention_native():
+    if not query.is_cpu or query.dtype not in _NATIVE or not native.attention_native():
         return None
     if attention_mask is not None and (attention_mask.dtype != torch.bool
                                        or attention_mask.shape[1] != 1):
         return None
     mask = None if attention_mask is None else attention_mask[:, 0, :, : key.shape[2]]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    return native.attention(q, k, v, mask, scaling, softcap, head)
+    if query.stride(-1) != 1:  # each apart: a generator over three costs a microsecond a call
+        query = query.contiguous()
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    return native.attention(query, key, value, mask, scaling, softcap, head)
 
 
 def small_q_attention(

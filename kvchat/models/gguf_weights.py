@@ -250,7 +250,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         if head_blocks:
             head_path = _name_of(model, model.get_output_embeddings())
             owner, attr = _owner(model, head_path)
-            block_head = BlockHeadLinear(  # the file's rows, as an int8 head takes them
+            block_head = BlockHeadLinear(  # the file's rows, as block_head.c reads them
                 nn.Linear(cols, rows, bias=False, device="meta"), file_blocks)
             setattr(owner, attr, block_head)
             packed.append("int8")  # the head, as an int8 one counts
