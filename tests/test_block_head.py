@@ -13,7 +13,7 @@ import torch
 from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
 from torch import nn
 
-from kvchat.models import footprint, gguf_weights, native
+from kvchat.models import footprint, gguf_weights, head_kernels, native
 from kvchat.models.block_head import BlockHeadLinear
 from kvchat.models.loading import load_model
 from kvchat.models.quant_embeddings import BlockEmbedding
@@ -65,7 +65,7 @@ def test_its_rows_are_the_files_numbers():
     values = torch.from_numpy(gguf.dequantize(blocks, Q6_K).copy())
     assert torch.equal(head.dequantized(), values)
     q, scales = _int8_groups(blocks)
-    assert torch.equal(native.int8_group_values(q, scales, 16), values)
+    assert torch.equal(head_kernels.int8_group_values(q, scales, 16), values)
     ids = torch.tensor([[3, 776], [4, 0]])
     assert torch.equal(head.rows(ids), values[ids])
 
@@ -135,7 +135,7 @@ def test_it_computes_its_integer_definition_in_any_batch_threads_or_isa():
             torch.set_num_threads(n_threads)
             for isa in range(native.int4_isa() + 1):
                 for rows in (1, 2, 3, 8, 9, 11):
-                    got = native.q6k_head_mm(x[:rows], head.blocks, 512, isa=isa)
+                    got = head_kernels.q6k_head_mm(x[:rows], head.blocks, 512, isa=isa)
                     assert got.dtype == torch.float32 and torch.equal(got, want[:rows]), \
                         (n_threads, isa, rows)
                     for i in range(rows):
@@ -159,7 +159,7 @@ def test_a_block_holding_an_infinity_or_nan_gives_that_row_nan():
     blocks = _blocks(n=64, k=512)
     x = _x(3)
     x[1, 300] = torch.inf
-    out = native.q6k_head_mm(x, torch.from_numpy(blocks.copy()), 512)
+    out = head_kernels.q6k_head_mm(x, torch.from_numpy(blocks.copy()), 512)
     assert out[1].isnan().all() and not out[0].isnan().any() and not out[2].isnan().any()
     assert torch.equal(out.nan_to_num(), _definition(x, blocks).nan_to_num())
 
@@ -175,8 +175,8 @@ def test_without_the_kernel_torch_computes_the_same_sum(monkeypatch):
     assert all(torch.equal(head(x[i : i + 1])[0], batch[i]) for i in range(3))
     # the int8 head's torch sum over the same weights, to the bit
     q, scales = _int8_groups(head.blocks.numpy())
-    assert torch.equal(batch, native._torch_mm(x.float(), q, scales, 16))
-    assert torch.equal(native.q6k_values(head.blocks), head.dequantized())
+    assert torch.equal(batch, head_kernels._torch_mm(x.float(), q, scales, 16))
+    assert torch.equal(head_kernels.q6k_values(head.blocks), head.dequantized())
 
 
 def test_other_heads_and_shapes_are_refused():
@@ -187,9 +187,9 @@ def test_other_heads_and_shapes_are_refused():
     assert not BlockHeadLinear.takes(nn.Linear(320, 40, bias=False), int(Q6_K))
     blocks = torch.from_numpy(_blocks(n=8, k=256).copy())
     with pytest.raises(ValueError, match="K=512"):
-        native.q6k_head_mm(_x(1, k=512), blocks, 512)
+        head_kernels.q6k_head_mm(_x(1, k=512), blocks, 512)
     with pytest.raises(ValueError, match="no kernel"):
-        native.q6k_head_mm(_x(1, k=200), blocks, 200)
+        head_kernels.q6k_head_mm(_x(1, k=200), blocks, 200)
 
 
 def _tied_q6_k(tiny_tokenizer, tmp_path):

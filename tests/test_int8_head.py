@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvchat.models import native
+from kvchat.models import head_kernels, native
 from kvchat.models.quant import Int8HeadLinear, quantize_int8_groups
 
 needs_kernel = pytest.mark.skipif(native.library() is None, reason=native.kernel_name())
@@ -36,7 +36,7 @@ def test_the_kernel_computes_the_float_definition():
     exact = x.double() @ head.dequantized().double().t()
     assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-4)
     # and the torch path, for machines without a compiler, computes the same sum
-    fallback = native._torch_mm(x.float(), head.qweight, head.scales, head.group)
+    fallback = head_kernels._torch_mm(x.float(), head.qweight, head.scales, head.group)
     assert torch.allclose(fallback, out, rtol=1e-5, atol=1e-4)
 
 
@@ -52,7 +52,7 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_under_any_threads_and_isa()
             torch.set_num_threads(n_threads)
             for isa in range(best + 1):
                 for rows in (1, 2, 3, 4, 5, 9):
-                    got = native.int8_head_mm(x[:rows], head.qweight, head.scales, head.group,
+                    got = head_kernels.int8_head_mm(x[:rows], head.qweight, head.scales, head.group,
                                               isa=isa)
                     for i in range(rows):
                         assert torch.equal(got[i], alone[i]), (n_threads, isa, rows, i)
@@ -100,7 +100,7 @@ def test_q8_0_rows_are_read_as_the_files_q_and_d_without_de_quantizing():
     a block whose steps stop short of 127 (where grouping again would pick another scale), and
     the same as de-quantizing and grouping again everywhere else."""
     from kvchat.models.gguf_weights import _q8_0_rows
-    from kvchat.models.native import int8_group_values
+    from kvchat.models.head_kernels import int8_group_values
 
     rng = np.random.default_rng(4)
     weight = rng.standard_normal((64, 128)).astype(np.float32) * 0.05

@@ -60,7 +60,7 @@ class BlockHeadLinear(QuantLinear):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # on a GPU: a bfloat16 copy (`gpu_weights.place_on_gpu`)
             return nn.functional.linear(x.to(_BF16), self.get_buffer("dense_weight")).float()
-        from kvchat.models.native import q6k_head_mm
+        from kvchat.models.head_kernels import q6k_head_mm
 
         return q6k_head_mm(x, self.get_buffer("blocks"), self.in_features)
 

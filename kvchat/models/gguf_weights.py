@@ -224,7 +224,7 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
     Returns (kinds packed, the chunk's float bytes, parameters read)."""
     from gguf import GGMLQuantizationType
 
-    from kvchat.models.native import int8_group_values
+    from kvchat.models.head_kernels import int8_group_values
     from kvchat.models.quant import head_group, quantize_int8_groups
     from kvchat.models.quant_embeddings import TiedInt8Embedding
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from kvchat.models.dense_rows import RowBlockLinear
-from kvchat.models.native import int8_group_values
+from kvchat.models.head_kernels import int8_group_values
 
 GROUP = 32
 _BF16 = torch.bfloat16
@@ -299,7 +299,7 @@ class Int8Linear(QuantLinear):
 
 
 class Int8HeadLinear(QuantLinear):
-    """The output head: `quantize_int8_groups`' layout, float32 logits (`native.int8_head_mm`:
+    """The output head: `quantize_int8_groups`' layout, float32 logits (`head_kernels.int8_head_mm`:
     each logit in one fixed order, whatever the batch or the threads)."""
 
     bits = 8
@@ -337,7 +337,7 @@ class Int8HeadLinear(QuantLinear):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # on a GPU: a bfloat16 copy (`gpu_weights.place_on_gpu`)
             return nn.functional.linear(x.to(_BF16), self.get_buffer("dense_weight")).float()
-        from kvchat.models.native import int8_head_mm
+        from kvchat.models.head_kernels import int8_head_mm
 
         return int8_head_mm(x, self.get_buffer("qweight"), self.get_buffer("scales"),
                             self.group)
