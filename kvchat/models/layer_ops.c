@@ -133,24 +133,15 @@ int kvchat_rms_norm(const void *x, long outer, long per, const void *w_first,
     return 0;
 }
 
-/* float_bf16 without a branch (a NaN's select), so that the loop below vectorizes */
-static inline uint16_t to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
-
 /* out[e] for e in [from, to): rot[e] = x[e + shift] with its sign bit xor `flip` (negated) */
 __attribute__((optimize("vect-cost-model=dynamic"))) /* the loop vectorized at -O2 */
 static void rotate_part(const uint16_t *v, const uint16_t *c, const uint16_t *s, uint16_t *o,
                         long from, long to, long shift, uint16_t flip)
 {
     for (long e = from; e < to; e++) {
-        float a = bf16_float(to_bf16(bf16_float(v[e]) * bf16_float(c[e])));
-        float b = bf16_float(to_bf16(bf16_float(v[e + shift] ^ flip) * bf16_float(s[e])));
-        o[e] = to_bf16(a + b);
+        float a = round_bf16(bf16_float(v[e]) * bf16_float(c[e]));
+        float b = round_bf16(bf16_float(v[e + shift] ^ flip) * bf16_float(s[e]));
+        o[e] = float_bf16(a + b);
     }
 }
 

@@ -10,14 +10,14 @@
 #include <stdint.h>
 #include <string.h>
 
-/* float to bfloat16, rounding to nearest even as torch rounds (the kernels' bfloat16 outputs) */
+/* float to bfloat16, rounding to nearest even as torch rounds (the kernels' bfloat16 outputs);
+ * a NaN kept quiet by a select, not a branch, so that loops over it vectorize */
 static inline uint16_t float_bf16(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
 /* an IEEE half as float32, exactly (what vcvtph2ps gives) */
