@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_config, build_tiny_model, write_tiny_gguf
+from head_sums import fma32, grid, tree16
 from torch import nn
 
 from kvchat.models import footprint, gguf_weights, head_kernels, native
@@ -70,21 +71,6 @@ def test_its_rows_are_the_files_numbers():
     assert torch.equal(head.rows(ids), values[ids])
 
 
-def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """float32 fma, one rounding: a * b is exact in float64 here (24 and 11 bits); the sum's
-    float64 error (TwoSum) settles a float32 tie that float64's rounding made."""
-    p, cd = a.double() * b.double(), c.double()
-    s = p + cd
-    back = s - p
-    err = (p - (s - back)) + (cd - back)
-    r = s.float()
-    rd = r.double()
-    other = torch.nextafter(r, torch.where(rd > s, -torch.inf, torch.inf).float())
-    tie = ((rd - s).abs() == (other.double() - s).abs()) & (err != 0)
-    above, below = torch.where(rd > s, r, other), torch.where(rd > s, other, r)
-    return torch.where(tie, torch.where(err > 0, above, below), r)
-
-
 def _definition(x: torch.Tensor, blocks: np.ndarray) -> torch.Tensor:
     """block_head.c's definition in torch: each activation block of 256 as integers on its
     power-of-two grid, exact integer sums per lane, the float32 chain over the blocks, the tree."""
@@ -95,24 +81,15 @@ def _definition(x: torch.Tensor, blocks: np.ndarray) -> torch.Tensor:
     sc = torch.from_numpy(raw[:, :, 192:208].copy().view(np.int8).astype(np.int64))
     d = torch.from_numpy(raw[:, :, 208:210].copy().view(np.float16).astype(np.float32))[..., 0]
     w = q.long().view(n, nb, 16, 16) * sc[..., None]
-    xf = x.float().view(m, nb, 256)
-    e = (xf.view(torch.int32) >> 23) & 0xFF
-    top = e.amax(-1).clamp_min(15)
-    bad = (e == 0xFF).any(-1)
-    inv = torch.pow(2.0, (141 - top).float())
-    xi = torch.round(xf * inv[..., None]).clamp(-32767, 32767).long()
-    xi = torch.where(bad[..., None], 0, xi)
-    unit = torch.where(bad, torch.nan, torch.pow(2.0, (top - 141).float()))
+    xi, unit = grid(x)
+    xi = xi.view(m, nb, 256)
     lanes = torch.einsum("mbpls,nbpls->mnbl", xi.view(m, nb, 8, 16, 2),
                          w.view(n, nb, 8, 16, 2))  # exact: int64
     acc = torch.zeros(m, n, 16)
     for b in range(nb):
         scale = d[None, :, b] * unit[:, None, b]  # exact
-        acc = _fma32(lanes[:, :, b].float(), scale[..., None].expand(m, n, 16), acc)
-    a = acc[..., :8] + acc[..., 8:]
-    a = a[..., :4] + a[..., 4:]
-    a = a[..., :2] + a[..., 2:]
-    return a[..., 0] + a[..., 1]
+        acc = fma32(lanes[:, :, b].float(), scale[..., None].expand(m, n, 16), acc)
+    return tree16(acc)
 
 
 @needs_kernel

@@ -1,6 +1,7 @@
-"""The output head's kernel (models/int8_head.c via models/native.py): the float definition's
-sum, one set of bits per logit whatever the batch, the threads or the instruction set, and a
-GGUF's Q8_0 head loaded as the file holds it."""
+"""The output head's kernel (models/int8_head.c via head_kernels.py): its integer definition
+(each activation block of 256 on a 16-bit grid of its own, exact integer sums of four columns a
+lane, float32 chains per block and over them), one set of bits per logit whatever the batch, the
+threads or the instruction set, and a GGUF's Q8_0 head loaded as the file holds it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from head_sums import fma32, grid, tree16
 from torch import nn
 
 from kvchat.models import head_kernels, native
@@ -27,37 +29,90 @@ def _x(m: int, k: int = 96, seed: int = 1) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-@needs_kernel
-def test_the_kernel_computes_the_float_definition():
-    head = _head()
-    x = _x(5)
-    out = head(x)
-    assert out.dtype == torch.float32 and out.shape == (5, 777)
-    exact = x.double() @ head.dequantized().double().t()
-    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-4)
-    # and the torch path, for machines without a compiler, computes the same sum
-    fallback = head_kernels._torch_mm(x.float(), head.qweight, head.scales, head.group)
-    assert torch.allclose(fallback, out, rtol=1e-5, atol=1e-4)
+def _definition(x: torch.Tensor, head: Int8HeadLinear) -> torch.Tensor:
+    """int8_head.c's definition in torch: the activation grid, exact integer sums of four
+    columns a lane over spans of 64, a float32 chain per block of 256 with the lanes' scales,
+    then one over the blocks with their units, the tree."""
+    q, scales, group = head.qweight, head.scales, head.group
+    (m, k), n = x.shape, q.shape[0]
+    spans, blocks = -(-k // 64), -(-k // 256)
+    xi, unit = grid(x)
+    lanes = torch.einsum("mplc,nplc->mnpl",
+                         nn.functional.pad(xi, (0, spans * 64 - k)).view(m, spans, 16, 4),
+                         nn.functional.pad(q.long(), (0, spans * 64 - k)).view(n, spans, 16, 4))
+    first = torch.arange(0, spans * 64, 4).view(spans, 16)  # each lane's first column
+    scale = torch.where(first < k, scales[:, (first // group).clamp_max(k // group - 1)], 0.0)
+    acc = torch.zeros(m, n, 16)
+    for b in range(blocks):
+        a = torch.zeros(m, n, 16)
+        for p in range(4 * b, min(4 * b + 4, spans)):
+            a = fma32(lanes[:, :, p].float(), scale[None, :, p].expand(m, n, 16), a)
+        acc = fma32(a, unit[:, None, b, None].expand(m, n, 16), acc)
+    return tree16(acc)
 
 
 @needs_kernel
-def test_a_row_gets_the_same_bits_alone_in_any_batch_under_any_threads_and_isa():
-    head = _head()
-    x = _x(9)
-    alone = [head(x[i : i + 1])[0] for i in range(9)]
+@pytest.mark.parametrize("k", [96, 48, 576, 640])
+def test_it_computes_its_integer_definition_in_any_batch_threads_or_isa(k):
+    """K = 96: a last span of 32 columns; 48: one scale a row, a span of 48; 576 and 640: the
+    widths of SmolLM2's and Gemma 3's heads, a last block of 64 and of 128 columns."""
+    head = _head(n=203, k=k)
+    x = _x(11, k=k).float()  # float32: values off the grid too
+    x[2, : min(k, 256)] *= 2.0**-12  # a block far below the others
+    x[3, : min(k, 256)] = x[3, : min(k, 256)].clamp(-1.9, 1.9)
+    x[3, 7] = 1.99999994  # the block's largest: rounds to 32768 on its grid, held at 32767
+    assert torch.round(x[3, 7] * 2.0**14) == 32768
+    x[4, 20:40] = 0.0
+    x[5, :40] *= 1e-3  # small values in a block with large ones: rounded on its grid
+    x[6, 0] = x[6, 1] = 3e-39  # denormals
+    head.qweight[7, :32] = -128  # the int8 range's end, which a file may hold
+    head.qweight[8] = 127
+    head.scales[9, -1] = torch.inf  # a lane without columns would make it nan
+    want = _definition(x, head)
+    alone = [head(x[i : i + 1])[0] for i in range(11)]
     best = native.library().kvchat_int8_head_isa()
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 2, 3):
             torch.set_num_threads(n_threads)
             for isa in range(best + 1):
-                for rows in (1, 2, 3, 4, 5, 9):
-                    got = head_kernels.int8_head_mm(x[:rows], head.qweight, head.scales, head.group,
-                                              isa=isa)
+                for rows in (1, 2, 3, 8, 9, 11):
+                    got = head_kernels.int8_head_mm(x[:rows], head.qweight, head.scales,
+                                                    head.group, isa=isa)
+                    assert got.dtype == torch.float32 and torch.equal(
+                        got.nan_to_num(), want[:rows].nan_to_num()), (n_threads, isa, rows)
                     for i in range(rows):
-                        assert torch.equal(got[i], alone[i]), (n_threads, isa, rows, i)
+                        assert torch.equal(got[i].nan_to_num(), alone[i].nan_to_num())
     finally:
         torch.set_num_threads(threads)
+    # within a grid unit per activation (half, but for the clamp) of the exact product, plus
+    # float32's roundings
+    values = head.dequantized().double()
+    ok = values.isfinite().all(1)
+    exact = x.double() @ values[ok].t()
+    e = (nn.functional.pad(x, (0, -k % 256)).view(11, -1, 256).view(torch.int32) >> 23) & 0xFF
+    unit = torch.pow(2.0, (e.amax(-1).clamp_min(15) - 141).double())
+    units = unit.repeat_interleave(256, dim=1)[:, :k]
+    bound = units @ values[ok].abs().t() + 1e-5 * (x.double().abs() @ values[ok].abs().t())
+    assert ((head(x)[:, ok].double() - exact).abs() <= bound).all()
+    assert ((head(x)[:, ok].double() - exact).abs() > bound / 200).any()  # the grid is felt
+
+
+@needs_kernel
+def test_a_block_holding_an_infinity_or_nan_gives_that_row_nan():
+    head = _head(n=64, k=576)
+    x = _x(3, k=576).float()
+    x[1, 300] = torch.nan
+    out = head_kernels.int8_head_mm(x, head.qweight, head.scales, head.group)
+    assert out[1].isnan().all() and not out[0].isnan().any() and not out[2].isnan().any()
+
+
+def test_without_the_kernel_torch_computes_the_same_sum(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)
+    head = _head()
+    x = _x(5)
+    exact = x.double() @ head.dequantized().double().t()
+    assert torch.allclose(head(x).double(), exact, rtol=1e-5, atol=1e-4)
 
 
 def test_a_row_gets_the_same_bits_in_any_batch_without_the_kernel(monkeypatch):

@@ -3,13 +3,10 @@
  *
  * A Q6_K weight is d * sc * q, with q = the 6-bit value - 32 in [-32, 31], sc an int8 per 16
  * columns and d a float16 per block of 256. Each activation row is first written, a block of
- * 256 columns at a time, as 16-bit integers on a power-of-two grid: with E the largest exponent
- * field of the block's float32 values (at least 15), the unit is u = 2^(E - 141) and
- *
- *   x_int = clamp(rint(x / u), -32767, 32767)          (x / u exact; rint to nearest even)
- *
- * so each value keeps 15 bits against the block's largest (llama.cpp's Q8_K keeps 8); a block
- * holding an infinity or NaN gets u = NaN. Then, for weight row r and activation row m,
+ * 256 columns at a time, as 16-bit integers x_int on a power-of-two grid of unit u[m, b]
+ * (native_sums.h's grid_row: 15 bits against the block's largest value, where llama.cpp's Q8_K
+ * keeps 8; a block holding an infinity or NaN gets u = NaN). Then, for weight row r and
+ * activation row m,
  *
  *   D[b][L]   = the sum of (q[r, c] * sc[r, c / 16]) * x_int[m, c] over block b's columns c
  *               with (c % 32) / 2 == L, L = 0..15   (exact in int32: |D| <= 16 * 4096 * 32767)
@@ -18,12 +15,12 @@
  *
  * with (float)D rounded to nearest and d * u exact except at the ends of float32's range (a
  * block of activations beyond about 2^110 with a large d overflows it, one below about 2^-100
- * with a small d falls among the denormals). Integer sums are the same in any order, so AVX-512 VNNI (vpdpwssd, 32 products
- * an instruction: lane L takes columns 2L and 2L + 1 of each 32), AVX2 (vpmaddwd, lanes 0-7 and
- * 8-15 in two registers) and the portable C give the same bits, whatever the rows in a call or
- * the threads; the float work is one fma per lane a block. It reads 0.82 bytes a weight where
- * the int8 head reads 1.125: a decode step of a model whose head is a large part of it reads
- * that much less. */
+ * with a small d falls among the denormals). Integer sums are the same in any order, so AVX-512
+ * VNNI (vpdpwssd, 32 products an instruction: lane L takes columns 2L and 2L + 1 of each 32),
+ * AVX2 (vpmaddwd, lanes 0-7 and 8-15 in two registers) and the portable C give the same bits,
+ * whatever the rows in a call or the threads; the float work is one fma per lane a block. It
+ * reads 0.82 bytes a weight where the int8 head reads 1.125: a decode step of a model whose head
+ * is a large part of it reads that much less. */
 
 #include <math.h>
 #include <stdint.h>
@@ -52,29 +49,6 @@ typedef struct {
     long m_rows, n, k, lo, hi;
     int isa;
 } job_t;
-
-/* one activation row as x_int and its blocks' units (the definition above) */
-static void quantize_row(const float *x, long k, int16_t *xi, float *u)
-{
-    for (long b = 0; b < k / QK; b++) {
-        const float *v = x + b * QK;
-        int top = 15, bad = 0;
-        for (int c = 0; c < QK; c++) {
-            uint32_t bits;
-            memcpy(&bits, v + c, 4);
-            int e = (int)((bits >> 23) & 0xff);
-            bad |= e == 0xff;
-            top = e > top ? e : top;
-        }
-        float inv = ldexpf(1.0f, 141 - top);
-        for (int c = 0; c < QK; c++) {
-            float t = bad ? 0.0f : rintf(v[c] * inv);
-            t = t > 32767.0f ? 32767.0f : t < -32767.0f ? -32767.0f : t;
-            xi[b * QK + c] = (int16_t)t;
-        }
-        u[b] = bad ? NAN : ldexpf(1.0f, top - 141);
-    }
-}
 
 static inline float block_d(const uint8_t *b)
 {
@@ -316,16 +290,10 @@ int kvchat_q6k_head_mm(const uint8_t *w, const float *x, float *out, long m_rows
     if (best_isa < 0) best_isa = kvchat_int4_isa();
     int isa = force_isa >= 0 && force_isa < best_isa ? force_isa : best_isa;
     if (threads < 1) threads = 1;
-    long blocks = k / QK;
-    size_t xi_bytes = ((size_t)(m_rows * k) * sizeof(int16_t) + 63) / 64 * 64;
-    char *scratch = aligned_alloc(64, xi_bytes + ((size_t)(m_rows * blocks) * sizeof(float) + 63)
-                                          / 64 * 64);
+    int16_t *xi;
+    float *u;
+    void *scratch = grid_rows(x, m_rows, k, threads, &xi, &u);
     if (!scratch) return -2;
-    int16_t *xi = (int16_t *)scratch;
-    float *u = (float *)(scratch + xi_bytes);
-    #pragma omp parallel for num_threads(threads > 1 && m_rows * k >= 65536 ? threads : 1) \
-        schedule(static)
-    for (long m = 0; m < m_rows; m++) quantize_row(x + m * k, k, xi + m * k, u + m * blocks);
     long per = (n + threads - 1) / threads;
     per = (per + 15) / 16 * 16; /* whole cache lines of output per thread */
     long chunks = (n + per - 1) / per;

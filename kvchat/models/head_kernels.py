@@ -31,6 +31,8 @@ def int8_head_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: 
     out = torch.empty(m, n, dtype=torch.float32)
     rc = lib.kvchat_int8_head_mm(q.data_ptr(), scales.data_ptr(), xf.data_ptr(),
                                  out.data_ptr(), m, n, k, group, torch.get_num_threads(), isa)
+    if rc == -2:
+        raise MemoryError("int8 head: no memory for the activations' integers")
     if rc != 0:
         raise ValueError(f"int8 head: no kernel for K={k}, group={group}")
     return out

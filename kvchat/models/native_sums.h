@@ -1,13 +1,15 @@
 /* What the native kernels share: the fixed sum of 16 lanes they end each output with (l + l+8,
  * then + l+4, + l+2, + l+1; `tree16` over an array, the portable paths, `sum512` over an
  * AVX-512 register and `sum256x2` over two AVX2 registers give the same bits), the rounding of
- * their bfloat16 outputs, and float16 values read and written exactly. */
+ * their bfloat16 outputs, float16 values read and written exactly, and the output heads'
+ * activation grid. */
 
 #ifndef KVCHAT_NATIVE_SUMS_H
 #define KVCHAT_NATIVE_SUMS_H
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* float to bfloat16, rounding to nearest even as torch rounds (the kernels' bfloat16 outputs);
@@ -104,38 +106,59 @@ __attribute__((target("avx2"))) static inline float sum256x2(__m256 lo, __m256 h
 }
 #endif
 
-/* The head kernels' (int8_head.c, block_head.c) shared steps: 16 int8 weights as floats
- * float32(scale * q), and those weights' fused multiply-adds into up to 8 (AVX-512) or 4 (AVX2)
- * activation rows' accumulators, column c of rows k apart. Macros, so that the accumulators stay
- * in the caller's registers. */
-#define HEAD_FMA8(t, w, x, k, c, mb) do { \
-    t[0] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + (c)), t[0]); \
-    if ((mb) > 1) t[1] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + (k) + (c)), t[1]); \
-    if ((mb) > 2) t[2] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 2 * (k) + (c)), t[2]); \
-    if ((mb) > 3) t[3] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 3 * (k) + (c)), t[3]); \
-    if ((mb) > 4) t[4] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 4 * (k) + (c)), t[4]); \
-    if ((mb) > 5) t[5] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 5 * (k) + (c)), t[5]); \
-    if ((mb) > 6) t[6] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 6 * (k) + (c)), t[6]); \
-    if ((mb) > 7) t[7] = _mm512_fmadd_ps(w, _mm512_loadu_ps((x) + 7 * (k) + (c)), t[7]); \
-} while (0)
+/* The head kernels' activation grid (block_head.c, int8_head.c): a row of float32 activations,
+ * a block of 256 columns at a time (the last block may be shorter), as 16-bit integers on a
+ * power-of-two grid of the block's own. With E the largest exponent field of the block's values
+ * (at least 15), the unit is u = 2^(E - 141) and
+ *
+ *   x_int = clamp(rint(x / u), -32767, 32767)          (x / u exact; rint to nearest even)
+ *
+ * so each value keeps 15 bits against the block's largest; a block holding an infinity or NaN
+ * gets u = NaN (and x_int 0). */
+#define GRID_BLOCK 256
 
-#define HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, m) if ((mb) > (m)) { \
-    lo[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps((x) + (m) * (k) + (c)), lo[m]); \
-    hi[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps((x) + (m) * (k) + (c) + 8), hi[m]); }
-#define HEAD_FMA4X2(lo, hi, w0, w1, x, k, c, mb) do { \
-    HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, 0) \
-    HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, 1) \
-    HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, 2) \
-    HEAD_FMA4X2_ROW(lo, hi, w0, w1, x, k, c, mb, 3) \
-} while (0)
-
-#if defined(__x86_64__) || defined(__i386__)
-__attribute__((target("avx2"))) static inline __m256 head_weights8(const int8_t *q, __m256 scale)
+static inline void grid_row(const float *x, long k, int16_t *xi, float *u)
 {
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)q);
-    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+    for (long b = 0; b * GRID_BLOCK < k; b++) {
+        const float *v = x + b * GRID_BLOCK;
+        long len = k - b * GRID_BLOCK < GRID_BLOCK ? k - b * GRID_BLOCK : GRID_BLOCK;
+        int top = 15, bad = 0;
+        for (long c = 0; c < len; c++) {
+            uint32_t bits;
+            memcpy(&bits, v + c, 4);
+            int e = (int)((bits >> 23) & 0xff);
+            bad |= e == 0xff;
+            top = e > top ? e : top;
+        }
+        float inv = ldexpf(1.0f, 141 - top);
+        for (long c = 0; c < len; c++) {
+            float t = bad ? 0.0f : rintf(v[c] * inv);
+            t = t > 32767.0f ? 32767.0f : t < -32767.0f ? -32767.0f : t;
+            xi[b * GRID_BLOCK + c] = (int16_t)t;
+        }
+        u[b] = bad ? NAN : ldexpf(1.0f, top - 141);
+    }
 }
-#endif
+
+/* every row's grid_row, in one allocation that the caller frees (NULL when out of memory):
+ * x_int (m_rows, k) at *xi, the units (m_rows, blocks) at *u */
+static inline void *grid_rows(const float *x, long m_rows, long k, int threads, int16_t **xi,
+                              float **u)
+{
+    long blocks = (k + GRID_BLOCK - 1) / GRID_BLOCK;
+    size_t xi_bytes = ((size_t)(m_rows * k) * sizeof(int16_t) + 63) / 64 * 64;
+    char *scratch = aligned_alloc(64, xi_bytes + ((size_t)(m_rows * blocks) * sizeof(float) + 63)
+                                          / 64 * 64);
+    if (!scratch) return NULL;
+    int16_t *xs = (int16_t *)scratch;
+    float *us = (float *)(scratch + xi_bytes);
+    #pragma omp parallel for num_threads(threads > 1 && m_rows * k >= 65536 ? threads : 1) \
+        schedule(static)
+    for (long m = 0; m < m_rows; m++) grid_row(x + m * k, k, xs + m * k, us + m * blocks);
+    *xi = xs;
+    *u = us;
+    return scratch;
+}
 
 /* the instruction set of the head kernels (int8_head.c): 2 AVX-512, 1 AVX2 + FMA, 0 portable */
 int kvchat_int8_head_isa(void);
