@@ -49,6 +49,8 @@ class ForwardPlan:
     shared_head: bool  # a batch may hold its rows' common K/V once
     attention_mass: bool  # forwards report attention mass per key (H2O)
     limits: tuple[str, ...]  # what keeps a batch from changing no bit; () when nothing does
+    native_layers: int = 0  # of the fused forward's layers, those that run a lone row's new
+    # token in one native call (`native_layer.py`): the same bits, fewer Python calls
 
     @property
     def fused(self) -> bool:
@@ -61,6 +63,8 @@ class ForwardPlan:
     def describe(self) -> str:
         """One line for the chat banner and `kvchat models`."""
         forward = f"fused {self.family} forward" if self.family else "transformers' forward"
+        if self.family and self.native_layers:
+            forward += f" ({self.native_layers} layers one native call a token)"
         if self.compiled:
             forward += ", batched steps compiled"
         exact = "batch-invariant" if self.invariant else \
@@ -104,11 +108,12 @@ def choose_forward(architecture: str, precision: str, compute: str, device: str,
 
 
 def confirm(plan: ForwardPlan, fused_heads: bool | None, attends_natively: bool,
-            rows_alone: bool) -> ForwardPlan:
+            rows_alone: bool, native_layers: int = 0) -> ForwardPlan:
     """`plan` as the loaded model allows it. `fused_heads`: whether its fused forward was built
     and takes a shared head (None: not built, a layer it does not know; False: sliding layers,
     whose window would reach into the head); `attends_natively`: its attention was switched to
-    kvchat's; `rows_alone`: no weight's matmul mixes rows (MoE experts do)."""
+    kvchat's; `rows_alone`: no weight's matmul mixes rows (MoE experts do); `native_layers`:
+    the fused forward's layers that run in one native call."""
     limits = list(plan.limits)
     if plan.family is not None and fused_heads is None:
         plan = replace(plan, family=None)
@@ -118,13 +123,15 @@ def confirm(plan: ForwardPlan, fused_heads: bool | None, attends_natively: bool,
         limits.append("the model's own attention")
     if not rows_alone:
         limits.append("matmuls that mix rows")
-    return replace(plan, shared_head=shared, limits=tuple(limits))
+    return replace(plan, shared_head=shared, limits=tuple(limits),
+                   native_layers=native_layers if plan.family is not None else 0)
 
 
 def compiled(plan: ForwardPlan) -> ForwardPlan:
     """`plan` once batched decode steps run through torch.compile: they fuse small ops, so they
     round differently from the eager steps, and only the fused forward reads a shared head."""
-    return replace(plan, compiled=True, shared_head=False, limits=(*plan.limits, "--compile"))
+    return replace(plan, compiled=True, shared_head=False, limits=(*plan.limits, "--compile"),
+                   native_layers=0)
 
 
 def plan_of(model: Any, precision: str, compute: str, device: str,

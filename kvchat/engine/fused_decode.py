@@ -55,6 +55,7 @@ from kvchat.engine.decode_attention import (
     small_q_attention,
 )
 from kvchat.engine.fused_norms import Norm, rms_norm
+from kvchat.engine.native_layer import NativeLayer
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
 from kvchat.models.layer_ops import rotary as native_rotary
@@ -106,6 +107,9 @@ def _biased(mm: Matmul, bias: torch.Tensor | None) -> Matmul:
         out = mm(x.to(torch.bfloat16))
         return out if bias is None else out + bias
 
+    # what `native_layer` runs in C: the int4 kernel's tensors, where it is that kernel
+    weights = getattr(mm, "weights", None) if bias is None else None
+    layer.weights = weights  # type: ignore[attr-defined]
     return layer
 
 
@@ -277,6 +281,10 @@ class FusedDecoder:
         # (and without an attention soft-cap, which head_attention does not apply)
         self.shares_heads = self.kinds == [_FULL] and all(
             layer.softcap is None for layer in layers)
+        width = int(model.config.hidden_size)
+        # one row's new token through a layer in one native call, where the layer takes it
+        self.native = [NativeLayer.build(layer, width) for layer in layers]
+        self.native_layers = sum(layer is not None for layer in self.native)
 
     @classmethod
     def build(cls, model: Any) -> FusedDecoder | None:
@@ -340,8 +348,15 @@ class FusedDecoder:
             tables[kind] = (cos, sin)
         cache_layers = past.layers
         hidden = hidden.view(b * q, -1)  # the layers work on (rows, hidden)
+        # a native layer adds to its own float32 copy of the stream in place
+        one = b == 1 and q == 1 and hidden.dtype == torch.float32 and hidden.is_cpu
+        if one:
+            hidden = hidden.clone(memory_format=torch.contiguous_format)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.kind]
+            native = self.native[i] if one and masks[layer.kind] is None else None
+            if native is not None and native.run(hidden, cache_layers[i], cos, sin):
+                continue
             hidden = self._layer(layer, hidden, cache_layers[i], masks[layer.kind], cos, sin,
                                  b, q, self.rotary_native)
         hidden = rms_norm(hidden, self.norm).view(b, q, -1)

@@ -57,7 +57,8 @@ class ModelRunner:
         # it on the same model still has it)
         self.fused = FusedDecoder.build(model)
         self.plan = confirm(plan, None if self.fused is None else self.fused.shares_heads,
-                            str(self.config._attn_implementation) == NAME, rows_alone(model))
+                            str(self.config._attn_implementation) == NAME, rows_alone(model),
+                            0 if self.fused is None else self.fused.native_layers)
         if self.track_mass:
             track_attention(model)
 

@@ -90,6 +90,13 @@ class _ReservedLayer(DynamicLayer):
         self.keys, self.values = keys, values
         return keys, values
 
+    def written(self, end: int) -> None:
+        """The buffers hold `end` positions now, written in place by a native layer
+        (`native_layer`): what `update` records after writing them."""
+        self._len = end
+        if self._k.shape[0] == 1:
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+
     def get_seq_length(self) -> int:
         return self._len
 

@@ -124,6 +124,14 @@ def runs_natively(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype) -> 
                                    and other.shape == weight.shape)))
 
 
+def norm_flags(x_dtype: torch.dtype, weight_dtype: torch.dtype, gemma: bool,
+               out_dtype: torch.dtype) -> int:
+    """layer_ops.c's flags argument (X_BF16 ... OUT_BF16) for a norm of these dtypes."""
+    bf16 = torch.bfloat16
+    return (int(x_dtype == bf16) | int(weight_dtype == bf16) << 1 | int(gemma) << 2
+            | int(not gemma and x_dtype == bf16) << 3 | int(out_dtype == bf16) << 4)
+
+
 def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
              heads: int | None = None, checked: bool = False) -> torch.Tensor:
     """layer_ops.c's RMSNorm of x's last dim, out in `out_dtype` (float32 or bfloat16). With
@@ -153,9 +161,7 @@ def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
     other = norm.other if norm.other is not None else weight
     other = other if other.is_contiguous() else other.contiguous()
     out = torch.empty(shape, dtype=out_dtype)
-    flags = ((x.dtype == torch.bfloat16) | (weight.dtype == torch.bfloat16) << 1
-             | norm.gemma << 2 | (not norm.gemma and x.dtype == torch.bfloat16) << 3
-             | (out_dtype == torch.bfloat16) << 4)  # layer_ops.c's X_BF16 ... OUT_BF16
+    flags = norm_flags(x.dtype, weight.dtype, norm.gemma, out_dtype)
     rc = library().kvchat_rms_norm(  # type: ignore[union-attr]
         x.data_ptr(), outer, per, weight.data_ptr(), other.data_ptr(), split, rows, n,
         ctypes.c_float(norm.eps), flags, out.data_ptr(), torch.get_num_threads())

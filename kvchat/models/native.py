@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 # torch-free at import, like `kvchat.models.precision`: `kvchat models` names the kernel
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("int8_head.c", "int4_matmul.c", "attention.c", "attention_blocked.c",
-                             "int4_grid.c", "gguf_blocks.c", "block_head.c", "layer_ops.c"))
+                             "int4_grid.c", "gguf_blocks.c", "block_head.c", "layer_ops.c",
+                             "decode_layer.c"))
 # included by the sources: part of the key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_sums.h", "attention.h"))
 ENV_VAR = "KVCHAT_NATIVE"  # 0: never build or load it
@@ -117,6 +118,7 @@ def library() -> ctypes.CDLL | None:
                        ("int4_grid", [p, n, p, p, p, i]),
                        ("rms_norm", [p, n, n, p, p, n, n, n, ctypes.c_float, i, p, i]),
                        ("rotary", [p, p, p, p, p, n, n, n, n, n, p]),
+                       ("decode_layer", [p] * 6 + [n, n, i]),
                        ("int8_head_isa", []), ("int4_isa", []), ("attention_isa", [])):
         function = getattr(lib, "kvchat_" + name)
         function.restype, function.argtypes = n if name == "int4_grid" else i, args

@@ -1,0 +1,130 @@
+"""A decoder layer in one native call (engine/native_layer.py, models/decode_layer.c): for one
+row and one new token it gives the fused forward's bits, logits and K/V, step after step; it
+takes edited and replaced norm weights; torch's SiLU is its table; what it does not run, the
+fused forward's layer runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import build_tiny_config, build_tiny_model, make_engine
+from torch import nn
+
+from kvchat.config import SamplingParams
+from kvchat.engine.engine import Engine
+from kvchat.engine.model_runner import ModelRunner
+from kvchat.engine.native_layer import NativeLayer, silu_table
+from kvchat.engine.past import past_kv, reserved_past
+from kvchat.engine.sequence import Request
+from kvchat.models import native
+from kvchat.models.quant import quantize_model
+from tests.test_engine import prompt
+
+needs_kernel = pytest.mark.skipif(not native.int4_native(), reason=native.int4_kernel_name())
+
+
+def _runners(tokenizer, precision: str = "int4", hidden: int = 128):
+    """(fused runner with native layers, the same model's copy with them off)."""
+    model = build_tiny_model(build_tiny_config(tokenizer, hidden_size=hidden,
+                                               intermediate_size=2 * hidden))
+    quantize_model(model, precision)
+    python = ModelRunner(copy.deepcopy(model))
+    python.fused.native = [None] * len(python.fused.native)
+    return ModelRunner(model), python
+
+
+def _counted(runner: ModelRunner) -> list[bool]:
+    """Each native layer's run, recorded: whether it ran."""
+    ran: list[bool] = []
+    for layer in runner.fused.native:
+        run = layer.run
+
+        def counted(*args, _run=run):
+            ran.append(_run(*args))
+            return ran[-1]
+
+        layer.run = counted
+    return ran
+
+
+def _decode(runner: ModelRunner, ids: list[int], steps: int):
+    """Prefill `ids`, then `steps` greedy tokens one at a time in a reserved one-row past:
+    (each step's logits, the K/V)."""
+    with torch.no_grad():
+        past = runner.past()
+        runner.model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
+        kv = past_kv(past, 0, len(ids))
+        capacity = len(ids) + steps + 2
+        buffers = [(torch.cat([k, k.new_zeros(*k.shape[:2], capacity - k.shape[2], k.shape[3])],
+                              dim=2),
+                    torch.cat([v, v.new_zeros(*v.shape[:2], capacity - v.shape[2], v.shape[3])],
+                              dim=2)) for k, v in kv]
+        past = reserved_past(buffers, len(ids), runner.config)
+        token, logits = ids[-1], []
+        for _ in range(steps):
+            out, _ = runner.forward(torch.tensor([[token]]), past)
+            logits.append(out.reshape(-1).clone())
+            token = int(out.reshape(-1).argmax())
+        return logits, past_kv(past, 0, len(ids) + steps)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_it_gives_the_fused_forwards_bits_step_after_step(tiny_tokenizer, hidden):
+    fast, python = _runners(tiny_tokenizer, hidden=hidden)
+    assert all(layer is not None for layer in fast.fused.native)
+    assert f"{len(fast.fused.native)} layers one native call a token" in fast.plan.describe()
+    ran = _counted(fast)
+    ids = prompt(5, 19)
+    got, want = _decode(fast, ids, 6), _decode(python, ids, 6)
+    assert ran and all(ran) and len(ran) == 6 * len(fast.fused.native)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+    assert all(torch.equal(ka, kb) and torch.equal(va, vb)
+               for (ka, va), (kb, vb) in zip(got[1], want[1], strict=True))
+
+
+@needs_kernel
+def test_an_engine_generates_the_same_tokens_and_logits(tiny_tokenizer):
+    fast, python = _runners(tiny_tokenizer)
+    ran = _counted(fast)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    outs = []
+    for runner in (fast, python):
+        engine = Engine(runner, make_engine(runner.model, tiny_tokenizer).codec, None)
+        outs.append(engine.generate(Request(prompt(4, 30), params, record_logits=True)))
+    assert any(ran)
+    assert outs[0].token_ids == outs[1].token_ids
+    assert torch.equal(torch.stack(outs[0].step_logits), torch.stack(outs[1].step_logits))
+
+
+@needs_kernel
+def test_edited_and_replaced_norm_weights_are_seen(tiny_tokenizer):
+    fast, python = _runners(tiny_tokenizer)
+    ids = prompt(6, 11)
+    _decode(fast, ids, 1)  # the norms' weights taken once
+    for runner in (fast, python):
+        layer = runner.model.model.layers[1]
+        layer.input_layernorm.weight.data.mul_(1.5)
+        layer.post_attention_layernorm.weight = nn.Parameter(
+            layer.post_attention_layernorm.weight.detach() * 0.5)
+    got, want = _decode(fast, ids, 3), _decode(python, ids, 3)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+
+
+def test_its_silu_is_torchs_for_every_bfloat16():
+    table = silu_table()
+    x = torch.randn(4096).to(torch.bfloat16)
+    x[:8] = torch.tensor([0.0, -0.0, torch.inf, -torch.inf, 1e-38, -88.0, 88.0, 3.0])
+    bits = x.view(torch.int16).long() & 0xFFFF
+    assert torch.equal(table[bits], nn.functional.silu(x).view(torch.int16))
+
+
+def test_layers_it_does_not_run_keep_the_fused_forwards_layer(tiny_tokenizer):
+    int8, _ = _runners(tiny_tokenizer, "int8")
+    assert all(layer is None for layer in int8.fused.native)  # int8 weights: not its kernel
+    fast, _ = _runners(tiny_tokenizer)
+    layer = fast.fused.layers[0]
+    assert NativeLayer.build(layer._replace(act=torch.nn.functional.gelu), 128) is None
+    assert NativeLayer.build(layer._replace(intermediate=200), 128) is None
