@@ -20,10 +20,11 @@ from kvchat.engine.past import _ReservedLayer
 from kvchat.models.layer_ops import NormWeight, norm_flags, runs_natively
 from kvchat.models.native import library
 
-# torch's SiLU rounds the same for a value whether it lies in its vector loop's body or in the
-# tail (done one at a time): the C matches the body, so the MLP's width must fill whole
-# vectors (2 x 32 bfloat16 on AVX-512, 2 x 16 on AVX2)
-_VECTOR = 64
+# torch's SiLU may round a value in its vector loop's tail (done one at a time) otherwise than
+# in the body: the C matches the body, so the MLP's width must fill whole vectors (2 x 32
+# bfloat16 on AVX-512, 2 x 16 on AVX2), and stay below the size torch splits over threads (a
+# split could leave a tail in the middle)
+_VECTOR, _GRAIN = 64, 32768
 _void, _long, _float, _int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 
 
@@ -43,8 +44,10 @@ class _LayerArgs(ctypes.Structure):  # decode_layer.c's layer_t
 def silu_table() -> torch.Tensor:
     """torch's bfloat16 SiLU of every bfloat16, indexed by its bits: (65536,) int16."""
     signed = torch.arange(-32768, 32768, dtype=torch.int16)
-    bits = torch.cat([signed[32768:], signed[:32768]])  # 0x0000 ... 0xFFFF
-    return nn.functional.silu(bits.view(torch.bfloat16)).view(torch.int16).contiguous()
+    values = torch.cat([signed[32768:], signed[:32768]]).view(torch.bfloat16)  # 0x0000 ...
+    # in pieces of whole vectors below torch's thread split: each value in a loop's body
+    return torch.cat([nn.functional.silu(values[i : i + 4096])
+                      for i in range(0, 65536, 4096)]).view(torch.int16).contiguous()
 
 
 def _int4(mm: Any, n: int, k: int) -> _Int4 | None:
@@ -78,7 +81,7 @@ class NativeLayer:
                 or layer.kind != "full_attention" or layer.act is not nn.functional.silu
                 or not (layer.norm1.native and layer.norm2.native)
                 or layer.norm1.heads is not None or layer.norm2.heads is not None
-                or inter % _VECTOR):
+                or inter % _VECTOR or inter >= _GRAIN):
             return None
         parts = (_int4(layer.qkv, (heads + 2 * kv_heads) * d, hidden),
                  _int4(layer.o, hidden, heads * d), _int4(layer.gate_up, 2 * inter, hidden),
