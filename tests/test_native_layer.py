@@ -1,6 +1,7 @@
 """A decoder layer in one native call (engine/native_layer.py, models/decode_layer.c): for one
-row and one new token it gives the fused forward's bits, logits and K/V, step after step; it
-takes edited and replaced norm weights; torch's SiLU is its table; what it does not run, the
+row and one new token it gives the fused forward's bits, logits and K/V, step after step, on
+Llama and on the families with q / k norms, sandwich norms, GELU and local layers; it takes
+edited and replaced norm weights; torch's activation is its table; what it does not run, the
 fused forward's layer runs."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 from kvchat.config import SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.model_runner import ModelRunner
-from kvchat.engine.native_layer import NativeLayer, silu_table
+from kvchat.engine.native_layer import NativeLayer, activation_table, silu_table
 from kvchat.engine.past import past_kv, reserved_past
 from kvchat.engine.sequence import Request
 from kvchat.models import native
@@ -25,10 +26,11 @@ from tests.test_engine import prompt
 needs_kernel = pytest.mark.skipif(not native.int4_native(), reason=native.int4_kernel_name())
 
 
-def _runners(tokenizer, precision: str = "int4", hidden: int = 128):
+def _runners(tokenizer, precision: str = "int4", hidden: int = 128, model=None):
     """(fused runner with native layers, the same model's copy with them off)."""
-    model = build_tiny_model(build_tiny_config(tokenizer, hidden_size=hidden,
-                                               intermediate_size=2 * hidden))
+    if model is None:
+        model = build_tiny_model(build_tiny_config(tokenizer, hidden_size=hidden,
+                                                   intermediate_size=2 * hidden))
     quantize_model(model, precision)
     python = ModelRunner(copy.deepcopy(model))
     python.fused.native = [None] * len(python.fused.native)
@@ -86,6 +88,26 @@ def test_it_gives_the_fused_forwards_bits_step_after_step(tiny_tokenizer, hidden
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "mistral", "phi3", "qwen2", "gemma2"])
+def test_the_families_layers_give_the_fused_forwards_bits(tiny_tokenizer, family):
+    """Qwen3's q / k norms, Gemma 3's sandwich norms, GELU and local layers (a past inside
+    the window: no mask), Mistral's and Phi-3's windows run natively; Qwen2's q / k / v biases
+    and Gemma 2's soft-cap keep the Python layer."""
+    from tests.test_fused_families import _model
+
+    fast, python = _runners(tiny_tokenizer, model=_model(family, len(tiny_tokenizer)))
+    built = [layer is not None for layer in fast.fused.native]
+    assert all(built) if family in ("qwen3", "gemma3", "mistral", "phi3") else not any(built)
+    ran = _counted(fast) if any(built) else []
+    ids = prompt(7, 4)  # with 3 new tokens, inside the tiny models' window of 8
+    got, want = _decode(fast, ids, 3), _decode(python, ids, 3)
+    assert all(ran) and len(ran) == (3 * len(built) if any(built) else 0)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+    assert all(torch.equal(ka, kb) and torch.equal(va, vb)
+               for (ka, va), (kb, vb) in zip(got[1], want[1], strict=True))
+
+
+@needs_kernel
 def test_an_engine_generates_the_same_tokens_and_logits(tiny_tokenizer):
     fast, python = _runners(tiny_tokenizer)
     ran = _counted(fast)
@@ -126,5 +148,12 @@ def test_layers_it_does_not_run_keep_the_fused_forwards_layer(tiny_tokenizer):
     assert all(layer is None for layer in int8.fused.native)  # int8 weights: not its kernel
     fast, _ = _runners(tiny_tokenizer)
     layer = fast.fused.layers[0]
-    assert NativeLayer.build(layer._replace(act=torch.nn.functional.gelu), 128) is None
+    assert NativeLayer.build(layer._replace(act=lambda x: x.float()), 128) is None
     assert NativeLayer.build(layer._replace(intermediate=200), 128) is None
+
+
+def test_a_tables_values_are_the_activations_own():
+    gelu = activation_table(lambda x: nn.functional.gelu(x, approximate="tanh"))
+    x = torch.randn(2048).to(torch.bfloat16)
+    bits = x.view(torch.int16).long() & 0xFFFF
+    assert torch.equal(gelu[bits], nn.functional.gelu(x, approximate="tanh").view(torch.int16))

@@ -1,14 +1,16 @@
 """A decoder layer in one native call (models/decode_layer.c): the fused decode forward's
-commonest step, one row and one new token through a Llama-shaped layer (RMSNorms on kvchat's
-native norm, int4 weights on kvchat's kernel, SiLU, full attention over a reserved one-row
-cache), without the dozen Python calls between kernels that `fused_decode._layer` makes. The C
-runs that method's kernels in its order and rounds as torch does between them (SiLU is torch's
-own, a table of every bfloat16 value), so a sequence gets the same bits either way; a test
-holds the two to it. Anything else, or any check that fails, runs `_layer`."""
+commonest step, one row and one new token, without the dozen Python calls between kernels that
+`fused_decode._layer` makes. It takes layers whose norms run kvchat's native norm (q / k norms
+and Gemma's norms after attention and MLP too), int4 weights on kvchat's kernel without biases,
+an elementwise activation and a reserved one-row cache. The C runs that method's kernels in its
+order and rounds as torch does between them (the activation is torch's own, a table of every
+bfloat16 value), so a sequence gets the same bits either way; tests hold the two to it.
+Anything else, or any check that fails, runs `_layer`."""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -32,22 +34,44 @@ class _Int4(ctypes.Structure):
     _fields_ = [("q", _void), ("scales", _void), ("zeros", _void), ("n", _long), ("k", _long)]
 
 
+class _Norm(ctypes.Structure):  # decode_layer.c's norm_t; w None: the layer has none there
+    _fields_ = [("w", _void), ("rest", _void), ("split", _long), ("eps", _float),
+                ("flags", _int)]
+
+
 class _LayerArgs(ctypes.Structure):  # decode_layer.c's layer_t
-    _fields_ = [("norm1", _void), ("norm2", _void), ("eps1", _float), ("eps2", _float),
-                ("flags1", _int), ("flags2", _int), ("qkv", _Int4), ("o", _Int4),
-                ("gate_up", _Int4), ("down", _Int4), ("hidden", _long), ("heads", _long),
-                ("kv_heads", _long), ("dim", _long), ("rotary", _long), ("inter", _long),
-                ("scaling", _float), ("silu", _void)]
+    _fields_ = [("norm1", _Norm), ("norm2", _Norm), ("qk", _Norm), ("post_attn", _Norm),
+                ("post_mlp", _Norm), ("qkv", _Int4), ("o", _Int4), ("gate_up", _Int4),
+                ("down", _Int4), ("hidden", _long), ("heads", _long), ("kv_heads", _long),
+                ("dim", _long), ("rotary", _long), ("inter", _long), ("scaling", _float),
+                ("act", _void)]
+
+
+# the layer's norms: its args slot, and the dtype of what it norms (the float32 stream, or a
+# kernel's bfloat16 output), as `fused_decode._layer` calls them
+_NORMS = (("norm1", "norm1", torch.float32), ("norm2", "norm2", torch.float32),
+          ("qk", "qk_norm", torch.bfloat16), ("post_attn", "post_attn", torch.bfloat16),
+          ("post_mlp", "post_mlp", torch.bfloat16))
+
+
+def activation_table(act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """`act` (an elementwise activation) of every bfloat16, indexed by its bits: (65536,)
+    int16, torch's own values; None where it does not give bfloat16 back."""
+    signed = torch.arange(-32768, 32768, dtype=torch.int16)
+    values = torch.cat([signed[32768:], signed[:32768]]).view(torch.bfloat16)  # 0x0000 ...
+    # in pieces of whole vectors below torch's thread split: each value in a loop's body
+    pieces = [act(values[i : i + 4096]) for i in range(0, 65536, 4096)]
+    if any(piece.dtype != torch.bfloat16 or piece.shape != (4096,) for piece in pieces):
+        return None
+    return torch.cat(pieces).view(torch.int16).contiguous()
 
 
 @cache
 def silu_table() -> torch.Tensor:
     """torch's bfloat16 SiLU of every bfloat16, indexed by its bits: (65536,) int16."""
-    signed = torch.arange(-32768, 32768, dtype=torch.int16)
-    values = torch.cat([signed[32768:], signed[:32768]]).view(torch.bfloat16)  # 0x0000 ...
-    # in pieces of whole vectors below torch's thread split: each value in a loop's body
-    return torch.cat([nn.functional.silu(values[i : i + 4096])
-                      for i in range(0, 65536, 4096)]).view(torch.int16).contiguous()
+    table = activation_table(nn.functional.silu)
+    assert table is not None
+    return table
 
 
 def _int4(mm: Any, n: int, k: int) -> _Int4 | None:
@@ -64,10 +88,11 @@ class NativeLayer:
     """`NativeLayer.build(layer, hidden)`: the native call for one fused layer (`fused_decode`'s
     _Layer), or None where its shape is not the one decode_layer.c runs."""
 
-    def __init__(self, args: _LayerArgs, norms: tuple[Norm, Norm], keep: tuple[Any, ...]) -> None:
+    def __init__(self, args: _LayerArgs, norms: dict[str, tuple[Norm, torch.dtype]],
+                 keep: tuple[Any, ...]) -> None:
         self.args = args
-        self.norms = norms
-        self.held: list[NormWeight | None] = [None, None]
+        self.norms = norms  # slot: (the fused layer's norm, the dtype it norms)
+        self.held: dict[str, NormWeight] = {}
         self.keep = keep  # the tensors args points into
         self.kernel = library().kvchat_decode_layer  # type: ignore[union-attr]
         self.address = ctypes.addressof(args)
@@ -76,42 +101,52 @@ class NativeLayer:
     def build(cls, layer: Any, hidden: int) -> NativeLayer | None:
         lib = library()
         d, heads, kv_heads, inter = layer.head_dim, layer.heads, layer.kv_heads, layer.intermediate
-        if (lib is None or layer.qk_norm is not None or layer.post_attn is not None
-                or layer.post_mlp is not None or layer.softcap is not None
-                or layer.kind != "full_attention" or layer.act is not nn.functional.silu
-                or not (layer.norm1.native and layer.norm2.native)
-                or layer.norm1.heads is not None or layer.norm2.heads is not None
-                or inter % _VECTOR or inter >= _GRAIN):
+        norms = {slot: (getattr(layer, name), dtype) for slot, name, dtype in _NORMS
+                 if getattr(layer, name) is not None}
+        if (lib is None or layer.softcap is not None or inter % _VECTOR or inter >= _GRAIN
+                or not all(norm.native for norm, _ in norms.values())
+                or norms["norm1"][0].heads is not None or norms["norm2"][0].heads is not None):
             return None
         parts = (_int4(layer.qkv, (heads + 2 * kv_heads) * d, hidden),
                  _int4(layer.o, hidden, heads * d), _int4(layer.gate_up, 2 * inter, hidden),
                  _int4(layer.down, hidden, inter))
-        if any(part is None for part in parts):
+        table = silu_table() if layer.act is nn.functional.silu else activation_table(layer.act)
+        if any(part is None for part in parts) or table is None:
             return None
-        table = silu_table()
-        args = _LayerArgs(None, None, 0.0, 0.0, 0, 0, *parts, hidden, heads, kv_heads, d, d,
-                          inter, layer.scaling, table.data_ptr())
+        args = _LayerArgs(_Norm(), _Norm(), _Norm(), _Norm(), _Norm(), *parts, hidden, heads,
+                          kv_heads, d, d, inter, layer.scaling, table.data_ptr())
         keep = (table, layer.qkv, layer.o, layer.gate_up, layer.down)
-        return cls(args, (layer.norm1, layer.norm2), keep)
+        return cls(args, norms, keep)
 
-    def _norms_ready(self, hidden: torch.Tensor) -> bool:
+    def _norms_ready(self) -> bool:
         """The norms' weights as the modules hold them now, in args (taken again when a module
-        was given another weight)."""
-        for i, norm in enumerate(self.norms):
+        was given another weight); False where one would not give the fused layer's bfloat16
+        (a float32 weight of a Llama-formula norm over bfloat16 promotes its output)."""
+        for slot, (norm, dtype) in self.norms.items():
             weights = norm.weights()
-            if weights is self.held[i]:
+            if weights is self.held.get(slot):
                 continue
-            bf16 = torch.bfloat16
-            if not runs_natively(hidden, weights, bf16) or not weights.weight.is_contiguous():
+            weight, other = weights.weight, weights.other
+            out = torch.bfloat16 if dtype == torch.float32 or weights.gemma else \
+                torch.promote_types(weight.dtype, dtype)
+            if out != torch.bfloat16 or not runs_natively(_PROBES[dtype], weights, out) \
+                    or not weight.is_contiguous() \
+                    or (other is not None and not other.is_contiguous()):
                 return False
-            flags = norm_flags(hidden.dtype, weights.weight.dtype, weights.gemma, bf16)
-            if i == 0:
-                self.args.norm1, self.args.eps1, self.args.flags1 = \
-                    weights.weight.data_ptr(), weights.eps, flags
-            else:
-                self.args.norm2, self.args.eps2, self.args.flags2 = \
-                    weights.weight.data_ptr(), weights.eps, flags
-            self.held[i] = weights
+            rest = other if other is not None else weight
+            setattr(self.args, slot, _Norm(weight.data_ptr(), rest.data_ptr(),
+                                           weights.split if other is not None else 1,
+                                           weights.eps,
+                                           norm_flags(dtype, weight.dtype, weights.gemma, out)))
+            self.held[slot] = weights
+        return True
+
+    def _rotary(self, dims: int) -> bool:
+        """The rotary table's width in args: the head's, or its first `dims` (Phi-3)."""
+        if dims != self.args.rotary:
+            if dims > self.args.dim or dims % 2 or dims <= 0:
+                return False
+            self.args.rotary = dims
         return True
 
     def run(self, hidden: torch.Tensor, cache: Any, cos: torch.Tensor, sin: torch.Tensor
@@ -125,10 +160,10 @@ class NativeLayer:
         pos, capacity = cache._len, k_buf.shape[2]
         if (k_buf.shape[0] != 1 or pos >= capacity or k_buf.dtype != torch.bfloat16
                 or v_buf.dtype != torch.bfloat16 or not k_buf.is_contiguous()
-                or not v_buf.is_contiguous() or cos.shape[-1] != self.args.dim
+                or not v_buf.is_contiguous() or not self._rotary(cos.shape[-1])
                 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16
                 or not cos.is_contiguous() or not sin.is_contiguous()
-                or not self._norms_ready(hidden)):
+                or not self._norms_ready()):
             return False
         rc = self.kernel(self.address, hidden.data_ptr(), cos.data_ptr(),
                          sin.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), capacity, pos,
@@ -139,3 +174,7 @@ class NativeLayer:
             raise ValueError("decode layer: the kernels refused its shapes")
         cache.written(pos + 1)
         return True
+
+
+# what `runs_natively` is asked about: a CPU tensor of each dtype a norm here takes
+_PROBES = {dtype: torch.zeros(1, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
