@@ -108,8 +108,8 @@ def _biased(mm: Matmul, bias: torch.Tensor | None) -> Matmul:
         return out if bias is None else out + bias
 
     # what `native_layer` runs in C: the int4 kernel's tensors, where it is that kernel
-    weights = getattr(mm, "weights", None) if bias is None else None
-    layer.weights = weights  # type: ignore[attr-defined]
+    layer.weights = getattr(mm, "weights", None)  # type: ignore[attr-defined]
+    layer.bias = bias  # type: ignore[attr-defined]
     return layer
 
 

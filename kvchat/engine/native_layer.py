@@ -1,11 +1,11 @@
 """A decoder layer in one native call (models/decode_layer.c): the fused decode forward's
 commonest step, one row and one new token, without the dozen Python calls between kernels that
 `fused_decode._layer` makes. It takes layers whose norms run kvchat's native norm (q / k norms
-and Gemma's norms after attention and MLP too), int4 weights on kvchat's kernel without biases,
-an elementwise activation and a reserved one-row cache. The C runs that method's kernels in its
-order and rounds as torch does between them (the activation is torch's own, a table of every
-bfloat16 value), so a sequence gets the same bits either way; tests hold the two to it.
-Anything else, or any check that fails, runs `_layer`."""
+and Gemma's norms after attention and MLP too), int4 weights on kvchat's kernel (q / k / v
+biases in bfloat16 too), an elementwise activation and a reserved one-row cache. The C runs
+that method's kernels in its order and rounds as torch does between them (the activation is
+torch's own, a table of every bfloat16 value), so a sequence gets the same bits either way;
+tests hold the two to it. Anything else, or any check that fails, runs `_layer`."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class _LayerArgs(ctypes.Structure):  # decode_layer.c's layer_t
                 ("post_mlp", _Norm), ("qkv", _Int4), ("o", _Int4), ("gate_up", _Int4),
                 ("down", _Int4), ("hidden", _long), ("heads", _long), ("kv_heads", _long),
                 ("dim", _long), ("rotary", _long), ("inter", _long), ("scaling", _float),
-                ("act", _void)]
+                ("act", _void), ("qkv_bias", _void)]
 
 
 # the layer's norms: its args slot, and the dtype of what it norms (the float32 stream, or a
@@ -111,11 +111,17 @@ class NativeLayer:
                  _int4(layer.o, hidden, heads * d), _int4(layer.gate_up, 2 * inter, hidden),
                  _int4(layer.down, hidden, inter))
         table = silu_table() if layer.act is nn.functional.silu else activation_table(layer.act)
-        if any(part is None for part in parts) or table is None:
+        bias = getattr(layer.qkv, "bias", None)  # Qwen2's q / k / v biases, stacked
+        width = (heads + 2 * kv_heads) * d
+        if any(part is None for part in parts) or table is None \
+                or getattr(layer.gate_up, "bias", None) is not None \
+                or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_cpu
+                                          or bias.shape != (width,) or not bias.is_contiguous())):
             return None
         args = _LayerArgs(_Norm(), _Norm(), _Norm(), _Norm(), _Norm(), *parts, hidden, heads,
-                          kv_heads, d, d, inter, layer.scaling, table.data_ptr())
-        keep = (table, layer.qkv, layer.o, layer.gate_up, layer.down)
+                          kv_heads, d, d, inter, layer.scaling, table.data_ptr(),
+                          None if bias is None else bias.data_ptr())
+        keep = (table, bias, layer.qkv, layer.o, layer.gate_up, layer.down)
         return cls(args, norms, keep)
 
     def _norms_ready(self) -> bool:

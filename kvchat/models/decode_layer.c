@@ -3,7 +3,8 @@
  * every value has the bits that forward gives it.
  *
  *   x  = rms_norm(hidden) as bfloat16              layer_ops.c
- *   qkv = x times the stacked q, k, v weight         int4_matmul.c
+ *   qkv = x times the stacked q, k, v weight         int4_matmul.c, plus the bias (Qwen2)
+ *                                                    rounded to bfloat16 as torch rounds it
  *   q | k = rms_norm per head (Qwen3, Gemma 3)       layer_ops.c, where the layer has them
  *   q | k = rotary(q | k)                            layer_ops.c
  *   K/V buffers at `pos` = k, v                      (1, KH, capacity, D) bfloat16
@@ -58,6 +59,7 @@ typedef struct {
     long hidden, heads, kv_heads, dim, rotary, inter;
     float scaling;
     const uint16_t *act;  /* torch's bfloat16 activation of each bfloat16, by its bits */
+    const uint16_t *qkv_bias; /* bfloat16, or NULL */
 } layer_t;
 
 static inline float bf16_float(uint16_t h)
@@ -113,6 +115,9 @@ int kvchat_decode_layer(const layer_t *L, float *hidden, const uint16_t *cos,
     uint16_t *prod = gu + 2 * inter, *mlp = prod + inter;
     int rc = norm(&L->norm1, hidden, h, 1, h, x, threads);
     if (!rc) rc = mm(&L->qkv, x, qkv, threads);
+    if (!rc && L->qkv_bias)
+        for (long i = 0; i < qkv_n; i++)
+            qkv[i] = float_bf16(bf16_float(qkv[i]) + bf16_float(L->qkv_bias[i]));
     const uint16_t *q_k = qkv;
     long xs[3] = {qkv_n, qkv_n, d}, cs[2] = {0, L->rotary};
     if (!rc && L->qk.w) {
