@@ -135,7 +135,7 @@ def test_edited_and_replaced_norm_weights_are_seen(tiny_tokenizer):
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
 
 
-def test_its_silu_is_torchs_for_every_bfloat16():
+def test_its_silu_table_is_torchs_silu():
     table = silu_table()
     x = torch.randn(4096).to(torch.bfloat16)
     x[:8] = torch.tensor([0.0, -0.0, torch.inf, -torch.inf, 1e-38, -88.0, 88.0, 3.0])

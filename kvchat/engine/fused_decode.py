@@ -349,7 +349,8 @@ class FusedDecoder:
         cache_layers = past.layers
         hidden = hidden.view(b * q, -1)  # the layers work on (rows, hidden)
         # a native layer adds to its own float32 copy of the stream in place
-        one = b == 1 and q == 1 and hidden.dtype == torch.float32 and hidden.is_cpu
+        one = bool(self.native_layers) and b == 1 and q == 1 \
+            and hidden.dtype == torch.float32 and hidden.is_cpu
         if one:
             hidden = hidden.clone(memory_format=torch.contiguous_format)
         for i, layer in enumerate(self.layers):

@@ -107,12 +107,12 @@ class NativeLayer:
                 or not all(norm.native for norm, _ in norms.values())
                 or norms["norm1"][0].heads is not None or norms["norm2"][0].heads is not None):
             return None
-        parts = (_int4(layer.qkv, (heads + 2 * kv_heads) * d, hidden),
+        width = (heads + 2 * kv_heads) * d  # q, k and v stacked
+        parts = (_int4(layer.qkv, width, hidden),
                  _int4(layer.o, hidden, heads * d), _int4(layer.gate_up, 2 * inter, hidden),
                  _int4(layer.down, hidden, inter))
         table = silu_table() if layer.act is nn.functional.silu else activation_table(layer.act)
         bias = getattr(layer.qkv, "bias", None)  # Qwen2's q / k / v biases, stacked
-        width = (heads + 2 * kv_heads) * d
         if any(part is None for part in parts) or table is None \
                 or getattr(layer.gate_up, "bias", None) is not None \
                 or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_cpu

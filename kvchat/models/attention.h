@@ -44,15 +44,8 @@ static inline v16 load16_f32(const float *src)
     return out;
 }
 
-#define LOAD1(row, at, bf16) ((bf16) ? bf16_of(((const uint16_t *)(row))[at]) \
+#define LOAD1(row, at, bf16) ((bf16) ? bf16_float(((const uint16_t *)(row))[at]) \
                                      : ((const float *)(row))[at])
-static inline float bf16_of(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* exp(x) for x <= 0, 16 at a time: Cephes' expf (n = round(x log2 e), r = x - n ln 2 in two
  * parts, a degree-5 polynomial, times 2^n), zero below -87. Only additions, multiplications

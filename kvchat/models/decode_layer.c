@@ -62,14 +62,6 @@ typedef struct {
     const uint16_t *qkv_bias; /* bfloat16, or NULL */
 } layer_t;
 
-static inline float bf16_float(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static int mm(const int4_t *w, const uint16_t *x, uint16_t *out, int threads)
 {
     return kvchat_int4_mm(w->q, w->scales, w->zeros, x, out, 1, w->n, w->k, threads, -1);

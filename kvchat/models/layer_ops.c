@@ -32,14 +32,6 @@
 
 #include "native_sums.h"
 
-static inline float bf16_float(uint16_t b)
-{
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
 
 /* the sum of squares of n values, lane c % 8, c ascending, then the fixed tree (the header) */

@@ -22,6 +22,15 @@ static inline uint16_t float_bf16(float f)
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
+/* a bfloat16 as float32, exactly */
+static inline float bf16_float(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* an IEEE half as float32, exactly (what vcvtph2ps gives) */
 static inline float half_float(uint16_t h)
 {
