@@ -140,13 +140,26 @@ def fingerprint(engine: Engine, model_label: str, weights: str = "") -> dict[str
     return {
         "model": model_label,
         "config": _digest(config),
-        "tokenizer": _digest([sorted(tok.get_vocab().items()), getattr(tok, "chat_template", "")]),
+        "tokenizer": _tokenizer_digest(tok),
         "dtype": engine.runner.precision,
         "block_size": engine.cache.block_size,
         "weights": weights,
         "numerics": numerics(),
         "forward": _forward_of(engine),
     }
+
+
+def _tokenizer_digest(tokenizer: Any) -> str:
+    """A digest of the vocabulary (every id's token, read in chunks: `vocabulary`) and the
+    chat template."""
+    from kvchat.engine.codec import vocabulary
+
+    digest = hashlib.sha256()
+    for chunk in vocabulary(tokenizer):
+        digest.update(json.dumps(chunk).encode())
+    digest.update(json.dumps(getattr(tokenizer, "chat_template", ""), sort_keys=True,
+                             default=str).encode())
+    return digest.hexdigest()[:16]
 
 
 def _forward_of(engine: Engine) -> str:

@@ -274,3 +274,34 @@ def test_chat_turns_extend_the_history(tiny_model, tiny_tokenizer, tmp_path):
     assert nxt[: len(session.tokens)] == session.tokens
     tail = rt.engine.codec.decode(nxt[len(session.tokens):], skip_special_tokens=False)
     assert "last" in tail and tail.endswith("<|im_start|>assistant\n")
+
+
+def test_the_vocabulary_is_read_in_chunks_as_the_tokenizer_holds_it(tiny_tokenizer):
+    """`vocabulary` gives every (id, token) `get_vocab` holds, in id order, a chunk at a time;
+    the fingerprint's tokenizer digest changes with one token, and with the template."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from kvchat.engine.codec import ChatCodec, vocabulary
+    from kvchat.runtime import _tokenizer_digest
+
+    chunks = list(vocabulary(tiny_tokenizer, size=100))
+    assert [len(c) for c in chunks] == [100, 100, 59]
+    pairs = [p for c in chunks for p in c]
+    assert pairs == sorted((i, t) for t, i in tiny_tokenizer.get_vocab().items())
+    assert ChatCodec(tiny_tokenizer).longest_token == max(map(len, tiny_tokenizer.get_vocab()))
+
+    def fast(vocab: dict[str, int], template: str = "") -> PreTrainedTokenizerFast:
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, [])),
+                                       chat_template=template or None)
+
+    base = {"a": 0, "b": 1, "c": 2}
+    digest = _tokenizer_digest(fast(base))
+    assert digest == _tokenizer_digest(fast(dict(base)))
+    assert digest != _tokenizer_digest(fast({"a": 0, "b": 2, "c": 1}))  # two ids swapped
+    assert digest != _tokenizer_digest(fast({**base, "d": 3}))
+    assert digest != _tokenizer_digest(fast(base, "{{ messages }}"))
+    # a vocabulary with holes: every token is read, the ids past them too
+    holes = fast({"a": 0, "c": 2, "z": 1000})
+    assert [p for c in vocabulary(holes, size=4) for p in c] == [(0, "a"), (2, "c"), (1000, "z")]
+    assert _tokenizer_digest(holes) != _tokenizer_digest(fast({"a": 0, "c": 2, "z": 1001}))
