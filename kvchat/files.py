@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import re
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvchat.errors import KvchatError
@@ -96,3 +98,19 @@ def atomic_write(path: Path, data: bytes, what: str = "a file") -> None:
             os.fsync(dirfd)
         finally:
             os.close(dirfd)
+
+
+@contextlib.contextmanager
+def read_map(path: Path | str) -> Iterator[mmap.mmap]:
+    """`path` memory-mapped read-only. Closed on the way out unless arrays still view it (a
+    traceback holding a reader's frame, a profiler's sampled stack): then it closes with its
+    last view, and the error that ended the block, if any, is the one raised, never
+    "cannot close exported pointers"."""
+    with open(path, "rb") as fh:
+        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        yield buf
+    finally:
+        with contextlib.suppress(BufferError):
+            buf.close()
+

@@ -434,3 +434,26 @@ def test_set_aside_creates_private_folders(umask, tmp_path):
     (tmp_path / "x.json").write_text("{}")
     target = set_aside(tmp_path / "x.json", tmp_path / "cache" / "set-aside")
     assert target.exists() and mode(tmp_path / "cache") == mode(target.parent) == 0o700
+
+
+def test_a_read_map_a_view_outlives_closes_later_and_keeps_the_blocks_error(tmp_path):
+    """An array still viewing the map (a traceback's frame, a profiler's sampled stack) does not
+    turn the block's own error into "cannot close exported pointers", nor fail a block that
+    ended well; the map closes with its last view."""
+    import numpy as np
+
+    from kvchat.files import read_map
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(16)))
+    with read_map(path) as buf:
+        kept = np.frombuffer(buf, np.uint8, 4, 8)
+    assert kept.tolist() == [8, 9, 10, 11] and not buf.closed
+    del kept
+    with pytest.raises(ValueError, match="the reader's own"):
+        with read_map(path) as buf:
+            view = np.frombuffer(buf, np.uint8, 4)  # noqa: F841 (alive in the traceback)
+            raise ValueError("the reader's own error")
+    with read_map(path) as other:
+        pass
+    assert other.closed  # no view: closed on the way out

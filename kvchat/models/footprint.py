@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from dataclasses import dataclass, replace
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvchat.errors import ModelTooLarge
+from kvchat.files import read_map
 from kvchat.models.precision import GGUFTensor, gguf_layout
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def _linear_bytes(n: int, k: int, precision: str, is_head: bool) -> int:
 def _gguf_weights(path: Path, precision: str, tied: bool) -> _Weights:
     packs = precision in ("int4", "int8")
     size = _ITEMSIZE[precision]
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with read_map(path) as buf:
         layout = gguf_layout(buf)
     tensors, arch = layout.tensors, layout.architecture
     total = largest = 0
@@ -229,7 +229,7 @@ def head_kept_as_blocks(tensor: GGUFTensor, arch: str) -> bool:
 
 def gguf_head(path: Path, tied: bool) -> str:
     """What a packed load of the GGUF at `path` makes its output head, for `kvchat models`."""
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with read_map(path) as buf:
         layout = gguf_layout(buf)
     name = "token_embd.weight" if tied else "output.weight"
     tensor = next((t for t in layout.tensors if t.name == name), None)

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from kvchat.files import read_map
 from kvchat.models.native import int4_from_blocks
 from kvchat.models.precision import GGUFTensor, gguf_layout
 
@@ -62,7 +63,7 @@ def read_back(model: nn.Module, layers: dict[str, str], gguf: Path, config: Any)
     where one cannot be (the file lacks the tensor, or it is no longer such a tensor)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    with open(gguf, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with read_map(gguf) as buf:
         layout = gguf_layout(buf)
         processor = TENSOR_PROCESSORS.get(layout.architecture, TensorProcessor)(
             config=config.to_dict())

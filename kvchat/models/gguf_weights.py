@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from kvchat.errors import ModelError
+from kvchat.files import read_map
 from kvchat.models.block_head import BlockHeadLinear
 from kvchat.models.footprint import CHUNK_ROWS_BYTES, ROW_CHUNKED, head_kept_as_blocks
 from kvchat.models.gguf_int4 import drop_pages as _drop_pages
@@ -74,7 +75,7 @@ def load_gguf_weights(gguf: Path, config: Any, precision: str, dtype: torch.dtyp
     shape, everything else in `dtype`; for any other precision every tensor in `dtype`."""
     heap_mmap_threshold(MMAP_THRESHOLD_LOADING)
     try:
-        with open(gguf, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        with read_map(gguf) as buf:
             return _load(buf, gguf, config, precision, dtype, progress)
     finally:
         heap_mmap_threshold(MMAP_THRESHOLD_AFTER)

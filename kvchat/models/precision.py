@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvchat.errors import ModelOptionError
+from kvchat.files import read_map
 
 if TYPE_CHECKING:
     import torch
@@ -170,7 +171,7 @@ def gguf_precision_class(path: Path) -> str | None:
     of the type holding most parameters of its 2-D tensors (the token embedding aside), or None
     if the file cannot be read."""
     try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        with read_map(path) as buf:
             layout = _HeaderReader(buf).layout()
     except (OSError, ValueError, struct.error):
         return None
@@ -187,7 +188,7 @@ def gguf_precision_class(path: Path) -> str | None:
 def gguf_tensor_types(path: Path) -> Mapping[int, int]:
     """Parameters per GGML type over a GGUF's matrices (token embedding excluded), read from the
     header alone: no tensor data is touched."""
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with read_map(path) as buf:
         return _tensor_types(_HeaderReader(buf).layout())
 
 
