@@ -2,7 +2,8 @@
 commonest step, one row and one new token, without the dozen Python calls between kernels that
 `fused_decode._layer` makes. It takes layers whose norms run kvchat's native norm (q / k norms
 and Gemma's norms after attention and MLP too), int4 weights on kvchat's kernel (q / k / v
-biases in bfloat16 too), an elementwise activation and a reserved one-row cache. The C runs
+biases in bfloat16 too), an elementwise activation, attention with or without Gemma 2's
+soft-cap on its scores (the attention kernel applies it) and a reserved one-row cache. The C runs
 that method's kernels in its order and rounds as torch does between them (the activation is
 torch's own, a table of every bfloat16 value), so a sequence gets the same bits either way;
 tests hold the two to it. Anything else, or any check that fails, runs `_layer`."""
@@ -44,7 +45,7 @@ class _LayerArgs(ctypes.Structure):  # decode_layer.c's layer_t
                 ("post_mlp", _Norm), ("qkv", _Int4), ("o", _Int4), ("gate_up", _Int4),
                 ("down", _Int4), ("hidden", _long), ("heads", _long), ("kv_heads", _long),
                 ("dim", _long), ("rotary", _long), ("inter", _long), ("scaling", _float),
-                ("act", _void), ("qkv_bias", _void)]
+                ("softcap", _float), ("act", _void), ("qkv_bias", _void)]
 
 
 # the layer's norms: its args slot, and the dtype of what it norms (the float32 stream, or a
@@ -103,7 +104,7 @@ class NativeLayer:
         d, heads, kv_heads, inter = layer.head_dim, layer.heads, layer.kv_heads, layer.intermediate
         norms = {slot: (getattr(layer, name), dtype) for slot, name, dtype in _NORMS
                  if getattr(layer, name) is not None}
-        if (lib is None or layer.softcap is not None or inter % _VECTOR or inter >= _GRAIN
+        if (lib is None or inter % _VECTOR or inter >= _GRAIN
                 or not all(norm.native for norm, _ in norms.values())
                 or norms["norm1"][0].heads is not None or norms["norm2"][0].heads is not None):
             return None
@@ -119,7 +120,8 @@ class NativeLayer:
                                           or bias.shape != (width,) or not bias.is_contiguous())):
             return None
         args = _LayerArgs(_Norm(), _Norm(), _Norm(), _Norm(), _Norm(), *parts, hidden, heads,
-                          kv_heads, d, d, inter, layer.scaling, table.data_ptr(),
+                          kv_heads, d, d, inter, layer.scaling, layer.softcap or 0.0,
+                          table.data_ptr(),
                           None if bias is None else bias.data_ptr())
         keep = (table, bias, layer.qkv, layer.o, layer.gate_up, layer.down)
         return cls(args, norms, keep)

@@ -57,7 +57,7 @@ typedef struct {
     norm_t norm1, norm2, qk, post_attn, post_mlp;
     int4_t qkv, o, gate_up, down;
     long hidden, heads, kv_heads, dim, rotary, inter;
-    float scaling;
+    float scaling, softcap; /* softcap 0: none (Gemma 2 caps its scores) */
     const uint16_t *act;  /* torch's bfloat16 activation of each bfloat16, by its bits */
     const uint16_t *qkv_bias; /* bfloat16, or NULL */
 } layer_t;
@@ -127,7 +127,7 @@ int kvchat_decode_layer(const layer_t *L, float *hidden, const uint16_t *cos,
         long strides[13] = {qk, d, d, kvh * capacity * d, capacity * d, d,
                             kvh * capacity * d, capacity * d, d, capacity * d, d, capacity * d, d};
         rc = kvchat_attention(rot, k_buf, v_buf, NULL, NULL, NULL, att, shape, strides,
-                              L->scaling, 0.0f, 1, threads, -1);
+                              L->scaling, L->softcap, 1, threads, -1);
     }
     if (!rc) rc = mm(&L->o, att, o, threads);
     if (!rc) rc = add(hidden, o, &L->post_attn, tmp, h, threads);
