@@ -58,6 +58,7 @@ from kvchat.engine.fused_norms import Norm, rms_norm
 from kvchat.engine.native_layer import NativeLayer
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
+from kvchat.models.heap import huge_cat
 from kvchat.models.layer_ops import rotary as native_rotary
 from kvchat.models.native import int4_bound, library
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
@@ -163,7 +164,7 @@ def _stack_int4(layers: Sequence[Int4Linear]) -> Matmul:
 def _stack_native_int4(layers: Sequence[Int4Linear]) -> Matmul:
     """kvchat's int4 kernel computes each output row from its own weight row, scales and zeros
     only, in one order: stacked rows give each layer's own bits."""
-    stacked = {name: torch.cat([layer.get_buffer(name) for layer in layers], dim=0)
+    stacked = {name: huge_cat([layer.get_buffer(name) for layer in layers])
                for name in ("qweight", "scales", "zeros")}
     for name, tensor in stacked.items():
         _share_rows(layers, name, tensor)
@@ -179,7 +180,7 @@ def _matmul(layer: QuantLinear) -> Matmul:
 
 
 def _stack_int8(layers: Sequence[Int8Linear]) -> Matmul:
-    qweight = torch.cat([layer.get_buffer("qweight") for layer in layers], dim=0)
+    qweight = huge_cat([layer.get_buffer("qweight") for layer in layers])
     row_scales = torch.cat([layer.get_buffer("scales") for layer in layers])
     _share_rows(layers, "qweight", qweight)
 

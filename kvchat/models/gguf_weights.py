@@ -43,6 +43,7 @@ from kvchat.models.heap import (
     MMAP_THRESHOLD_LOADING,
     TRIM_EVERY,
     heap_mmap_threshold,
+    huge_empty,
     release_freed,
 )
 from kvchat.models.native import int4_from_blocks
@@ -240,13 +241,12 @@ def _rows_into(buf: mmap.mmap, tensor: GGUFTensor, model: Any, target: nn.Module
         and TiedInt8Embedding.takes(target)
     table = torch.empty(rows, cols, dtype=dtype) \
         if target is not None and not shares and not blocks else None
-    q = torch.empty(rows, cols, dtype=torch.int8) if head_int8 else None
+    q = huge_empty((rows, cols), torch.int8) if head_int8 else None
     scales = torch.empty(rows, cols // group) if head_int8 else None
     packed: list[str] = []
     if blocks or head_blocks:  # the file's bytes, copied (once) before its pages drop
-        import numpy as np
-
-        file_blocks = torch.from_numpy(np.array(data))
+        file_blocks = huge_empty(tuple(data.shape), torch.uint8)
+        file_blocks.numpy()[...] = data
         block_head = None
         if head_blocks:
             head_path = _name_of(model, model.get_output_embeddings())

@@ -289,6 +289,8 @@ def int4_from_blocks(data: Any, ggml_type: int, order: Any = None
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    from kvchat.models.heap import huge_empty
+
     lib = library()
     kinds = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
     if lib is None or not int4_native() or ggml_type not in kinds or data.ndim != 2:
@@ -298,9 +300,9 @@ def int4_from_blocks(data: Any, ggml_type: int, order: Any = None
         return None
     src = np.ascontiguousarray(data if order is None else data[order])
     n, k = src.shape[0], src.shape[1] // size * values
-    q = torch.empty(n, k // 2, dtype=torch.uint8)
-    scales = torch.empty(n, k // 32, dtype=torch.float16)
-    zeros = torch.empty(n, k // 32, dtype=torch.float16)
+    q = huge_empty((n, k // 2), torch.uint8)
+    scales = huge_empty((n, k // 32), torch.float16)
+    zeros = huge_empty((n, k // 32), torch.float16)
     rc = lib.kvchat_int4_from_blocks(int(ggml_type), src.ctypes.data, n, k, q.data_ptr(),
                                      scales.data_ptr(), zeros.data_ptr(),
                                      torch.get_num_threads())

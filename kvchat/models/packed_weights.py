@@ -44,6 +44,7 @@ from torch import nn
 
 from kvchat.models import quant
 from kvchat.models.block_head import BlockHeadLinear
+from kvchat.models.heap import huge_empty
 from kvchat.models.quant import QuantLinear
 from kvchat.models.quant_embeddings import BlockEmbedding, TiedInt8Embedding
 
@@ -369,7 +370,7 @@ def _empty(record: dict[str, Any], at: int) -> torch.Tensor:
     its bytes those of its shape, starting at or after `at`."""
     try:
         dtype = _DTYPES[record["dtype"]]
-        tensor = torch.empty([int(d) for d in record["shape"]], dtype=dtype)
+        tensor = huge_empty(tuple(int(d) for d in record["shape"]), dtype)
         fits = int(record["offset"]) >= at and \
             tensor.numel() * tensor.element_size() == int(record["bytes"])
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
