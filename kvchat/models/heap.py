@@ -78,9 +78,9 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor like torch.empty; from HUGE_FROM bytes on Linux, in a mapping of
     its own that starts on a 2 MiB boundary and asks for huge pages (MADV_HUGEPAGE) over its
     whole 2 MiB spans before any is touched (the rest stays on 4 KiB pages: nothing is resident
-    that the tensor does not hold). A decode step reads every weight once: on 4 KiB pages a
-    Llama 1B-shaped step ran about 10% slower (the TLB misses a stream of hundreds of MiB
-    makes). The mapping goes when the tensor does."""
+    that the tensor does not hold). A decode step reads every weight once, a TLB miss every
+    4 KiB on small pages: a Llama 1B-shaped step took 2-3.5% longer on them (docs/performance.md).
+    The mapping goes when the tensor does."""
     import torch
 
     count = 1
