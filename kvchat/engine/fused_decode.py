@@ -58,7 +58,7 @@ from kvchat.engine.fused_norms import Norm, rms_norm
 from kvchat.engine.native_layer import NativeLayer
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
-from kvchat.models.heap import huge_cat
+from kvchat.models.heap import huge_cat, release_heap
 from kvchat.models.layer_ops import rotary as native_rotary
 from kvchat.models.native import int4_bound, library
 from kvchat.models.quant import Int4Linear, Int8Linear, QuantLinear
@@ -311,7 +311,13 @@ class FusedDecoder:
         norm = fused_norms.norm(decoder.norm)
         if not isinstance(model.get_output_embeddings(), QuantLinear) or norm is None:
             return None
-        layers = [_layer(layer, config, i) for i, layer in enumerate(decoder.layers)]
+        layers = []
+        for i, layer in enumerate(decoder.layers):
+            layers.append(_layer(layer, config, i))
+            # the layer's own weights its stacks replaced went back to the heap (those below
+            # glibc's mmap threshold): handed back now, the build's peak holds one layer's
+            # copy, not the model's (Qwen2.5 0.5B shape: ~130 MiB)
+            release_heap()
         if not layers or any(layer is None for layer in layers):
             return None
         return cls(model, [layer for layer in layers if layer is not None], norm)
