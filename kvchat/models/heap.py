@@ -8,6 +8,7 @@ the system offers them (Linux's transparent huge pages, in "madvise" or "always"
 
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 from typing import TYPE_CHECKING, Any
@@ -83,10 +84,7 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     The mapping goes when the tensor does."""
     import torch
 
-    count = 1
-    for size in shape:
-        count *= int(size)
-    n_bytes = count * torch.empty((), dtype=dtype).element_size()
+    n_bytes = math.prod(shape) * dtype.itemsize
     libc = _libc()
     if n_bytes < HUGE_FROM or libc is None or not sys.platform.startswith("linux"):
         return torch.empty(shape, dtype=dtype)
