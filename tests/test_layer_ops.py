@@ -67,6 +67,44 @@ def test_rms_norm_computes_its_definition(rows, n, x_dtype, round_y):
     assert torch.equal(layer_ops.rms_norm(x[1:], norm, torch.float32), out[1:])  # rows alone
 
 
+def _awkward(rows: int, n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Values across float32's range, with zeros, denormals, infinities and NaNs among them."""
+    x = torch.randn(rows, n, generator=g) * torch.exp2(torch.randint(-140, 120, (rows, n),
+                                                                     generator=g).float())
+    picks = torch.randint(0, 40, (rows, n), generator=g)
+    x[picks == 0], x[picks == 1], x[picks == 2] = 0.0, float("inf"), float("nan")
+    x[picks == 3] = 1e-40
+    return x.to(dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_every_instruction_sets_copy_gives_the_plain_c_bits(x_dtype, w_dtype, out_dtype, gemma):
+    """The norm runs one copy per instruction set (plain C, AVX2, AVX-512: vectors of the
+    definition's eight lanes): all give the same bits, on rows whose width is not a multiple of
+    the vectors', per-head rows with two weights, and values at float32's edges (a NaN's payload
+    aside: which of two NaN operands a product keeps is the compiler's choice)."""
+    g = torch.Generator().manual_seed(int(gemma) + 2 * (x_dtype == torch.bfloat16))
+    for n, rows, heads in ((1, 3, None), (13, 5, None), (72, 4, None), (1031, 3, None),
+                           (64, 6, 4), (128, 2, 3)):
+        width = n * (heads or 1)
+        x = _awkward(rows, width, x_dtype, g)
+        weight = _awkward(1, n, w_dtype, g)[0]
+        other = torch.randn(n, generator=g).to(w_dtype) if heads else None
+        norm = layer_ops.NormWeight(weight, 1e-6, gemma, other, split=1 if heads else 0)
+        outs = [layer_ops.rms_norm(x, norm, out_dtype, heads=heads, isa=isa)
+                for isa in (0, 1, -1)]
+        nan = outs[0].isnan()
+        bits = [o.masked_fill(nan, 0).view(torch.int32 if o.dtype == torch.float32
+                                           else torch.int16) for o in outs]
+        for other_out, other_bits in zip(outs[1:], bits[1:], strict=True):
+            assert torch.equal(other_out.isnan(), nan), (n, heads)
+            assert torch.equal(other_bits, bits[0]), (n, heads)
+
+
 @needs_native
 def test_per_head_norms_read_a_slice_of_wider_rows_in_place():
     g = torch.Generator().manual_seed(3)

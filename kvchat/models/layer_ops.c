@@ -50,8 +50,11 @@ static inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
         }                                                                                  \
     } while (0)
 
-static void norm_row(const void *x, long at, int x_bf16, const float *w, long n, float eps,
-                     int round_y, void *out, long to, int out_bf16)
+/* inlined into one copy per instruction set (norm_rows_*): the lanes stay the definition's
+ * eight, which AVX-512 holds in one register and AVX2 in two; only the width changes */
+__attribute__((always_inline)) static inline void
+norm_row(const void *x, long at, int x_bf16, const float *w, long n, float eps, int round_y,
+         void *out, long to, int out_bf16)
 {
     const uint16_t *xb = (const uint16_t *)x + at;
     const float *xf = (const float *)x + at;
@@ -96,31 +99,79 @@ static void weight_row(const void *w, int w_bf16, int gemma, long n, float *to)
 
 /* The flags of a call (one argument: each argument costs the Python caller about 0.2 us) */
 enum { X_BF16 = 1, W_BF16 = 2, GEMMA = 4, ROUND_Y = 8, OUT_BF16 = 16 };
+#define ISA_CAP(flags) (((flags) >> 5) & 3) /* 0: the best here, 1: plain C, 2: AVX2 at most */
+
+typedef struct {
+    const void *x;
+    const float *w; /* (2, n): w_first's row, then w_rest's */
+    long outer, per, split, n;
+    float eps;
+    int x_bf16, round_y, out_bf16;
+    void *out;
+} norm_job_t;
+
+/* rows [r0, r1) of a call, one copy per instruction set (the loops vectorized at -O2) */
+#define NORM_ROWS(name, attrs)                                                              \
+    attrs static void name(const norm_job_t *j, long r0, long r1)                          \
+    {                                                                                      \
+        for (long r = r0; r < r1; r++) {                                                   \
+            long at = (r / j->per) * j->outer + (r % j->per) * j->n;                       \
+            norm_row(j->x, at, j->x_bf16, j->w + (r % j->per < j->split ? 0 : j->n), j->n, \
+                     j->eps, j->round_y, j->out, r * j->n, j->out_bf16);                   \
+        }                                                                                  \
+    }
+
+#define VECTORIZED optimize("vect-cost-model=dynamic")
+NORM_ROWS(norm_rows_c, __attribute__((VECTORIZED)))
+#if defined(__x86_64__) || defined(__i386__)
+NORM_ROWS(norm_rows_avx2, __attribute__((target("avx2,fma,f16c"), VECTORIZED)))
+NORM_ROWS(norm_rows_avx512,
+          __attribute__((target("avx512f,avx512bw,avx512dq,prefer-vector-width=512"), VECTORIZED)))
+#endif
+
+typedef void (*norm_rows_fn)(const norm_job_t *, long, long);
+
+/* the copy for this CPU, at most `cap` (ISA_CAP) */
+static norm_rows_fn norm_rows_for(int cap)
+{
+    if (cap == 1) return norm_rows_c;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (cap != 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512dq"))
+        return norm_rows_avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return norm_rows_avx2;
+#endif
+    return norm_rows_c;
+}
 
 /* out: (rows, n) contiguous, float32 or bfloat16 (OUT_BF16); x likewise (X_BF16), row r at
  * element (r / per) * outer + (r % per) * n (per = 1, outer = n: contiguous; per = heads: a row
  * of heads read in place). w_first, w_rest: (n,) weights, float32 or bfloat16 (W_BF16); head
  * r % per takes w_first below `split`, w_rest from it on (a q norm's heads, then a k norm's).
- * Returns 0, -1 on bad shapes, -2 out of memory. */
+ * ISA_CAP(flags) caps the copy that runs (the tests compare them). Returns 0, -1 on bad
+ * shapes, -2 out of memory. */
 int kvchat_rms_norm(const void *x, long outer, long per, const void *w_first,
                     const void *w_rest, long split, long rows, long n, float eps, int flags,
                     void *out, int threads)
 {
-    int x_bf16 = !!(flags & X_BF16), w_bf16 = !!(flags & W_BF16), gemma = !!(flags & GEMMA);
-    int round_y = !!(flags & ROUND_Y), out_bf16 = !!(flags & OUT_BF16);
+    static norm_rows_fn best = NULL;
+    int cap = ISA_CAP(flags);
+    int w_bf16 = !!(flags & W_BF16), gemma = !!(flags & GEMMA);
     if (rows < 0 || n <= 0 || per <= 0 || outer < per * n || (split < per && !w_rest))
         return -1;
     float *w = malloc(2 * (size_t)n * sizeof(float));
     if (!w) return -2;
     weight_row(w_first, w_bf16, gemma, n, w);
     if (split < per) weight_row(w_rest, w_bf16, gemma, n, w + n);
-    #pragma omp parallel for num_threads(threads > 1 && rows * n >= 65536 ? threads : 1) \
-        schedule(static)
-    for (long r = 0; r < rows; r++) {
-        long at = (r / per) * outer + (r % per) * n;
-        norm_row(x, at, x_bf16, w + (r % per < split ? 0 : n), n, eps, round_y, out, r * n,
-                 out_bf16);
-    }
+    if (best == NULL) best = norm_rows_for(0);
+    norm_rows_fn fn = cap ? norm_rows_for(cap) : best;
+    norm_job_t job = {x, w, outer, per, split, n, eps, !!(flags & X_BF16), !!(flags & ROUND_Y),
+                      !!(flags & OUT_BF16), out};
+    int team = threads > 1 && rows * n >= 65536 ? threads : 1;
+    #pragma omp parallel for num_threads(team) schedule(static, 1)
+    for (int t = 0; t < team; t++)
+        fn(&job, rows * t / team, rows * (t + 1) / team);
     free(w);
     return 0;
 }

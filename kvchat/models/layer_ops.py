@@ -133,12 +133,14 @@ def norm_flags(x_dtype: torch.dtype, weight_dtype: torch.dtype, gemma: bool,
 
 
 def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
-             heads: int | None = None, checked: bool = False) -> torch.Tensor:
+             heads: int | None = None, checked: bool = False, isa: int = -1
+             ) -> torch.Tensor:
     """layer_ops.c's RMSNorm of x's last dim, out in `out_dtype` (float32 or bfloat16). With
     `heads`, x is (M, heads * n) (a slice of wider rows is read in place) whose rows are heads of
     n values, head h taking `norm.weight` below `norm.split` and `norm.other` from it on (a q and
     a k norm); out (M, heads, n). Raises ValueError on shapes, dtypes or devices it cannot run
-    (`checked`: the caller has asked `runs_natively`)."""
+    (`checked`: the caller has asked `runs_natively`). `isa` caps the copy that runs (tests:
+    0 plain C, 1 AVX2, -1 this CPU's widest; they give the same bits)."""
     n = int(norm.weight.shape[-1])
     if not checked and not runs_natively(x, norm, out_dtype):
         raise ValueError(f"rms_norm: runs float32 / bfloat16 on CPU, not {x.dtype} on "
@@ -162,6 +164,7 @@ def rms_norm(x: torch.Tensor, norm: NormWeight, out_dtype: torch.dtype,
     other = other if other.is_contiguous() else other.contiguous()
     out = torch.empty(shape, dtype=out_dtype)
     flags = norm_flags(x.dtype, weight.dtype, norm.gemma, out_dtype)
+    flags |= (isa + 1 if isa in (0, 1) else 0) << 5  # layer_ops.c's ISA_CAP
     rc = library().kvchat_rms_norm(  # type: ignore[union-attr]
         x.data_ptr(), outer, per, weight.data_ptr(), other.data_ptr(), split, rows, n,
         ctypes.c_float(norm.eps), flags, out.data_ptr(), torch.get_num_threads())
