@@ -128,6 +128,30 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_under_any_threads_and_isa(k
 
 
 @needs_native
+def test_every_bfloat16_pattern_is_written_on_its_groups_grid_alike_on_every_path():
+    """Rows of random bit patterns (every exponent, ties in the rounding to the group's grid,
+    NaNs and infinities among them) and rows of values within 24 binades: each path's bits are
+    the definition's (a row holding a NaN or an infinity is all NaN on every path; where values
+    near float32's largest overflow, a NaN's payload aside)."""
+    k = 256
+    (q, scales, zeros), packed = _weights(32, k, seed=9)
+    g = torch.Generator().manual_seed(10)
+    patterns = torch.randint(-(2**15), 2**15, (24, k), generator=g, dtype=torch.int32)
+    near = torch.randint(0x3000, 0x3C00, (40, k), generator=g, dtype=torch.int32)  # 2^-31..2^-7
+    near |= torch.randint(0, 2, near.shape, generator=g, dtype=torch.int32) << 15
+    x = torch.cat([patterns, near]).to(torch.int16).view(torch.bfloat16)
+    want = _definition(x, q, scales, zeros)
+    nan = ~x.float().isfinite().all(1)
+    assert nan.any() and (~nan).sum() >= 40
+    for isa in range(native.int4_isa() + 1):
+        got = native.int4_mm(x, *packed, isa=isa)
+        assert got[nan].isnan().all(), isa
+        assert torch.equal(got.isnan(), want.isnan()), isa
+        assert torch.equal(got.nan_to_num(0.0, float("inf"), float("-inf")).view(torch.int16),
+                           want.nan_to_num(0.0, float("inf"), float("-inf")).view(torch.int16)), isa
+
+
+@needs_native
 @pytest.mark.parametrize("k", [32, 96, 576])
 def test_tiny_and_odd_activations_give_every_path_the_same_bits(k):
     """Denormal and tiny inputs, zeros of either sign, values 20 binades apart in one group,

@@ -268,15 +268,63 @@ VNNI static void tile_vnni(const job_t *j, long t, long m0, int mb)
         }
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < mb; m++) {
-        float fa[TILE], fb[TILE];
-        _mm512_storeu_ps(fa, a[m]);
-        _mm512_storeu_ps(fb, b[m]);
-        store_tile(j, m0 + m, t, fa, fb);
+    for (int m = 0; m < mb; m++) /* store_tile's a + b and float_bf16, 16 lanes at once */ {
+        __m512i u = _mm512_castps_si512(_mm512_add_ps(a[m], b[m]));
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i rounded = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+        __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7f800000));
+        __m256i out = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+        _mm256_storeu_si256((__m256i *)(j->out + (m0 + m) * j->n + TILE * t), out);
     }
 }
 
 ROWS(rows_vnni, "avx512f,avx512bw,avx512vnni", tile_vnni)
+
+/* quantize_row, 32 values (a group) a vector: the same integers, units and sums. The right
+ * shift rounds to nearest even as (mant + 2^(sh-1) - 1 + lsb) >> sh with lsb the kept value's
+ * last bit; shifts of 9 or more, which leave 0, are taken as 9 (16-bit lanes hold the sum). */
+__attribute__((target("avx512f,avx512bw"))) static void quantize_row_avx512(
+    const uint16_t *x, long k, int16_t *xi, float *u, float *s)
+{
+    const __m512i ff = _mm512_set1_epi16(0xff), x7f = _mm512_set1_epi16(0x7f);
+    const __m512i b128 = _mm512_set1_epi16(128), seven = _mm512_set1_epi16(7);
+    const __m512i one = _mm512_set1_epi16(1), nine = _mm512_set1_epi16(9);
+    const __m512i zero = _mm512_setzero_si512();
+    for (long g = 0; g < k / GROUP; g++) {
+        __m512i v = _mm512_loadu_si512((const void *)(x + g * GROUP));
+        __m512i e = _mm512_and_si512(_mm512_srli_epi16(v, 7), ff);
+        __mmask32 bad = _mm512_cmpeq_epi16_mask(e, ff);
+        __m256i m256 = _mm256_max_epu16(_mm512_castsi512_si256(e),
+                                        _mm512_extracti64x4_epi64(e, 1));
+        __m128i m128 = _mm_max_epu16(_mm256_castsi256_si128(m256),
+                                     _mm256_extracti128_si256(m256, 1));
+        /* the largest of eight: 0xffff less the smallest of their complements */
+        int top = 0xffff - (_mm_cvtsi128_si32(_mm_minpos_epu16(
+                                _mm_xor_si128(m128, _mm_set1_epi16(-1)))) & 0xffff);
+        top = top > MIN_EXP ? top : MIN_EXP;
+        __m512i d = _mm512_sub_epi16(_mm512_set1_epi16((short)top), e);
+        __m512i mant = _mm512_or_si512(_mm512_and_si512(v, x7f), b128);
+        __m512i left = _mm512_sllv_epi16(mant, _mm512_subs_epu16(seven, d));
+        __m512i sh = _mm512_min_epu16(_mm512_max_epu16(_mm512_subs_epu16(d, seven), one), nine);
+        __m512i lsb = _mm512_and_si512(_mm512_srlv_epi16(mant, sh), one);
+        __m512i bias = _mm512_sub_epi16(_mm512_sllv_epi16(one, _mm512_sub_epi16(sh, one)), one);
+        __m512i right = _mm512_srlv_epi16(_mm512_add_epi16(_mm512_add_epi16(mant, bias), lsb), sh);
+        __m512i val = _mm512_mask_blend_epi16(_mm512_cmple_epu16_mask(d, seven), right, left);
+        val = _mm512_maskz_mov_epi16(~(bad | _mm512_cmpeq_epi16_mask(e, zero)), val);
+        val = _mm512_mask_sub_epi16(val, _mm512_movepi16_mask(v), zero, val);
+        _mm512_storeu_si512((void *)(xi + g * GROUP), val);
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_madd_epi16(val, one));
+        uint32_t bits = (uint32_t)(top - 14) << 23; /* 2^(top - 141), top - 141 >= -126 */
+        float unit;
+        memcpy(&unit, &bits, 4);
+        unit = bad ? NAN : unit;
+        u[g] = unit;
+        s[g] = (float)sum * unit;
+    }
+}
 #endif
 
 /* 2: AVX-512 (F, BW, DQ) with VNNI and F16C, 1: AVX2 with FMA and F16C, 0: portable C */
@@ -318,8 +366,15 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
     int isa = force_isa >= 0 && force_isa < best_isa ? force_isa : best_isa;
     if (threads < 1) threads = 1;
     #pragma omp parallel for num_threads(m_rows < 16 ? 1 : threads) schedule(static)
-    for (long m = 0; m < m_rows; m++)
+    for (long m = 0; m < m_rows; m++) {
+#ifdef KVCHAT_X86
+        if (isa == 2) {
+            quantize_row_avx512(x + m * k, k, xi + m * k, u + m * groups, s + m * groups);
+            continue;
+        }
+#endif
         quantize_row(x + m * k, k, xi + m * k, u + m * groups, s + m * groups);
+    }
     long tiles = n / TILE, per = (tiles + threads - 1) / threads;
     long chunks = (tiles + per - 1) / per;
     #pragma omp parallel for num_threads(chunks < threads ? (int)chunks : threads) \
