@@ -28,7 +28,7 @@ INLINE void attend(const attn_t *a, long item, const scratch_t *w, const int bf1
 {
     const long d = a->d, whole = d / 16 * 16, vecs = d / 16, g = a->h / a->kh;
     const long nq = a->nq, p = a->p, keys = w->keys, es = bf16 ? 2 : 4;
-    const long kv = item % a->kh, i = (item / a->kh) % nq, bi = item / (a->kh * nq);
+    const long i = item % nq, kv = (item / nq) % a->kh, bi = item / (a->kh * nq);
     const float scale = a->scale, softcap = a->softcap;
     float *const scores = w->scores, *const qf = w->qf;
     v16 *const acc = w->acc, *const qv = w->qv;
@@ -145,7 +145,10 @@ typedef struct {
     long scores, qf, vecs, cols;
 } sizes_t;
 
-/* every (row, KV head, query) of the call, each by one thread on its own slice of w0 */
+/* every (row, KV head, query) of the call, each by one thread on its own slice of w0: the
+ * queries of one KV head are consecutive items (`attend` reads the item so), so that a thread's
+ * run of them reads one head's keys and values, which stay in its cache (a prefill of 512
+ * tokens on 2 threads took 1.5x as long with the KV heads interleaved) */
 static int run_items(const attn_t *a, attend_fn fn, int threads, const scratch_t *w0,
                      const sizes_t *z)
 {

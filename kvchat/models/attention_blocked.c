@@ -113,7 +113,7 @@ INLINE void attend_blocked(const attn_t *a, long item, const scratch_t *w, const
 {
     const long d = vecs * 16, g = a->h / a->kh, nq = a->nq, p = a->p;
     const long keys = w->keys, es = bf16 ? 2 : 4;
-    const long kv = item % a->kh, i = (item / a->kh) % nq, bi = item / (a->kh * nq);
+    const long i = item % nq, kv = (item / nq) % a->kh, bi = item / (a->kh * nq);
     const float scale = a->scale, softcap = a->softcap;
     float *const scores = w->scores, *const rows = w->rows;
     v16 *const acc = w->acc, *const qv = w->qv;
