@@ -159,6 +159,20 @@ static inline int32_t pair_at(const int16_t *xi)
 
 #define AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
+/* float_bf16 of 8 lanes, in order */
+AVX2 static __m128i bf16x8_avx2(__m256 f)
+{
+    __m256i u = _mm256_castps_si256(f);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000)); /* both below 2^31 */
+    __m256i h = _mm256_blendv_epi8(rounded, quiet, nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 /* Half h (rows 8 h to 8 h + 7) of tile t against activation rows m0 .. m0 + mb - 1: lane r of
  * a chunk's 16 words (its bytes 16 h to 16 h + 15) is row 8 h + r's pair of low nibbles, or,
  * shifted, of high ones; vpmaddwd sums each pair's products into 32 bits. */
@@ -207,13 +221,65 @@ AVX2 static void tile_avx2(const job_t *j, long t, long m0, int mb)
     __m256 a[2][ROW_BLOCK], b[2][ROW_BLOCK];
     half_avx2(j, t, 0, m0, mb, a[0], b[0]);
     half_avx2(j, t, 1, m0, mb, a[1], b[1]);
-    for (int m = 0; m < mb; m++) {
-        float fa[TILE], fb[TILE];
-        _mm256_storeu_ps(fa, a[0][m]);
-        _mm256_storeu_ps(fa + 8, a[1][m]);
-        _mm256_storeu_ps(fb, b[0][m]);
-        _mm256_storeu_ps(fb + 8, b[1][m]);
-        store_tile(j, m0 + m, t, fa, fb);
+    for (int m = 0; m < mb; m++)
+        for (int h = 0; h < 2; h++)
+            _mm_storeu_si128((__m128i *)(j->out + (m0 + m) * j->n + TILE * t + 8 * h),
+                             bf16x8_avx2(_mm256_add_ps(a[h][m], b[h][m])));
+}
+
+/* quantize_row, 8 values a register (32-bit lanes: AVX2 shifts 16-bit lanes by one count
+ * only), the same integers, units and sums; rounding as quantize_row_avx512 says */
+__attribute__((target("avx2"))) static void quantize_row_avx2(const uint16_t *x, long k,
+                                                                int16_t *xi, float *u, float *s)
+{
+    const __m256i ff = _mm256_set1_epi32(0xff), x7f = _mm256_set1_epi32(0x7f);
+    const __m256i b128 = _mm256_set1_epi32(128), seven = _mm256_set1_epi32(7);
+    const __m256i one = _mm256_set1_epi32(1), nine = _mm256_set1_epi32(9);
+    const __m256i zero = _mm256_setzero_si256(), sign = _mm256_set1_epi32(0x8000);
+    for (long g = 0; g < k / GROUP; g++) {
+        __m256i v[4], e[4], top = _mm256_set1_epi32(MIN_EXP), bad = zero;
+        for (int p = 0; p < 4; p++) {
+            const __m128i *at = (const __m128i *)(x + g * GROUP + 8 * p);
+            v[p] = _mm256_cvtepu16_epi32(_mm_loadu_si128(at));
+            e[p] = _mm256_and_si256(_mm256_srli_epi32(v[p], 7), ff);
+            top = _mm256_max_epi32(top, e[p]);
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(e[p], ff));
+        }
+        __m128i t4 = _mm_max_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+        t4 = _mm_max_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        t4 = _mm_max_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+        int top_e = _mm_cvtsi128_si32(t4);
+        __m256i tops = _mm256_set1_epi32(top_e), sum = zero;
+        for (int p = 0; p < 4; p++) {
+            __m256i d = _mm256_sub_epi32(tops, e[p]);
+            __m256i mant = _mm256_or_si256(_mm256_and_si256(v[p], x7f), b128);
+            __m256i up = _mm256_max_epi32(_mm256_sub_epi32(seven, d), zero);
+            __m256i left = _mm256_sllv_epi32(mant, up);
+            __m256i sh = _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(d, seven), one), nine);
+            __m256i lsb = _mm256_and_si256(_mm256_srlv_epi32(mant, sh), one);
+            __m256i bias = _mm256_sub_epi32(_mm256_sllv_epi32(one, _mm256_sub_epi32(sh, one)), one);
+            __m256i right = _mm256_srlv_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(mant, bias), lsb), sh);
+            __m256i val = _mm256_blendv_epi8(left, right, _mm256_cmpgt_epi32(d, seven));
+            __m256i drop = _mm256_or_si256(_mm256_cmpeq_epi32(e[p], zero),
+                                           _mm256_cmpeq_epi32(e[p], ff));
+            val = _mm256_andnot_si256(drop, val);
+            __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(v[p], sign), sign);
+            val = _mm256_sub_epi32(_mm256_xor_si256(val, neg), neg); /* -val where neg */
+            sum = _mm256_add_epi32(sum, val);
+            _mm_storeu_si128((__m128i *)(xi + g * GROUP + 8 * p),
+                             _mm_packs_epi32(_mm256_castsi256_si128(val),
+                                             _mm256_extracti128_si256(val, 1)));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        uint32_t bits = (uint32_t)(top_e - 14) << 23; /* 2^(top - 141), top - 141 >= -126 */
+        float unit;
+        memcpy(&unit, &bits, 4);
+        unit = _mm256_movemask_epi8(bad) ? NAN : unit;
+        u[g] = unit;
+        s[g] = (float)_mm_cvtsi128_si32(s4) * unit;
     }
 }
 
@@ -370,6 +436,10 @@ int kvchat_int4_mm(const uint8_t *q, const uint16_t *scales, const uint16_t *zer
 #ifdef KVCHAT_X86
         if (isa == 2) {
             quantize_row_avx512(x + m * k, k, xi + m * k, u + m * groups, s + m * groups);
+            continue;
+        }
+        if (isa == 1) {
+            quantize_row_avx2(x + m * k, k, xi + m * k, u + m * groups, s + m * groups);
             continue;
         }
 #endif
