@@ -147,8 +147,8 @@ typedef struct {
 
 /* every (row, KV head, query) of the call, each by one thread on its own slice of w0: the
  * queries of one KV head are consecutive items (`attend` reads the item so), so that a thread's
- * run of them reads one head's keys and values, which stay in its cache (a prefill of 512
- * tokens on 2 threads took 1.5x as long with the KV heads interleaved) */
+ * run of them reads one head's keys and values, which stay in its cache (2-15% less time
+ * for a 512-token prefill's attention on 2 threads than with the KV heads interleaved) */
 static int run_items(const attn_t *a, attend_fn fn, int threads, const scratch_t *w0,
                      const sizes_t *z)
 {
