@@ -211,6 +211,23 @@ def test_torchs_int4_layout_has_its_own_file(tiny_tokenizer, tmp_path, monkeypat
     assert native_load.model.state_dict().keys() != second.model.state_dict().keys()
 
 
+def test_a_retired_layouts_file_goes_when_this_version_packs(tiny_tokenizer, tmp_path):
+    """An upgrade from the untiled int4 layout left its file beside the new one for good; the
+    next packing removes it, and keeps the other precision's file and torch's layouts (another
+    CPU sharing the folder reads its own)."""
+    path = _gguf(tiny_tokenizer, tmp_path)
+    load_model(str(path), dtype="bfloat16")  # converts the config and tokenizer, packs nothing
+    folder = converted_dir_for(path)
+    retired = folder / "packed-int4-bfloat16-native.kvw"
+    kept = [folder / "packed-int4-bfloat16-torch_x86_64_avx2.kvw",
+            folder / "packed-int8-bfloat16-native.kvw", folder / "packed-int4-float32-native.kvw"]
+    for f in [retired, *kept]:
+        f.write_bytes(b"an older version's packed weights")
+    load_model(str(path), dtype="int4")
+    assert _packed_file(path).is_file() and not retired.exists()
+    assert all(f.read_bytes() == b"an older version's packed weights" for f in kept)
+
+
 def _loading_bytes(report) -> int:
     """The float32 copies `kvchat models` expects a load of `report`'s model to hold."""
     footprint = footprint_of(report.source, report.folder, report.precision.name,

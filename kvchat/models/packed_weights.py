@@ -86,6 +86,22 @@ def packed_path(folder: Path, precision: str, compute: str) -> Path:
     return folder / f"packed-{precision}-{compute}-{_layout()}.kvw"
 
 
+def _remove_retired_layouts(path: Path) -> None:
+    """Files beside `path` at its precision and compute in a layout this version never
+    writes (`native`, before the kernel's tiles): an upgrade would keep them for good, beside
+    the file that replaced them. torch's layouts stay: they follow the CPU, and another
+    machine sharing the folder may read its own."""
+    tail = f"{_layout()}.kvw"
+    if not (path.name.startswith("packed-") and path.name.endswith(f"-{tail}")):
+        return  # not a name packed_path gives
+    head = path.name[: -len(tail)]
+    for entry in path.parent.glob(f"{head}*.kvw"):
+        layout = entry.name[len(head) : -len(".kvw")]
+        if entry != path and layout != "native_tiles" and not layout.startswith("torch_"):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
 def packed_key(gguf: Path, precision: str, compute: str, architecture: str,
                config_json: str = "") -> dict[str, Any]:
     """Everything that decides the numbers a load packs from `gguf`."""
@@ -135,6 +151,7 @@ def save_packed(model: nn.Module, path: Path, key: dict[str, Any], n_params: int
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
+        _remove_retired_layouts(path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
