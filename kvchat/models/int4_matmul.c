@@ -287,6 +287,19 @@ ROWS(rows_avx2, "avx2,fma,f16c", tile_avx2)
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline
 
+/* float_bf16 of 16 lanes, in order (bf16x8_avx2's twice as wide) */
+VNNI static __m256i bf16x16_avx512(__m512 f)
+{
+    __m512i u = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
 /* Tile t against activation rows m0 .. m0 + mb - 1: lane r of a chunk's 32 words is row r's
  * pair of low nibbles, or, shifted, of high ones; vpdpwssd adds each pair's products to it.
  * Each row's sums run in four chains (chunk parity, low or high), added at the group's end. */
@@ -334,17 +347,9 @@ VNNI static void tile_vnni(const job_t *j, long t, long m0, int mb)
         }
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < mb; m++) /* store_tile's a + b and float_bf16, 16 lanes at once */ {
-        __m512i u = _mm512_castps_si512(_mm512_add_ps(a[m], b[m]));
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i rounded = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-        __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-        __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-        __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7f800000));
-        __m256i out = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-        _mm256_storeu_si256((__m256i *)(j->out + (m0 + m) * j->n + TILE * t), out);
-    }
+    for (int m = 0; m < mb; m++) /* store_tile's a + b, 16 lanes at once */
+        _mm256_storeu_si256((__m256i *)(j->out + (m0 + m) * j->n + TILE * t),
+                            bf16x16_avx512(_mm512_add_ps(a[m], b[m])));
 }
 
 ROWS(rows_vnni, "avx512f,avx512bw,avx512vnni", tile_vnni)

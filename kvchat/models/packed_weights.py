@@ -86,6 +86,9 @@ def packed_path(folder: Path, precision: str, compute: str) -> Path:
     return folder / f"packed-{precision}-{compute}-{_layout()}.kvw"
 
 
+NATIVE_LAYOUT = "native_tiles"  # kvchat's int4 kernel's tiles, the same on every CPU
+
+
 def _remove_retired_layouts(path: Path) -> None:
     """Files beside `path` at its precision and compute in a layout this version never
     writes (`native`, before the kernel's tiles): an upgrade would keep them for good, beside
@@ -97,7 +100,7 @@ def _remove_retired_layouts(path: Path) -> None:
     head = path.name[: -len(tail)]
     for entry in path.parent.glob(f"{head}*.kvw"):
         layout = entry.name[len(head) : -len(".kvw")]
-        if entry != path and layout != "native_tiles" and not layout.startswith("torch_"):
+        if entry != path and layout != NATIVE_LAYOUT and not layout.startswith("torch_"):
             with contextlib.suppress(OSError):
                 entry.unlink()
 
@@ -151,11 +154,11 @@ def save_packed(model: nn.Module, path: Path, key: dict[str, Any], n_params: int
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
-        _remove_retired_layouts(path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _remove_retired_layouts(path)
 
 
 def load_packed(path: Path, key: dict[str, Any], config: Any, dtype: torch.dtype
@@ -239,7 +242,7 @@ def _layout() -> str:
     from kvchat.models.native import int4_native
 
     if int4_native():
-        return "native_tiles"
+        return NATIVE_LAYOUT
     return f"torch_{platform.machine()}_{torch.backends.cpu.get_cpu_capability()}".lower()
 
 
