@@ -67,7 +67,10 @@ def test_the_budget_is_redis_maxmemory_evicting_least_recently_used(tmp_path: Pa
         assert int(config["maxmemory"]) == budget and config["maxmemory-policy"] == "allkeys-lru"
         assert client.info("memory")["used_memory"] <= budget
         assert 0 < client.dbsize() < 400
-        assert store.get(blocks[0][0]).status is ReadStatus.MISSING  # evicted: a plain miss
+        # Redis's LRU is sampled and its clock ticks once a second, so which early block went is
+        # not fixed: any evicted one must read as a plain miss, never an error.
+        evicted = [k for k, _ in blocks if not client.exists(PREFIX + k)]
+        assert evicted and store.get(evicted[0]).status is ReadStatus.MISSING
         assert store.get(blocks[-1][0]).status is ReadStatus.HIT
         client.close()
 
