@@ -34,11 +34,12 @@ def _runners(tokenizer, precision: str = "int4", hidden: int = 128, model=None):
     quantize_model(model, precision)
     python = ModelRunner(copy.deepcopy(model))
     python.fused.native = [None] * len(python.fused.native)
+    python.fused.stack = None
     return ModelRunner(model), python
 
 
 def _counted(runner: ModelRunner) -> list[bool]:
-    """Each native layer's run, recorded: whether it ran."""
+    """Each native layer's run, recorded: whether it ran (alone, or in the stack's call)."""
     ran: list[bool] = []
     for layer in runner.fused.native:
         run = layer.run
@@ -48,6 +49,16 @@ def _counted(runner: ModelRunner) -> list[bool]:
             return ran[-1]
 
         layer.run = counted
+    stack = runner.fused.stack
+    if stack is not None:
+        run_all = stack.run
+
+        def counted_all(*args):
+            done = run_all(*args)
+            ran.extend([True] * len(stack.layers) if done else [])
+            return done
+
+        stack.run = counted_all
     return ran
 
 
@@ -74,10 +85,16 @@ def _decode(runner: ModelRunner, ids: list[int], steps: int):
 
 @needs_kernel
 @pytest.mark.parametrize("hidden", [64, 128])
-def test_it_gives_the_fused_forwards_bits_step_after_step(tiny_tokenizer, hidden):
+@pytest.mark.parametrize("stacked", [True, False])
+def test_it_gives_the_fused_forwards_bits_step_after_step(tiny_tokenizer, hidden, stacked):
+    """Every layer in one call (the stack), or each layer's own call: the fused forward's
+    bits either way."""
     fast, python = _runners(tiny_tokenizer, hidden=hidden)
     assert all(layer is not None for layer in fast.fused.native)
     assert f"{len(fast.fused.native)} layers one native call a token" in fast.plan.describe()
+    assert fast.fused.stack is not None and len(fast.fused.stack.layers) == len(fast.fused.native)
+    if not stacked:
+        fast.fused.stack = None
     ran = _counted(fast)
     ids = prompt(5, 19)
     got, want = _decode(fast, ids, 6), _decode(python, ids, 6)

@@ -55,7 +55,7 @@ from kvchat.engine.decode_attention import (
     small_q_attention,
 )
 from kvchat.engine.fused_norms import Norm, rms_norm
-from kvchat.engine.native_layer import NativeLayer
+from kvchat.engine.native_layer import NativeLayer, NativeStack
 from kvchat.engine.past import shared_head
 from kvchat.models.architectures import DECODER_FAMILIES
 from kvchat.models.heap import huge_cat, release_heap
@@ -286,6 +286,9 @@ class FusedDecoder:
         # one row's new token through a layer in one native call, where the layer takes it
         self.native = [NativeLayer.build(layer, width) for layer in layers]
         self.native_layers = sum(layer is not None for layer in self.native)
+        # and every layer in one call where every layer runs so
+        natives = [layer for layer in self.native if layer is not None]
+        self.stack = NativeStack(natives) if natives and len(natives) == len(layers) else None
 
     @classmethod
     def build(cls, model: Any) -> FusedDecoder | None:
@@ -360,7 +363,10 @@ class FusedDecoder:
             and hidden.dtype == torch.float32 and hidden.is_cpu
         if one:
             hidden = hidden.clone(memory_format=torch.contiguous_format)
-        for i, layer in enumerate(self.layers):
+        stacked = one and self.stack is not None \
+            and all(masks[kind] is None for kind in self.kinds) \
+            and self.stack.run(hidden, cache_layers, [tables[layer.kind] for layer in self.layers])
+        for i, layer in enumerate(() if stacked else self.layers):
             cos, sin = tables[layer.kind]
             native = self.native[i] if one and masks[layer.kind] is None else None
             if native is not None and native.run(hidden, cache_layers[i], cos, sin):

@@ -11,6 +11,7 @@ tests hold the two to it. Anything else, or any check that fails, runs `_layer`.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -97,6 +98,8 @@ class NativeLayer:
         self.keep = keep  # the tensors args points into
         self.kernel = library().kvchat_decode_layer  # type: ignore[union-attr]
         self.address = ctypes.addressof(args)
+        # the K/V buffers checked last
+        self._buffers: tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]] | None = None
 
     @classmethod
     def build(cls, layer: Any, hidden: int) -> NativeLayer | None:
@@ -157,30 +160,88 @@ class NativeLayer:
             self.args.rotary = dims
         return True
 
+    def takes_cache(self, cache: Any) -> bool:
+        """Whether the layer runs over `cache` now (a reserved one-row cache with room for the
+        token, its buffers checked once) with its norms' weights as they are now."""
+        if type(cache) is not _ReservedLayer or cache.head is not None:
+            return False
+        k_buf, v_buf = cache._k, cache._v
+        held = self._buffers
+        if held is None or held[0]() is not k_buf or held[1]() is not v_buf:
+            if (k_buf.shape[0] != 1 or k_buf.dtype != torch.bfloat16
+                    or v_buf.dtype != torch.bfloat16 or not k_buf.is_contiguous()
+                    or not v_buf.is_contiguous()):
+                return False
+            self._buffers = (weakref.ref(k_buf), weakref.ref(v_buf))  # not kept alive here
+        return cache._len < k_buf.shape[2] and self._norms_ready()
+
     def run(self, hidden: torch.Tensor, cache: Any, cos: torch.Tensor, sin: torch.Tensor
             ) -> bool:
         """The layer over `hidden` ((1, width) float32, updated in place) and its cache layer,
         the new token's K/V written at its position; False (nothing done) where it does not
         run here."""
-        if type(cache) is not _ReservedLayer or cache.head is not None:
+        if not (self.takes_cache(cache) and self._rotary(cos.shape[-1])
+                and _takes_table(cos, sin)):
             return False
-        k_buf, v_buf = cache._k, cache._v
-        pos, capacity = cache._len, k_buf.shape[2]
-        if (k_buf.shape[0] != 1 or pos >= capacity or k_buf.dtype != torch.bfloat16
-                or v_buf.dtype != torch.bfloat16 or not k_buf.is_contiguous()
-                or not v_buf.is_contiguous() or not self._rotary(cos.shape[-1])
-                or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16
-                or not cos.is_contiguous() or not sin.is_contiguous()
-                or not self._norms_ready()):
-            return False
-        rc = self.kernel(self.address, hidden.data_ptr(), cos.data_ptr(),
-                         sin.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), capacity, pos,
-                         torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError("decode layer: no memory for its activations")
-        if rc != 0:
-            raise ValueError("decode layer: the kernels refused its shapes")
+        k_buf, v_buf, pos = cache._k, cache._v, cache._len
+        _check(self.kernel(self.address, hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                           k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[2], pos,
+                           torch.get_num_threads()))
         cache.written(pos + 1)
+        return True
+
+
+def _takes_table(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether a rotary table is one the native layer reads."""
+    return cos.dtype == torch.bfloat16 and sin.dtype == torch.bfloat16 \
+        and cos.is_contiguous() and sin.is_contiguous()
+
+
+def _check(rc: int) -> None:
+    if rc == -2:
+        raise MemoryError("decode layer: no memory for its activations")
+    if rc != 0:
+        raise ValueError("decode layer: the kernels refused its shapes")
+
+
+class NativeStack:
+    """Every layer of a lone row's decode step in one native call (decode_layer.c's
+    kvchat_decode_layers, which calls each layer's kernel in turn): the Python between 24 or
+    more layer calls goes, and with it the cache misses it costs after each layer's weights
+    have streamed through. The same kernels in the same order as `NativeLayer.run` on each
+    layer, so the same bits; tests hold the two to it."""
+
+    def __init__(self, layers: list[NativeLayer]) -> None:
+        n = len(layers)
+        self.layers = layers
+        self.kernel = library().kvchat_decode_layers  # type: ignore[union-attr]
+        pointers, longs = ctypes.c_void_p * n, ctypes.c_long * n
+        self.args = pointers(*(layer.address for layer in layers))
+        self.cos, self.sin, self.k, self.v = pointers(), pointers(), pointers(), pointers()
+        self.capacity, self.pos = longs(), longs()
+
+    def run(self, hidden: torch.Tensor, caches: list[Any],
+            tables: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Every layer over `hidden` ((1, width) float32, updated in place), layer i over
+        caches[i] with rotary table tables[i]; False (nothing done) where one of them would
+        not run natively."""
+        taken: tuple[torch.Tensor, torch.Tensor] | None = None  # the table checked last
+        for i, layer in enumerate(self.layers):
+            cache, (cos, sin) = caches[i], tables[i]
+            if not (layer.takes_cache(cache) and layer._rotary(cos.shape[-1])):
+                return False
+            if taken is None or taken[0] is not cos or taken[1] is not sin:
+                if not _takes_table(cos, sin):
+                    return False
+                taken = cos, sin
+            k_buf, v_buf = cache._k, cache._v
+            self.cos[i], self.sin[i] = cos.data_ptr(), sin.data_ptr()
+            self.k[i], self.v[i] = k_buf.data_ptr(), v_buf.data_ptr()
+            self.capacity[i], self.pos[i] = k_buf.shape[2], cache._len
+        _check(self.kernel(self.args, len(self.layers), hidden.data_ptr(), self.cos, self.sin,
+                           self.k, self.v, self.capacity, self.pos, torch.get_num_threads()))
+        for i, cache in enumerate(caches[: len(self.layers)]):
+            cache.written(self.pos[i] + 1)
         return True
 
 

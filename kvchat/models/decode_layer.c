@@ -142,3 +142,20 @@ int kvchat_decode_layer(const layer_t *L, float *hidden, const uint16_t *cos,
     free(scratch);
     return rc;
 }
+
+/* A step's layers in one call, in order: layer i over k_bufs[i], v_bufs[i] (capacity[i]
+ * positions) at pos[i], with its kind's rotary table cos[i], sin[i]; what calling
+ * kvchat_decode_layer on each in turn does, without a call from Python between them. Stops
+ * at the first layer that returns other than 0 and returns that. */
+int kvchat_decode_layers(const layer_t *const *layers, long n, float *hidden,
+                         const uint16_t *const *cos, const uint16_t *const *sin,
+                         uint16_t *const *k_bufs, uint16_t *const *v_bufs,
+                         const long *capacity, const long *pos, int threads)
+{
+    for (long i = 0; i < n; i++) {
+        int rc = kvchat_decode_layer(layers[i], hidden, cos[i], sin[i], k_bufs[i], v_bufs[i],
+                                     capacity[i], pos[i], threads);
+        if (rc) return rc;
+    }
+    return 0;
+}

@@ -119,6 +119,7 @@ def library() -> ctypes.CDLL | None:
                        ("rms_norm", [p, n, n, p, p, n, n, n, ctypes.c_float, i, p, i]),
                        ("rotary", [p, p, p, p, p, n, n, n, n, n, p]),
                        ("decode_layer", [p] * 6 + [n, n, i]),
+                       ("decode_layers", [p, n] + [p] * 7 + [i]),
                        ("int8_head_isa", []), ("int4_isa", []), ("attention_isa", [])):
         function = getattr(lib, "kvchat_" + name)
         function.restype, function.argtypes = n if name == "int4_grid" else i, args
