@@ -437,8 +437,10 @@ def test_a_converted_tokenizer_loads_as_its_file_with_what_its_own_class_gives(a
     """A GPT-2 GGUF's tokenizer is saved under GPT2Tokenizer, whose pipeline is the saved
     file's: kvchat reads the file in Rust with the generic class, and every encoding, decoding,
     special and added token and the chat template are the class's own. Qwen2Tokenizer puts an
-    NFC normalizer and its own split pattern on the file's vocabulary, which kvchat takes from
-    the class (a decomposed accent and digit runs check them)."""
+    NFC normalizer, its own split pattern and a decoder on the file's vocabulary, which kvchat
+    takes from the class: the two backends are compared whole but for the vocabulary and
+    merges (the tiny file has none to split by), and a file whose BPE options the class would
+    not keep loads as the class."""
     import json
     import random
 
@@ -476,6 +478,20 @@ def test_a_converted_tokenizer_loads_as_its_file_with_what_its_own_class_gives(a
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     assert read.apply_chat_template(conversation, tokenize=False) == \
         own.apply_chat_template(conversation, tokenize=False)
+
+    def pipeline(tokenizer) -> dict:
+        whole = json.loads(tokenizer.backend_tokenizer.to_str())
+        whole["model"] = {key: value for key, value in whole["model"].items()
+                          if key not in ("vocab", "merges")}
+        return whole
+
+    assert pipeline(read) == pipeline(own)
+    if arch == "qwen2":
+        path = folder / "tokenizer.json"
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved["model"]["byte_fallback"] = True  # Qwen2Tokenizer builds its BPE without it
+        path.write_text(json.dumps(saved), encoding="utf-8")
+        assert type(gguf.load_tokenizer(folder)).__name__ == "Qwen2Tokenizer"
 
 
 def test_added_tokens_come_from_the_files_head_or_not_at_all(tmp_path, monkeypatch):

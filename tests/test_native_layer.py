@@ -38,8 +38,9 @@ def _runners(tokenizer, precision: str = "int4", hidden: int = 128, model=None):
     return ModelRunner(model), python
 
 
-def _counted(runner: ModelRunner) -> list[bool]:
-    """Each native layer's run, recorded: whether it ran (alone, or in the stack's call)."""
+def _counted(runner: ModelRunner) -> tuple[list[bool], list[bool]]:
+    """Each native layer's own run, and each run of the stack (every layer in one call),
+    recorded: whether it ran."""
     ran: list[bool] = []
     for layer in runner.fused.native:
         run = layer.run
@@ -49,32 +50,35 @@ def _counted(runner: ModelRunner) -> list[bool]:
             return ran[-1]
 
         layer.run = counted
+    stacked: list[bool] = []
     stack = runner.fused.stack
     if stack is not None:
         run_all = stack.run
 
         def counted_all(*args):
-            done = run_all(*args)
-            ran.extend([True] * len(stack.layers) if done else [])
-            return done
+            stacked.append(run_all(*args))
+            return stacked[-1]
 
         stack.run = counted_all
-    return ran
+    return ran, stacked
+
+
+def _reserved(runner: ModelRunner, ids: list[int], room: int):
+    """`ids` prefilled, their K/V in a reserved one-row past with `room` positions more."""
+    with torch.no_grad():
+        past = runner.past()
+        runner.model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
+        kv = past_kv(past, 0, len(ids))
+        buffers = [tuple(torch.cat([t, t.new_zeros(*t.shape[:2], room, t.shape[3])], dim=2)
+                         for t in pair) for pair in kv]
+        return reserved_past(buffers, len(ids), runner.config)
 
 
 def _decode(runner: ModelRunner, ids: list[int], steps: int):
     """Prefill `ids`, then `steps` greedy tokens one at a time in a reserved one-row past:
     (each step's logits, the K/V)."""
+    past = _reserved(runner, ids, steps + 2)
     with torch.no_grad():
-        past = runner.past()
-        runner.model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
-        kv = past_kv(past, 0, len(ids))
-        capacity = len(ids) + steps + 2
-        buffers = [(torch.cat([k, k.new_zeros(*k.shape[:2], capacity - k.shape[2], k.shape[3])],
-                              dim=2),
-                    torch.cat([v, v.new_zeros(*v.shape[:2], capacity - v.shape[2], v.shape[3])],
-                              dim=2)) for k, v in kv]
-        past = reserved_past(buffers, len(ids), runner.config)
         token, logits = ids[-1], []
         for _ in range(steps):
             out, _ = runner.forward(torch.tensor([[token]]), past)
@@ -95,10 +99,13 @@ def test_it_gives_the_fused_forwards_bits_step_after_step(tiny_tokenizer, hidden
     assert fast.fused.stack is not None and len(fast.fused.stack.layers) == len(fast.fused.native)
     if not stacked:
         fast.fused.stack = None
-    ran = _counted(fast)
+    ran, stacked_runs = _counted(fast)
     ids = prompt(5, 19)
     got, want = _decode(fast, ids, 6), _decode(python, ids, 6)
-    assert ran and all(ran) and len(ran) == 6 * len(fast.fused.native)
+    if stacked:
+        assert stacked_runs == [True] * 6 and not ran
+    else:
+        assert not stacked_runs and ran == [True] * 6 * len(fast.fused.native)
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
     assert all(torch.equal(ka, kb) and torch.equal(va, vb)
                for (ka, va), (kb, vb) in zip(got[1], want[1], strict=True))
@@ -115,11 +122,11 @@ def test_the_families_layers_give_the_fused_forwards_bits(tiny_tokenizer, family
 
     fast, python = _runners(tiny_tokenizer, model=_model(family, len(tiny_tokenizer)))
     built = [layer is not None for layer in fast.fused.native]
-    assert all(built)
-    ran = _counted(fast)
+    assert all(built) and fast.fused.stack is not None
+    ran, stacked = _counted(fast)
     ids = prompt(7, 4)  # with 3 new tokens, inside the tiny models' window of 8
     got, want = _decode(fast, ids, 3), _decode(python, ids, 3)
-    assert all(ran) and len(ran) == 3 * len(built)
+    assert stacked == [True] * 3 and not ran  # Gemma's local and global tables in one call
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
     assert all(torch.equal(ka, kb) and torch.equal(va, vb)
                for (ka, va), (kb, vb) in zip(got[1], want[1], strict=True))
@@ -128,15 +135,49 @@ def test_the_families_layers_give_the_fused_forwards_bits(tiny_tokenizer, family
 @needs_kernel
 def test_an_engine_generates_the_same_tokens_and_logits(tiny_tokenizer):
     fast, python = _runners(tiny_tokenizer)
-    ran = _counted(fast)
+    ran, stacked = _counted(fast)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     outs = []
     for runner in (fast, python):
         engine = Engine(runner, make_engine(runner.model, tiny_tokenizer).codec, None)
         outs.append(engine.generate(Request(prompt(4, 30), params, record_logits=True)))
-    assert any(ran)
+    assert stacked and all(stacked) and not ran
     assert outs[0].token_ids == outs[1].token_ids
     assert torch.equal(torch.stack(outs[0].step_logits), torch.stack(outs[1].step_logits))
+
+
+@needs_kernel
+@pytest.mark.parametrize("refusal", ["full cache", "float32 table", "other cache type"])
+def test_a_stack_that_cannot_run_every_layer_writes_nothing(tiny_tokenizer, refusal):
+    """One layer the stack cannot run (its last here) and it returns False with the stream and
+    every cache as they were, for the layers to run one by one; given what it runs, it runs."""
+    fast, _ = _runners(tiny_tokenizer)
+    stack, ids = fast.fused.stack, prompt(5, 19)
+    past = _reserved(fast, ids, 2)
+    layers = past.layers
+    width = fast.config.hidden_size
+    hidden = torch.randn(1, width, generator=torch.Generator().manual_seed(3))
+    position = torch.tensor([[len(ids)]])
+    cos, sin = fast.fused.decoder.rotary_emb(hidden.to(torch.bfloat16).view(1, 1, -1),
+                                             position_ids=position)
+    tables = [(cos, sin)] * len(layers)
+    caches = list(layers)
+    if refusal == "full cache":
+        layers[-1]._len = layers[-1]._k.shape[2]
+    elif refusal == "float32 table":
+        tables[-1] = (cos.float(), sin.float())
+    else:
+        caches[-1] = object()
+    before = hidden.clone(), [(layer._len, layer._k.clone(), layer._v.clone())
+                              for layer in layers]
+    assert not stack.run(hidden, caches, tables)
+    assert torch.equal(hidden, before[0])
+    for layer, (n, k, v) in zip(layers, before[1], strict=True):
+        assert layer._len == n and torch.equal(layer._k, k) and torch.equal(layer._v, v)
+    fresh = _reserved(fast, ids, 2)
+    assert stack.run(hidden, list(fresh.layers), [(cos, sin)] * len(layers))
+    assert not torch.equal(hidden, before[0])
+    assert all(layer._len == len(ids) + 1 for layer in fresh.layers)
 
 
 @needs_kernel

@@ -366,13 +366,14 @@ class FusedDecoder:
         stacked = one and self.stack is not None \
             and all(masks[kind] is None for kind in self.kinds) \
             and self.stack.run(hidden, cache_layers, [tables[layer.kind] for layer in self.layers])
-        for i, layer in enumerate(() if stacked else self.layers):
-            cos, sin = tables[layer.kind]
-            native = self.native[i] if one and masks[layer.kind] is None else None
-            if native is not None and native.run(hidden, cache_layers[i], cos, sin):
-                continue
-            hidden = self._layer(layer, hidden, cache_layers[i], masks[layer.kind], cos, sin,
-                                 b, q, self.rotary_native)
+        if not stacked:
+            for i, layer in enumerate(self.layers):
+                cos, sin = tables[layer.kind]
+                native = self.native[i] if one and masks[layer.kind] is None else None
+                if native is not None and native.run(hidden, cache_layers[i], cos, sin):
+                    continue
+                hidden = self._layer(layer, hidden, cache_layers[i], masks[layer.kind], cos,
+                                     sin, b, q, self.rotary_native)
         hidden = rms_norm(hidden, self.norm).view(b, q, -1)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
             else logits_to_keep

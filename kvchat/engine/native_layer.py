@@ -212,36 +212,38 @@ class NativeStack:
     layer, so the same bits; tests hold the two to it."""
 
     def __init__(self, layers: list[NativeLayer]) -> None:
-        n = len(layers)
         self.layers = layers
         self.kernel = library().kvchat_decode_layers  # type: ignore[union-attr]
-        pointers, longs = ctypes.c_void_p * n, ctypes.c_long * n
-        self.args = pointers(*(layer.address for layer in layers))
-        self.cos, self.sin, self.k, self.v = pointers(), pointers(), pointers(), pointers()
-        self.capacity, self.pos = longs(), longs()
+        self._pointers = ctypes.c_void_p * len(layers)
+        self._longs = ctypes.c_long * len(layers)
+        self.args = self._pointers(*(layer.address for layer in layers))
 
     def run(self, hidden: torch.Tensor, caches: list[Any],
             tables: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Every layer over `hidden` ((1, width) float32, updated in place), layer i over
-        caches[i] with rotary table tables[i]; False (nothing done) where one of them would
-        not run natively."""
-        taken: tuple[torch.Tensor, torch.Tensor] | None = None  # the table checked last
+        caches[i] with rotary table tables[i]; False, with nothing written, where one of them
+        would not run natively. The call's arrays are its own: runners sharing the stack may
+        run at once."""
+        n = len(self.layers)
+        cos_at, sin_at, k_at, v_at = (self._pointers() for _ in range(4))
+        capacity, pos = self._longs(), self._longs()
+        checked: list[tuple[torch.Tensor, torch.Tensor]] = []  # a step's tables: one a kind
         for i, layer in enumerate(self.layers):
             cache, (cos, sin) = caches[i], tables[i]
             if not (layer.takes_cache(cache) and layer._rotary(cos.shape[-1])):
                 return False
-            if taken is None or taken[0] is not cos or taken[1] is not sin:
+            if not any(c is cos and s is sin for c, s in checked):
                 if not _takes_table(cos, sin):
                     return False
-                taken = cos, sin
+                checked.append((cos, sin))
             k_buf, v_buf = cache._k, cache._v
-            self.cos[i], self.sin[i] = cos.data_ptr(), sin.data_ptr()
-            self.k[i], self.v[i] = k_buf.data_ptr(), v_buf.data_ptr()
-            self.capacity[i], self.pos[i] = k_buf.shape[2], cache._len
-        _check(self.kernel(self.args, len(self.layers), hidden.data_ptr(), self.cos, self.sin,
-                           self.k, self.v, self.capacity, self.pos, torch.get_num_threads()))
-        for i, cache in enumerate(caches[: len(self.layers)]):
-            cache.written(self.pos[i] + 1)
+            cos_at[i], sin_at[i] = cos.data_ptr(), sin.data_ptr()
+            k_at[i], v_at[i] = k_buf.data_ptr(), v_buf.data_ptr()
+            capacity[i], pos[i] = k_buf.shape[2], cache._len
+        _check(self.kernel(self.args, n, hidden.data_ptr(), cos_at, sin_at, k_at, v_at,
+                           capacity, pos, torch.get_num_threads()))
+        for i in range(n):
+            caches[i].written(pos[i] + 1)
         return True
 
 

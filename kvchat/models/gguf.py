@@ -196,8 +196,10 @@ def load_tokenizer(folder: Path) -> Any:
     generic class reading it in Rust encodes and decodes the same. Where the class puts its own
     normalizer, pre-tokenizer and decoder on the file's vocabulary and merges
     (`_PIPELINE_OF_CLASS`: Qwen2's adds NFC and its own split pattern), those three are taken
-    from the class built on its default one-token vocabulary and set on the file read in Rust
-    (151,936 tokens and 48,900 merges: 46 MiB held instead of 65, 0.3 s instead of 0.8).
+    from the class built on its default one-token vocabulary and set on the file read in Rust,
+    where the class's BPE model is the file's in all but its vocabulary and merges (on the
+    Qwen2.5 0.5B shape's 151,936 tokens and 48,900 merges: 46 MiB held instead of 65, 0.3 s
+    instead of 0.8).
     Other classes load as transformers builds them. The added tokens are passed in, read from
     the file's head (`_added_tokens`), so transformers does not parse the whole file in Python
     to find them."""
@@ -212,8 +214,9 @@ def load_tokenizer(folder: Path) -> Any:
     if side is not None:  # GemmaTokenizer pads on the left: the class's own default kept
         extra["padding_side"] = side
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True, **extra)
-    if name in _PIPELINE_OF_CLASS:
-        _set_class_pipeline(tokenizer.backend_tokenizer, name, folder)
+    if name in _PIPELINE_OF_CLASS and not _set_class_pipeline(tokenizer.backend_tokenizer, name,
+                                                              folder):
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return tokenizer
 
 
@@ -225,10 +228,11 @@ _READ_AS_SAVED = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast", "Gem
 _PIPELINE_OF_CLASS: dict[str, tuple[str, ...]] = {"Qwen2Tokenizer": ("add_prefix_space",)}
 
 
-def _set_class_pipeline(backend: Any, name: str, folder: Path) -> None:
+def _set_class_pipeline(backend: Any, name: str, folder: Path) -> bool:
     """Give `backend` (the file's vocabulary and merges, read in Rust) the normalizer,
     pre-tokenizer and decoder that class `name` builds with the options `folder`'s
-    tokenizer_config.json gives it."""
+    tokenizer_config.json gives it; False, `backend` untouched, where the class's model would
+    not be the file's in all but its vocabulary and merges (another type, or other options)."""
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -238,8 +242,18 @@ def _set_class_pipeline(backend: Any, name: str, folder: Path) -> None:
     chosen = {key: config[key] for key in _PIPELINE_OF_CLASS[name]
               if config.get(key) is not None}
     own = named(**chosen).backend_tokenizer  # on its default vocabulary of one token
+    if type(own.model) is not type(backend.model) or any(
+            getattr(own.model, option, None) != getattr(backend.model, option, None)
+            for option in _MODEL_OPTIONS):
+        return False
     backend.normalizer, backend.pre_tokenizer, backend.decoder = \
         own.normalizer, own.pre_tokenizer, own.decoder
+    return True
+
+
+# a BPE model's options besides its vocabulary and merges (`tokenizers.models.BPE`'s)
+_MODEL_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix",
+                  "fuse_unk", "byte_fallback", "ignore_merges")
 
 
 def _named_class(folder: Path) -> str | None:
