@@ -200,7 +200,7 @@ def read_batch(path: Path) -> tuple[list[BatchItem], list[BadLine]]:
                 continue
             digest = line_digest(raw)
             try:
-                text = decode_utf8(raw, "the line")
+                text = decode_utf8(raw, "the line").rstrip("\r\n")  # columns on its own line
             except InvalidText as exc:
                 errors.append(BadLine(number, str(exc), digest))
                 continue

@@ -142,8 +142,9 @@ class SessionSaver(Protocol):
 class TurnOutcome(NamedTuple):
     """How a turn ended, once `finish` has settled it. `result` None: it did not run (`error`
     says why; None when the engine gave no reason) and the session is as it was before
-    `prepare_turn`. Otherwise `turn` is what the session recorded (None without a session) and
-    `save_error` why its file could not be written (the reply still stands)."""
+    `prepare_turn`. Otherwise `turn` is what the session recorded (None without a session, or
+    for a turn `finish` kept out of it) and `save_error` why its file could not be written (the
+    reply still stands)."""
 
     result: GenerationResult | None
     error: Exception | None = None
@@ -152,16 +153,22 @@ class TurnOutcome(NamedTuple):
 
 
 def finish(prepared: PreparedTurn, event: Finished, sessions: SessionSaver | None = None,
-           pin: Callable[[GenerationResult], None] | None = None) -> TurnOutcome:
+           pin: Callable[[GenerationResult], None] | None = None,
+           keep_interrupted: bool = True) -> TurnOutcome:
     """The end of a turn, the same for chat, batch and the server: a result commits to the
-    session's history (an interrupted one too), which `sessions` saves, then `pin` runs with
-    it (the request's tokens are stored by now, so the prefix is in the cache); a failure or a
-    request that never started aborts the turn. `sessions` None: the caller saves the session
-    itself (the REPL saves after each turn and reports a failed save in its own words)."""
+    session's history (an interrupted one too, unless `keep_interrupted` is False: a batch
+    line cut short runs again on --resume, from the history it had), which `sessions` saves,
+    then `pin` runs with it (the request's tokens are stored by now, so the prefix is in the
+    cache); a failure or a request that never started aborts the turn. `sessions` None: the
+    caller saves the session itself (the REPL saves after each turn and reports a failed save
+    in its own words)."""
     result = event.result
     if result is None or event.error is not None:
         prepared.abort()
         return TurnOutcome(None, event.error)
+    if not keep_interrupted and result.finish_reason == "interrupted":
+        prepared.abort()
+        return TurnOutcome(result, None)
     turn = prepared.commit(result)
     save_error = None
     if turn is not None and sessions is not None and prepared.session is not None:

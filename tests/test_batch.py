@@ -110,6 +110,14 @@ def test_read_batch_skips_blank_and_reports_bad_lines(tmp_path):
     assert items[0].digest and items[0].digest != items[1].digest
 
 
+def test_a_json_error_at_the_end_of_a_line_names_its_column_on_that_line(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\r\n{"prompt": "missing brace", "max_tokens": 4\r\n')
+    _, errors = read_batch(path)
+    assert [e.line for e in errors] == [2]
+    assert errors[0].message == "invalid JSON (Expecting ',' delimiter at column 44)"
+
+
 def test_a_line_that_is_not_utf8_fails_alone(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n{"prompt": "b"}\n')
@@ -258,3 +266,46 @@ def test_a_line_outside_a_session_is_tokenised_once(tiny_model, tiny_tokenizer, 
     again = run_file(backend(tiny_model, tiny_tokenizer), path)  # prepared as it submits
     assert [r.result.token_ids for r in run.ordered()] == \
         [r.result.token_ids for r in again.ordered()]
+
+
+def test_a_session_line_cut_short_stays_out_of_its_session_and_resume_matches_a_whole_run(
+        tiny_model, tiny_tokenizer, tmp_path):
+    """A batch stopped while a session's second line decodes: that line's row is cut short
+    and its turn is not saved, so running the unfinished lines again (what --resume does) on
+    the same sessions gives the rows and the conversation an uninterrupted run gives."""
+    from kvchat.engine.sequence import Finished
+
+    rows = [{"session": "cy", "prompt": f"Turn {k}: tell me about the number {k}."}
+            for k in range(3)]
+    path = write_file(tmp_path, rows)
+    items, _ = read_batch(path)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    whole_store = SessionStore(tmp_path / "whole")
+    whole = BatchRun(backend(tiny_model, tiny_tokenizer), items, params, whole_store)
+    whole.run()
+
+    store = SessionStore(tmp_path / "cut")
+    engine = backend(tiny_model, tiny_tokenizer)
+    cut = BatchRun(engine, items, params, store)
+    event = cut._event
+
+    def stop_in_line_2(item, turn, ev):  # Ctrl-C once line 2 has a token
+        if item.line == 2 and not isinstance(ev, Finished):
+            cut.stop()
+        event(item, turn, ev)
+
+    cut._event = stop_in_line_2
+    cut.run()
+    first, second = cut.ordered()
+    assert first.result.finish_reason == "length" and second.cut_short
+    assert 3 not in cut.results and cut.progress.cut_short == 1
+    on_disk = SessionStore(tmp_path / "cut").open("cy", create=False)
+    assert on_disk.messages == whole_store.open("cy").messages[:2]  # line 1's turn alone
+
+    rest = BatchRun(backend(tiny_model, tiny_tokenizer), items[1:], params,
+                    SessionStore(tmp_path / "cut"))
+    rest.run()
+    assert [r.result.token_ids for r in rest.ordered()] == \
+        [r.result.token_ids for r in whole.ordered()[1:]]
+    assert SessionStore(tmp_path / "cut").open("cy", create=False).messages == \
+        whole_store.open("cy").messages

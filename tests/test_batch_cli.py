@@ -90,7 +90,7 @@ def test_bad_lines_are_skipped_and_fail_the_exit_code(tiny_model_dir, tmp_path):
     assert "line 3:" in res.output
     # the progress bar counts the bad lines as the summary does
     assert "4/4" in res.output and "2 failed" in res.output, res.output
-    assert "2 done, 2 failed" in res.output
+    assert "2 finished, 2 failed" in res.output
 
 
 def test_fail_fast_and_empty_file(tiny_model_dir, tmp_path):
@@ -192,6 +192,15 @@ def test_sigterm_writes_a_row_for_every_line_and_saves_the_cache(tiny_model_dir,
     assert all(r.get("status") == "not_started" or r.get("finish_reason") == "interrupted"
                for r in unfinished)
     assert "Traceback" not in output and "--resume" in output
+    # the summary and the paragraph count what the rows say, a cut-short reply apart
+    flat = " ".join(output.split())
+    cut = sum(r.get("finish_reason") == "interrupted" for r in rows)
+    waiting = sum(r.get("status") == "not_started" for r in rows)
+    said = f"requests {len(finished)} finished, 0 failed"
+    said += f", {cut} cut short" if cut else ""
+    said += f", {waiting} not started" if waiting else ""
+    assert said in flat, flat
+    assert f"Interrupted: {len(finished)} line(s) finished" in flat
     meta = read_snapshot_meta(tmp_path / "s")
     assert meta is not None and meta.cached_tokens > 0
 

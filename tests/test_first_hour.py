@@ -99,7 +99,7 @@ def test_the_first_hour(tiny_model_dir: Path, tmp_path: Path) -> None:
                       *model_args(tiny_model_dir))
         assert done.returncode == 0, done.stderr
         summary = flat(done.stdout)
-        assert "requests 6 done, 0 failed" in summary
+        assert "requests 6 finished, 0 failed" in summary
         asked = json.loads((EXAMPLES / f"{example}.jsonl").read_text().splitlines()[0])
         # the lines' own max_tokens beat --max-tokens 8, and the summary says so
         assert f"6 line(s) set their own, which wins: {asked['max_tokens']}" in summary

@@ -68,6 +68,35 @@ def saved(tiny_model_dir, tiny_tokenizer, tmp_path_factory) -> tuple[Path, Paged
     return root, cache
 
 
+def test_a_servers_exact_entries_show_their_lengths_and_previews(saved):
+    """A server's /cache/tree gives each exact entry's length and preview, not its ids: the
+    text view shows those, as it shows a saved snapshot's."""
+    from rich.console import Console
+
+    from kvchat.client.documents import exact_from_document
+    from kvchat.ui.inspect_view import exact_table
+
+    _, cache = saved
+    entries = cv.exact_from_cache(cache)
+    assert entries
+
+    def decode(tokens):
+        return " ".join(f"t{t}" for t in tokens)
+
+    def shown(views) -> str:
+        console = Console(width=200, record=True)
+        console.print(exact_table(views, decode))
+        return console.export_text()
+
+    document = cv.exact_json(entries, decode)
+    served = exact_from_document(document)
+    assert [e.n_tokens for e in served] == [len(e.tokens) for e in entries]
+    rows = [line.split() for line in shown(served).splitlines()[4:4 + len(entries)]]
+    local = [line.split() for line in shown(entries).splitlines()[4:4 + len(entries)]]
+    assert [r[:3] for r in rows] == [r[:3] for r in local]  # tokens, blocks, logits
+    assert [" ".join(r[3:]) for r in rows] == [e["preview"] for e in reversed(document)]
+
+
 def test_json_schema_matches_the_cache_that_was_saved(saved):
     root, cache = saved
     result = invoke("inspect", "--sessions-dir", str(root), "--json")

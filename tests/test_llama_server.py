@@ -153,7 +153,8 @@ def test_a_killed_server_loses_no_row_and_resume_finishes(embedded_gguf: Path,
         first.stop()
     said = " ".join((stdout + stderr).split())
     assert run.returncode == 2, said
-    assert "cannot be reached" in said and f"-o {out} --resume" in said
+    assert "cannot be reached" in said \
+        and f"--resume added (it keeps the finished rows in {out})" in said
     before = rows(out)
     assert [r["line"] for r in before] == list(range(1, 9))  # every line has its row
     finished = [r for r in before if r.get("finish_reason")]

@@ -109,7 +109,8 @@ def test_an_engine_that_goes_away_loses_no_row_and_resume_finishes(tmp_path: Pat
         broken = batch(fake, file, out, tmp_path / "s", "--concurrency", "1")
     assert broken.exit_code == 2
     said = " ".join(broken.output.split())
-    assert "cannot be reached" in said and f"-o {out} --resume" in said
+    assert "cannot be reached" in said \
+        and f"--resume added (it keeps the finished rows in {out})" in said
     first = rows(out)
     assert [r["line"] for r in first] == list(range(1, 9))  # every line has its row
     finished = [r for r in first if r.get("finish_reason")]

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvchat.batch.output_file import OutputClosed, OutputError, OutputFile
-from kvchat.batch.recorder import ItemResult
+from kvchat.batch.recorder import COMPLETE, ItemResult
 from kvchat.engine.result import GenerationResult
 from kvchat.request_file import BadLine, BatchItem
 from kvchat.responses import chat_completion, result_fields
 
-COMPLETE = ("stop", "length")
 __all__ = ["COMPLETE", "OutputClosed", "OutputError", "OutputFile", "RowWriter", "bad_line_row",
            "is_complete", "previous_rows", "result_row"]
 
@@ -142,9 +141,14 @@ class RowWriter:
                 raise OutputError(f"Writing {self.path} failed (broken pipe).") from None
             raise OutputClosed("The reader of the output went away.") from None
         except OSError as exc:
-            where = self.path or "the output"
+            if self.path is None:  # --resume reads a file: there is none to read here
+                raise OutputError(
+                    f"Writing the output failed ({exc.strerror or exc}) after "
+                    f"{len(self.rows) - 1} row(s). Run the command again with -o FILE to write "
+                    "the rows to a file (which --resume can finish if it is cut short "
+                    "again).") from None
             raise OutputError(
-                f"Writing {where} failed ({exc.strerror or exc}) after {len(self.rows) - 1} "
+                f"Writing {self.path} failed ({exc.strerror or exc}) after {len(self.rows) - 1} "
                 "row(s). Every row written before is complete: free some space and run the "
                 "same command with --resume to finish the rest.") from None
 

@@ -30,6 +30,7 @@ def line_params(item: BatchItem, defaults: SamplingParams) -> SamplingParams:
     return merge_params(defaults, item.max_tokens, item.temperature, seed=item.seed)
 
 
+COMPLETE = ("stop", "length")  # the finish reasons of a finished reply
 NOT_STARTED = "not run: the batch stopped before this line started"
 NOT_FINISHED = "not run: the batch stopped before this line finished"
 
@@ -40,6 +41,12 @@ class ItemResult:
     result: GenerationResult | PeerReply | None = None  # kvchat's own, or another engine's
     error: str | None = None
     not_started: bool = False  # the run stopped before this line started
+
+    @property
+    def cut_short(self) -> bool:
+        """A reply the run stopped before it finished: its row says so and --resume runs its
+        line again."""
+        return self.result is not None and self.result.finish_reason not in COMPLETE
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,10 @@ class SaveFailure:
 
 @dataclass
 class BatchProgress:
-    done: int = 0
+    done: int = 0  # results recorded: every kind below
     failed: int = 0
+    cut_short: int = 0  # replies a stopped run ended before they finished (--resume reruns)
+    not_started: int = 0  # lines a stopped run never started
     prompt_tokens: int = 0
     hit_tokens: int = 0
     completion_tokens: int = 0
@@ -64,6 +73,11 @@ class BatchProgress:
     @property
     def hit_rate(self) -> float:
         return ratio(self.hit_tokens, self.prompt_tokens)
+
+    @property
+    def ended(self) -> int:
+        """Lines that ran to their end: finished or failed."""
+        return self.done - self.cut_short - self.not_started
 
 
 class LineRun:
@@ -113,9 +127,11 @@ class LineRun:
             p.done += 1
             if res.error is not None:
                 p.failed += int(not res.not_started)
+                p.not_started += int(res.not_started)
                 if self.fail_fast:
                     self.stop()
             elif res.result is not None:
+                p.cut_short += int(res.cut_short)
                 p.prompt_tokens += res.result.prompt_tokens
                 p.hit_tokens += res.result.cache_hit_tokens
                 p.completion_tokens += res.result.completion_tokens

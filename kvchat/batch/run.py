@@ -104,7 +104,8 @@ class BatchRun(LineRun):
         if not isinstance(event, Finished):
             return
         pin = (lambda _: self._queue_pin(item, turn)) if self.pin_system else None
-        outcome = finish(turn, event, self.sessions, pin)
+        # a line cut short stays out of its session: --resume runs it again on the same history
+        outcome = finish(turn, event, self.sessions, pin, keep_interrupted=False)
         if outcome.result is None:
             not_started = isinstance(outcome.error, RequestCancelled)
             message = NOT_STARTED if not_started \

@@ -159,9 +159,10 @@ def _run_on(target: Target, plan: _Plan, spec: BatchSpec, out_path: Path | None,
         try:
             return _run(plan, ui, runner.size, runner.start, runner.stats, runner.save)
         except ServerGone as exc:
-            again = f" kvchat batch FILE -o {out_path} --resume" if out_path else " --resume"
+            again = f"the same command with --resume added (it keeps the finished rows in " \
+                    f"{out_path})" if out_path else "the same command with -o FILE"
             raise ServerGone(f"{exc} Every finished line has its row; once the server at "
-                             f"{target.label} runs again, finish the others with{again}."
+                             f"{target.label} runs again, finish the others with {again}."
                              ) from None
 
 
@@ -178,8 +179,11 @@ def _finish_command(run: LineRun, interrupted: bool, plan: _Plan, file: Path,
 
 def _interrupted(run: LineRun, plan: _Plan, file: Path, out_path: Path | None,
                  ui: Console) -> None:
-    done = sum(r.error is None for r in run.results.values()) + len(plan.kept)
-    again = f" kvchat batch {file} -o {out_path} --resume" if out_path else ""
+    done = sum(r.error is None and not r.cut_short for r in run.results.values()) \
+        + len(plan.kept)
+    again = f" To finish the others, run the same command (with its --sessions-dir and other " \
+            f"options) with --resume added: it keeps the finished rows in {out_path}." \
+        if out_path else ""
     ui.print(f"[yellow]Interrupted: {done} line(s) finished and written; every other line "
              f"has a row saying it did not finish. The cache was saved.{again}[/yellow]",
              soft_wrap=True)
@@ -218,7 +222,7 @@ def _plan(file: Path, output: OutputFile | None, resume: bool, ui: Console) -> _
     except OSError as exc:
         raise KvchatError(f"Cannot read {file}: {exc.strerror or exc}.") from None
     if not items and not bad:
-        raise KvchatError(f"{file} holds no requests: it is empty.")
+        raise KvchatError(f"{file} holds no requests: it is empty or holds only blank lines.")
     for line in bad:
         ui.print(f"[red]line {line.line}:[/red] {escape(line.message)} [dim](skipped)[/dim]")
     for request_id, lines in duplicate_ids(items).items():
@@ -275,7 +279,7 @@ def _run(plan: _Plan, ui: Console, batch_size: str | None,
         def update(res: ItemResult) -> None:
             if res.error is not None and not res.not_started:
                 progress.console.print(f"[red]line {res.item.line}:[/red] {escape(res.error)}")
-            progress.update(task, completed=run.progress.done + bad,
+            progress.update(task, completed=run.progress.ended + bad,
                             rate=progress_rate(run.progress, bad))
             try:
                 writer.write(res.item.line, result_row(res))
@@ -300,7 +304,7 @@ def _run(plan: _Plan, ui: Console, batch_size: str | None,
     ui.print(summary_table(run.progress, run.ordered(), len(plan.bad), stats(),
                            time.perf_counter() - started, batch_size,
                            max_tokens_note(plan.max_tokens, [i.max_tokens for i in plan.to_run]),
-                           run.behind(), extra))
+                           run.behind(), extra, len(plan.to_run) - len(run.results)))
     _report_saves(run, ui)
     if failure:
         raise failure[0]

@@ -34,7 +34,9 @@ def nodes_from_document(tree: Sequence[Mapping[str, Any]]) -> tuple[NodeView, ..
 
 def exact_from_document(exact: Sequence[Mapping[str, Any]]) -> tuple[ExactView, ...]:
     # The document keeps no token ids for exact entries, only their previews and sizes.
-    return tuple(ExactView((), int(e["n_blocks"]), bool(e.get("has_logits"))) for e in exact)
+    return tuple(ExactView((), int(e["n_blocks"]), bool(e.get("has_logits")),
+                           length=int(e.get("n_tokens", 0)), preview=str(e.get("preview", "")))
+                 for e in exact)
 
 
 def tokenizer_decoder(tokenizer_file: str | None) -> Decode | None:

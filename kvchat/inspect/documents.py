@@ -69,6 +69,13 @@ class ExactView:
     blocks: int
     has_logits: bool
     namespace: str = ""
+    # a server's document gives no token ids for an entry: its length and preview instead
+    length: int | None = None
+    preview: str | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.length if self.length is not None else len(self.tokens)
 
 
 # ---- building the views --------------------------------------------------------------------

@@ -70,7 +70,10 @@ def summary_table(
     wall_s: float, batch_size: str | None = None, max_tokens: str | None = None,
     behind: Mapping[str, str] | None = None,
     extra: Sequence[tuple[str, str]] = (),
+    unrecorded: int = 0,
 ) -> Table:
+    """`unrecorded`: lines a stopped run left without a result (each has a "not started"
+    row)."""
     done = [r.result for r in results if r.result is not None]
     prompt = sum(r.prompt_tokens for r in done)
     hits = sum(r.cache_hit_tokens for r in done)
@@ -79,7 +82,12 @@ def summary_table(
     t = Table(title="kvchat batch", box=box.SIMPLE_HEAD, show_header=False)
     t.add_column("what", style="bold")
     t.add_column("value", justify="right")
-    t.add_row("requests", f"{len(done)} done, {p.failed + parse_errors} failed")
+    stopped = [f"{p.cut_short} cut short"] if p.cut_short else []
+    unrun = p.not_started + unrecorded
+    stopped += [f"{unrun} not started"] if unrun else []
+    finished = p.done - p.failed - p.cut_short - p.not_started
+    t.add_row("requests", ", ".join([f"{finished} finished", f"{p.failed + parse_errors} failed",
+                                     *stopped]))
     t.add_row("prompt tokens", f"{prompt:,}")
     t.add_row("hit tokens", f"{hits:,}")
     t.add_row("hit rate", f"{ratio(hits, prompt):.1%}" if prompt else "–")

@@ -54,8 +54,10 @@ def exact_table(entries: Sequence[ExactView], decode: Decode | None, limit: int 
     shared = distinct_offsets([e.tokens for e in entries])
     newest_first = list(reversed(list(zip(entries, shared, strict=True))))  # oldest are first
     for e, s in newest_first[:limit]:
-        table.add_row(f"{len(e.tokens):,}", f"{e.blocks:,}", "yes" if e.has_logits else "no",
-                      Text(distinct_preview(e.tokens, s, decode, 30)))
+        preview = e.preview if e.preview is not None else distinct_preview(e.tokens, s, decode,
+                                                                          30)
+        table.add_row(f"{e.n_tokens:,}", f"{e.blocks:,}", "yes" if e.has_logits else "no",
+                      Text(preview))
     if len(entries) > limit:
         table.add_row("…", "", "", Text(f"{len(entries) - limit:,} more (--json lists all)"))
     return table
