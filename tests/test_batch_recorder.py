@@ -119,3 +119,25 @@ def test_another_engines_reply_counts_what_it_reported():
     run = Listed(lines, [ItemResult(lines[0], result=peer_reply)])
     run.run()
     assert (run.progress.prompt_tokens, run.progress.hit_tokens) == (9, 0)
+
+
+def test_the_summary_counts_each_kind_of_end_apart_and_says_why_no_saving_is_timed():
+    from rich.console import Console
+
+    from kvchat.ui.batch_view import summary_table
+
+    lines = items(5)
+    cut = {**reply(40, 40, 3), "finish_reason": "interrupted"}
+    given = [ItemResult(lines[0], result=result_from_fields(reply(40, 40, 2))),  # all hits
+             ItemResult(lines[1], result=result_from_fields(cut)),
+             ItemResult(lines[2], error="the request did not run"),
+             ItemResult(lines[3], error=NOT_STARTED, not_started=True)]
+    run = Listed(lines, given)
+    run.run()
+    p = run.progress
+    assert (p.done, p.failed, p.cut_short, p.not_started, p.ended) == (4, 1, 1, 1, 2)
+    console = Console(width=200, record=True)
+    console.print(summary_table(p, run.ordered(), 1, None, 1.0, unrecorded=1))
+    text = " ".join(console.export_text().split())
+    assert "requests 1 finished, 2 failed, 1 cut short, 2 not started" in text
+    assert "prefill time saved (est.) – (no miss of 32+ tokens to time)" in text

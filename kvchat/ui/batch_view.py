@@ -98,7 +98,9 @@ def summary_table(
     if replayed:
         tokens = sum(replayed)
         t.add_row("replies replayed", f"{len(replayed):,} ({tokens:,} tok, no forward)")
-    t.add_row("prefill time saved (est.)", "–" if saved is None else f"{saved / 1000:,.1f} s")
+    # timed on this run's own misses: a run of hits has none to time prefill by
+    t.add_row("prefill time saved (est.)", "– (no miss of 32+ tokens to time)" if saved is None
+              and hits else "–" if saved is None else f"{saved / 1000:,.1f} s")
     t.add_row("wall time", f"{wall_s:,.1f} s")
     if batch_size is not None:
         t.add_row("batch size", batch_size)
