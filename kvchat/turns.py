@@ -60,6 +60,9 @@ class PreparedTurn:
     own_from: int = 0  # where this turn's own text starts: after the history or system prompt
     after_history: bool = False  # own_from ends the session's history
     system: str | None = None  # the conversation's system prompt, as the prompt holds it
+    # an interrupted reply joins the session's history (as the REPL keeps one); False: it does
+    # not (a batch line cut short, which --resume runs again on the history it had)
+    keep_interrupted: bool = True
 
     def system_tokens(self, codec: ChatCodec) -> list[int]:
         """The leading prompt tokens this turn's system prompt decides (`system_prefix`): what
@@ -153,11 +156,10 @@ class TurnOutcome(NamedTuple):
 
 
 def finish(prepared: PreparedTurn, event: Finished, sessions: SessionSaver | None = None,
-           pin: Callable[[GenerationResult], None] | None = None,
-           keep_interrupted: bool = True) -> TurnOutcome:
+           pin: Callable[[GenerationResult], None] | None = None) -> TurnOutcome:
     """The end of a turn, the same for chat, batch and the server: a result commits to the
-    session's history (an interrupted one too, unless `keep_interrupted` is False: a batch
-    line cut short runs again on --resume, from the history it had), which `sessions` saves,
+    session's history (an interrupted one too, unless the turn says `keep_interrupted` False:
+    a batch line cut short runs again on --resume, from the history it had), which `sessions` saves,
     then `pin` runs with it (the request's tokens are stored by now, so the prefix is in the
     cache); a failure or a request that never started aborts the turn. `sessions` None: the
     caller saves the session itself (the REPL saves after each turn and reports a failed save
@@ -166,7 +168,7 @@ def finish(prepared: PreparedTurn, event: Finished, sessions: SessionSaver | Non
     if result is None or event.error is not None:
         prepared.abort()
         return TurnOutcome(None, event.error)
-    if not keep_interrupted and result.finish_reason == "interrupted":
+    if not prepared.keep_interrupted and result.finish_reason == "interrupted":
         prepared.abort()
         return TurnOutcome(result, None)
     turn = prepared.commit(result)

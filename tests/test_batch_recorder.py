@@ -141,3 +141,17 @@ def test_the_summary_counts_each_kind_of_end_apart_and_says_why_no_saving_is_tim
     text = " ".join(console.export_text().split())
     assert "requests 1 finished, 2 failed, 1 cut short, 2 not started" in text
     assert "prefill time saved (est.) – (no miss of 32+ tokens to time)" in text
+
+
+def test_an_attached_session_line_asks_the_server_to_keep_no_cut_short_turn():
+    """What --resume sends again must not be in the server's session already."""
+    from kvchat.batch.attached import request_body
+    from kvchat.config import SamplingParams
+    from kvchat.server.schemas import GenerateBody
+
+    line = parse_line(json.dumps({"session": "cy", "prompt": "Hi"}), 1)
+    body = request_body(line, SamplingParams(max_new_tokens=4))
+    assert body["session"] == "cy" and body["keep_interrupted"] is False
+    assert GenerateBody(**body).keep_interrupted is False
+    plain = request_body(parse_line(json.dumps({"prompt": "Hi"}), 2), SamplingParams())
+    assert "keep_interrupted" not in plain and GenerateBody(**plain).keep_interrupted

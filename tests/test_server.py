@@ -450,6 +450,31 @@ def test_disconnect_mid_stream_cancels_and_keeps_the_kv(served: Served) -> None:
     assert (again["hit_source"], again["cache_hit_tokens"]) == ("exact", prompt_tokens)
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_session_turn_cut_by_a_disconnect_is_kept_unless_asked_not(served: Served,
+                                                                     keep: bool) -> None:
+    """As the REPL, a session keeps a reply its client hung up on; `"keep_interrupted": false`
+    (kvchat batch's session lines, which --resume sends again) leaves the session as it was."""
+    name = f"cut-{keep}"
+    first = served.client.post("/generate", json={"prompt": "Hello.", "max_tokens": 2,
+                                                  "session": name, "create_session": True})
+    assert first.status_code == 200
+    cancelled = served.client.get("/cache/stats").json()["server"]["cancelled"]
+    body = {"prompt": "Tell me a long story.", "max_tokens": 1500, "stream": True,
+            "session": name, "keep_interrupted": keep}
+    with served.client.stream("POST", "/generate", json=body) as response:
+        assert next(response.iter_lines()) == "event: token"
+    deadline = time.monotonic() + 60
+    while served.client.get("/cache/stats").json()["server"]["cancelled"] <= cancelled:
+        assert time.monotonic() < deadline, "the request was never cancelled"
+        time.sleep(0.02)
+    served.wait_idle()
+    turns = served.client.get(f"/sessions/{name}").json()["turns"]
+    assert len(turns) == (2 if keep else 1)
+    if keep:
+        assert turns[-1]["finish_reason"] == "interrupted"
+
+
 def test_disconnect_while_waiting_for_a_whole_reply(served: Served) -> None:
     host, port = served.url.removeprefix("http://").split(":")
     body = json.dumps({"prompt": "Another long story.", "max_tokens": 1500}).encode()

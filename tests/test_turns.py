@@ -76,6 +76,25 @@ def test_an_interrupted_reply_is_committed_too(codec, tmp_path: Path):
     assert len(store.load("s").turns) == 1
 
 
+def test_a_turn_that_keeps_no_interrupted_reply_leaves_its_session_as_it_was(codec,
+                                                                              tmp_path: Path):
+    """A batch line cut short (or a /generate with "keep_interrupted": false): its reply is
+    the outcome's, the session is as before the turn was prepared; a finished reply still
+    commits."""
+    store = SessionStore(tmp_path)
+    session, turn = _session_turn(codec, store)
+    assert session.system == "Be brief."  # preparing set the system prompt
+    turn.keep_interrupted = False
+    cut = result(codec, reason="interrupted")
+    outcome = finish(turn, Finished(cut), store)
+    assert outcome.result is cut and outcome.turn is None and outcome.error is None
+    assert (session.system, session.messages, session.tokens) == (None, [], [])
+    session, turn = _session_turn(codec, store)
+    turn.keep_interrupted = False
+    assert finish(turn, Finished(result(codec)), store).turn is not None
+    assert len(store.load("s").turns) == 1
+
+
 @pytest.mark.parametrize("error", [RuntimeError("the forward pass failed"),
                                    RequestCancelled("cancelled before it started"), None])
 def test_a_failed_or_cancelled_turn_aborts_and_changes_nothing(codec, tmp_path: Path, error):

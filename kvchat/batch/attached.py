@@ -50,8 +50,9 @@ def request_body(item: BatchItem, defaults: SamplingParams) -> dict[str, Any]:
     if len(item.messages) != 1 or item.messages[0]["role"] != "user":
         raise ValueError("a session line sends one user message to a server; run this file "
                          "with --standalone")
+    # a line cut short stays out of the server's session too: --resume sends it again
     return {**body, "prompt": item.messages[0]["content"], "session": item.session,
-            "create_session": True}
+            "create_session": True, "keep_interrupted": False}
 
 
 def has_system(item: BatchItem) -> bool:

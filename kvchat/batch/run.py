@@ -90,6 +90,7 @@ class BatchRun(LineRun):
                 self._record(ItemResult(item, error=str(exc)))
                 self._advance_session(item)
                 return
+        turn.keep_interrupted = False  # cut short, a line stays out of its session: --resume
         try:
             self.engine.submit(turn.request(), lambda event: self._event(item, turn, event))
         except KvchatError as exc:
@@ -104,8 +105,7 @@ class BatchRun(LineRun):
         if not isinstance(event, Finished):
             return
         pin = (lambda _: self._queue_pin(item, turn)) if self.pin_system else None
-        # a line cut short stays out of its session: --resume runs it again on the same history
-        outcome = finish(turn, event, self.sessions, pin, keep_interrupted=False)
+        outcome = finish(turn, event, self.sessions, pin)
         if outcome.result is None:
             not_started = isinstance(outcome.error, RequestCancelled)
             message = NOT_STARTED if not_started \

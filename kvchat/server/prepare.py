@@ -130,7 +130,9 @@ class Preparer:
         session = None
         if body.session is not None:
             session = sessions.get(body.session, body.create_session)
-        return self._checked(prepare_turn(self.engine.codec, messages, p, session, body.system))
+        turn = self._checked(prepare_turn(self.engine.codec, messages, p, session, body.system))
+        turn.keep_interrupted = body.keep_interrupted
+        return turn
 
     def chat(self, body: ChatCompletionBody) -> PreparedTurn:
         """POST /v1/chat/completions: OpenAI's default temperature is 1. A model without a

@@ -75,6 +75,9 @@ class GenerateBody(SamplingBody):
     system: str | None = None
     session: str | None = None
     create_session: bool = False
+    # false: a session turn cut short (the client hung up) is not recorded (kvchat batch's
+    # lines, which --resume sends again)
+    keep_interrupted: bool = True
     pin: PinOption = None
     # what vllm-router adds to every /generate it forwards: accepted while they ask for nothing
     return_logprob: Literal[False] = False

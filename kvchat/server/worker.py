@@ -326,8 +326,9 @@ class EngineWorker:
         outcome = _outcome(handle, event)
         setattr(self.counters, outcome, getattr(self.counters, outcome) + 1)
         self._count(handle, **{outcome: 1})
-        # As in the REPL, an interrupted reply is recorded too: its K/V is cached, so the next
-        # turn extends exactly what the model saw.
+        # As in the REPL, an interrupted reply is recorded too (unless the request said
+        # "keep_interrupted": false): its K/V is cached, so the next turn extends exactly what
+        # the model saw.
         done = finish(handle.turn, event, handle.store, self._after(handle))
         if done.result is None:
             handle.fail(done.error or RequestCancelled("The request did not run."))
