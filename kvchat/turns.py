@@ -169,9 +169,10 @@ def finish(prepared: PreparedTurn, event: Finished, sessions: SessionSaver | Non
         prepared.abort()
         return TurnOutcome(None, event.error)
     if not prepared.keep_interrupted and result.finish_reason == "interrupted":
-        prepared.abort()
-        return TurnOutcome(result, None)
-    turn = prepared.commit(result)
+        prepared.abort()  # the reply stands; the session is as it was
+        turn = None
+    else:
+        turn = prepared.commit(result)
     save_error = None
     if turn is not None and sessions is not None and prepared.session is not None:
         try:

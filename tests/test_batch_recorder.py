@@ -141,6 +141,16 @@ def test_the_summary_counts_each_kind_of_end_apart_and_says_why_no_saving_is_tim
     text = " ".join(console.export_text().split())
     assert "requests 1 finished, 2 failed, 1 cut short, 2 not started" in text
     assert "prefill time saved (est.) – (no miss of 32+ tokens to time)" in text
+    # an engine that reports no prefill time (a peer's replies) cannot time its misses
+    missed = [ItemResult(lines[0], result=PeerReply("ok", "stop", 400, 5, None, 0.0, 9.0, 0.0,
+                                                    "vllm", {})),
+              ItemResult(lines[1], result=PeerReply("ok", "stop", 400, 5, 300, 0.0, 9.0, 0.0,
+                                                    "vllm", {}))]
+    peer = Listed(lines[:2], missed)
+    peer.run()
+    console = Console(width=200, record=True)
+    console.print(summary_table(peer.progress, peer.ordered(), 0, None, 1.0))
+    assert "– (the engine reports no prefill time)" in " ".join(console.export_text().split())
 
 
 def test_an_attached_session_line_asks_the_server_to_keep_no_cut_short_turn():
@@ -150,8 +160,10 @@ def test_an_attached_session_line_asks_the_server_to_keep_no_cut_short_turn():
     from kvchat.server.schemas import GenerateBody
 
     line = parse_line(json.dumps({"session": "cy", "prompt": "Hi"}), 1)
-    body = request_body(line, SamplingParams(max_new_tokens=4))
+    body = request_body(line, SamplingParams(max_new_tokens=4), cut_turns_out=True)
     assert body["session"] == "cy" and body["keep_interrupted"] is False
     assert GenerateBody(**body).keep_interrupted is False
+    # a server whose /healthz does not say it takes the field (an earlier one) is not sent it
+    assert "keep_interrupted" not in request_body(line, SamplingParams(max_new_tokens=4))
     plain = request_body(parse_line(json.dumps({"prompt": "Hi"}), 2), SamplingParams())
     assert "keep_interrupted" not in plain and GenerateBody(**plain).keep_interrupted

@@ -86,8 +86,10 @@ def test_a_turn_that_keeps_no_interrupted_reply_leaves_its_session_as_it_was(cod
     assert session.system == "Be brief."  # preparing set the system prompt
     turn.keep_interrupted = False
     cut = result(codec, reason="interrupted")
-    outcome = finish(turn, Finished(cut), store)
+    pinned: list[GenerationResult] = []
+    outcome = finish(turn, Finished(cut), store, pinned.append)
     assert outcome.result is cut and outcome.turn is None and outcome.error is None
+    assert pinned == [cut]  # what it cached is pinned as asked all the same
     assert (session.system, session.messages, session.tokens) == (None, [], [])
     session, turn = _session_turn(codec, store)
     turn.keep_interrupted = False

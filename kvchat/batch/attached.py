@@ -38,8 +38,11 @@ def in_flight(health: dict[str, Any]) -> int:
     return MAX_IN_FLIGHT
 
 
-def request_body(item: BatchItem, defaults: SamplingParams) -> dict[str, Any]:
-    """The /generate body of one line, with the command's defaults for what it leaves out."""
+def request_body(item: BatchItem, defaults: SamplingParams, cut_turns_out: bool = False
+                 ) -> dict[str, Any]:
+    """The /generate body of one line, with the command's defaults for what it leaves out;
+    `cut_turns_out`: the server takes "keep_interrupted" (its /healthz says so), and a session
+    line cut short is to stay out of its session (--resume sends it again)."""
     params = line_params(item, defaults)
     body: dict[str, Any] = {"max_tokens": params.max_new_tokens,
                             "temperature": params.temperature, "seed": params.seed}
@@ -50,9 +53,10 @@ def request_body(item: BatchItem, defaults: SamplingParams) -> dict[str, Any]:
     if len(item.messages) != 1 or item.messages[0]["role"] != "user":
         raise ValueError("a session line sends one user message to a server; run this file "
                          "with --standalone")
-    # a line cut short stays out of the server's session too: --resume sends it again
-    return {**body, "prompt": item.messages[0]["content"], "session": item.session,
-            "create_session": True, "keep_interrupted": False}
+    body = {**body, "prompt": item.messages[0]["content"], "session": item.session,
+            "create_session": True}
+    # an earlier server refuses the field (its bodies forbid unknown ones): not sent there
+    return {**body, "keep_interrupted": False} if cut_turns_out else body
 
 
 def has_system(item: BatchItem) -> bool:
@@ -77,6 +81,7 @@ class AttachedRun(LineRun):
         self.stopped = threading.Event()
         self.gone: ServerGone | None = None
         self.pin_system = pin_system  # ask the server to pin each line's system prompt
+        self.cut_turns_out = False  # the server keeps a session line cut short out
         self.pinned: dict[str, int] = {}  # pin id -> the first line that pinned it
         self.max_in_flight = concurrency
 
@@ -94,8 +99,10 @@ class AttachedRun(LineRun):
             else:
                 sessions[item.session].append(item)
         work = [chain for group in chains.values() for chain in group]
+        health = self.client.health()
+        self.cut_turns_out = health.get("keep_interrupted") is True
         if self.max_in_flight is None:
-            self.max_in_flight = in_flight(self.client.health())
+            self.max_in_flight = in_flight(health)
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_in_flight, len(work)))) as pool:
             futures = [pool.submit(self._chain, chain) for chain in work]
             try:
@@ -117,7 +124,7 @@ class AttachedRun(LineRun):
 
     def _one(self, item: BatchItem) -> None:
         try:
-            body = request_body(item, self.defaults)
+            body = request_body(item, self.defaults, self.cut_turns_out)
             if self.pin_system and has_system(item):
                 body["pin"] = "system"
             reply = self.client.generate(body)

@@ -144,9 +144,9 @@ class RowWriter:
             if self.path is None:  # --resume reads a file: there is none to read here
                 raise OutputError(
                     f"Writing the output failed ({exc.strerror or exc}) after "
-                    f"{len(self.rows) - 1} row(s). Run the command again with -o FILE to write "
-                    "the rows to a file (which --resume can finish if it is cut short "
-                    "again).") from None
+                    f"{len(self.rows) - 1} row(s). Run the command again with -o FILE (every "
+                    "line runs again, the finished ones as cache hits) to write the rows to a "
+                    "file, which --resume can finish if the run is cut short again.") from None
             raise OutputError(
                 f"Writing {self.path} failed ({exc.strerror or exc}) after {len(self.rows) - 1} "
                 "row(s). Every row written before is complete: free some space and run the "

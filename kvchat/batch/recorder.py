@@ -46,7 +46,7 @@ class ItemResult:
     def cut_short(self) -> bool:
         """A reply the run stopped before it finished: its row says so and --resume runs its
         line again."""
-        return self.result is not None and self.result.finish_reason not in COMPLETE
+        return self.result is not None and self.result.finish_reason == "interrupted"
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ def _run_on(target: Target, plan: _Plan, spec: BatchSpec, out_path: Path | None,
             return _run(plan, ui, runner.size, runner.start, runner.stats, runner.save)
         except ServerGone as exc:
             again = f"the same command with --resume added (it keeps the finished rows in " \
-                    f"{out_path})" if out_path else "the same command with -o FILE"
+                    f"{out_path})" if out_path else \
+                "the same command with -o FILE (every line runs again, finished ones as hits)"
             raise ServerGone(f"{exc} Every finished line has its row; once the server at "
                              f"{target.label} runs again, finish the others with {again}."
                              ) from None

@@ -267,7 +267,7 @@ def tree_json(
 def exact_json(entries: Sequence[ExactView], decode: Decode | None = None) -> list[dict[str, Any]]:
     shared = distinct_offsets([e.tokens for e in entries])
     return [
-        {"n_tokens": len(e.tokens), "n_blocks": e.blocks, "has_logits": e.has_logits,
+        {"n_tokens": e.n_tokens, "n_blocks": e.blocks, "has_logits": e.has_logits,
          "distinct_from": s, "preview": distinct_preview(e.tokens, s, decode)}
         for e, s in zip(entries, shared, strict=True)
     ]

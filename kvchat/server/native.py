@@ -107,4 +107,5 @@ async def healthz(request: Request, state: State) -> Any:
     model = worker.info.label if admin else worker.info.model_id
     return {"status": "ok", "model": model, "device": worker.info.device,
             "precision": worker.info.precision, "chat_template": worker.codec.has_template,
-            "batch_size": worker.engine.batch_size}
+            "batch_size": worker.engine.batch_size,
+            "keep_interrupted": True}  # /generate takes "keep_interrupted" (kvchat batch asks)

@@ -49,7 +49,8 @@ async def list_sessions(state: State, tenant: Caller) -> dict[str, Any]:
 @router.get("/sessions/{name}")
 async def get_session(name: str, state: State, tenant: Caller) -> dict[str, Any]:
     """One session as its file holds it (a 404 when there is none), once a turn of it in
-    flight is recorded: a client that hung up on a reply reads the turn it stopped."""
+    flight is recorded: a client that hung up on a reply reads the turn it stopped (unless it
+    sent "keep_interrupted": false)."""
     sessions = state.sessions.of(tenant)
     name = session_name(name)
     async with sessions.turn_locks.setdefault(name, asyncio.Lock()):

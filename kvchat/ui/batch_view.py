@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
@@ -53,6 +53,17 @@ def estimated_saving_ms(results: Sequence[ItemResult]) -> float | None:
     return per_token * sum(r.cache_hit_tokens for r in done)
 
 
+def _saving(saved: float | None, done: Sequence[Any], hits: int) -> str:
+    """The saving, or why there is none to say: timed on this run's own misses."""
+    if saved is not None:
+        return f"{saved / 1000:,.1f} s"
+    if not hits:
+        return "–"
+    if any(r.computed_tokens >= 32 for r in done):
+        return "– (the engine reports no prefill time)"
+    return "– (no miss of 32+ tokens to time)"
+
+
 def max_tokens_note(default: int, own: Sequence[int | None]) -> str:
     """How long the replies were allowed to be: --max-tokens, and the lines whose own
     max_tokens won over it, said plainly so that nothing is overridden silently."""
@@ -98,9 +109,7 @@ def summary_table(
     if replayed:
         tokens = sum(replayed)
         t.add_row("replies replayed", f"{len(replayed):,} ({tokens:,} tok, no forward)")
-    # timed on this run's own misses: a run of hits has none to time prefill by
-    t.add_row("prefill time saved (est.)", "– (no miss of 32+ tokens to time)" if saved is None
-              and hits else "–" if saved is None else f"{saved / 1000:,.1f} s")
+    t.add_row("prefill time saved (est.)", _saving(saved, done, hits))
     t.add_row("wall time", f"{wall_s:,.1f} s")
     if batch_size is not None:
         t.add_row("batch size", batch_size)
