@@ -75,9 +75,14 @@ class BatchProgress:
         return ratio(self.hit_tokens, self.prompt_tokens)
 
     @property
+    def finished(self) -> int:
+        """Lines whose reply came to its end."""
+        return self.done - self.failed - self.cut_short - self.not_started
+
+    @property
     def ended(self) -> int:
         """Lines that ran to their end: finished or failed."""
-        return self.done - self.cut_short - self.not_started
+        return self.finished + self.failed
 
 
 class LineRun:

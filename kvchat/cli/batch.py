@@ -180,8 +180,7 @@ def _finish_command(run: LineRun, interrupted: bool, plan: _Plan, file: Path,
 
 def _interrupted(run: LineRun, plan: _Plan, file: Path, out_path: Path | None,
                  ui: Console) -> None:
-    done = sum(r.error is None and not r.cut_short for r in run.results.values()) \
-        + len(plan.kept)
+    done = run.progress.finished + len(plan.kept)
     again = f" To finish the others, run the same command (with its --sessions-dir and other " \
             f"options) with --resume added: it keeps the finished rows in {out_path}." \
         if out_path else ""

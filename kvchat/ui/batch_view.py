@@ -96,9 +96,8 @@ def summary_table(
     stopped = [f"{p.cut_short} cut short"] if p.cut_short else []
     unrun = p.not_started + unrecorded
     stopped += [f"{unrun} not started"] if unrun else []
-    finished = p.done - p.failed - p.cut_short - p.not_started
-    t.add_row("requests", ", ".join([f"{finished} finished", f"{p.failed + parse_errors} failed",
-                                     *stopped]))
+    t.add_row("requests", ", ".join([f"{p.finished} finished",
+                                     f"{p.failed + parse_errors} failed", *stopped]))
     t.add_row("prompt tokens", f"{prompt:,}")
     t.add_row("hit tokens", f"{hits:,}")
     t.add_row("hit rate", f"{ratio(hits, prompt):.1%}" if prompt else "–")
